@@ -1,0 +1,1 @@
+"""llmproxy.backend: the local model server (llama.cpp server API subset)."""

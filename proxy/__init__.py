@@ -1,0 +1,1 @@
+"""llmproxy.proxy: the gating reverse proxy (console script ``llmproxy``)."""

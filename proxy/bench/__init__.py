@@ -1,0 +1,1 @@
+"""Benchmarks (``llmproxy bench ...``): ratios measured side by side in one run."""

@@ -1,0 +1,52 @@
+"""structlog configuration shared by the proxy and the backend.
+
+``merge_contextvars`` runs first so request ids and sessions bound with
+``structlog.contextvars.bind_contextvars`` appear on every line. JSON lines when stderr
+is not a TTY (systemd journal, CI), the console renderer on a TTY. Secrets are never
+passed to the logger; ``redact`` is a last line of defence for header-like keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+_SECRET_KEYS = frozenset({"authorization", "api_key", "api-key", "x-api-key", "token", "hf_token"})
+
+
+def redact(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
+    """Replace the values of secret-looking keys (structlog processor)."""
+    for key in list(event):
+        if key.lower() in _SECRET_KEYS:
+            event[key] = "[redacted]"
+    return event
+
+
+def configure_logging(level: str = "info", json: bool | None = None) -> None:
+    """Configure structlog (and stdlib logging, for aiohttp's own loggers) once per process."""
+    use_json = (not sys.stderr.isatty()) if json is None else json
+    lvl = logging.getLevelName(level.upper())
+    if not isinstance(lvl, int):
+        lvl = logging.INFO
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        redact,
+    ]
+    renderer: Any = (
+        structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    structlog.configure(
+        processors=[*shared, structlog.processors.format_exc_info, renderer]
+        if use_json
+        else [*shared, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(lvl),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    # aiohttp and asyncio log through stdlib: route warnings and above to stderr plainly.
+    logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")

