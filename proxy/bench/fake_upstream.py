@@ -1,0 +1,533 @@
+"""FakeUpstream: a real loopback aiohttp server that imitates an LLM backend for tests and benches.
+
+It speaks the wire shapes of llama.cpp's ``llama-server`` (``kind="llamacpp"``), an
+OpenAI-compatible server (``"openai"``) or Ollama (``"ollama"``), generates deterministic
+tokens (token i is ``f"t{i} "``) and records what actually reached it: every request
+(``received``), which generations completed or were abandoned by their client
+(``completed`` / ``aborted``), and how many generations ran at once (``concurrent`` /
+``max_concurrent``).
+
+Concurrency contract:
+
+- A *generation* is a POST to a generation route. It counts in ``concurrent`` from the
+  moment its request is received (including while it waits for a slot, like llama-server's
+  deferred queue) until its slot is idle again. ``id_slot`` >= 0 waits for that slot,
+  otherwise the lowest free slot is taken; waiting requests are woken in arrival order.
+- The app runs with ``handler_cancellation=True``: a client disconnect cancels the handler.
+  The abort is recorded at once; the slot stays busy for ``abort_linger_s`` more (llama-server
+  notices disconnects by polling) in a background task owned by this object, which
+  ``stop()`` cancels and awaits. No other task is created.
+- Every state change notifies one ``asyncio.Condition``; ``wait_for`` waits on it.
+- ``stop()`` wakes the ``hang_*`` fail modes, cancels linger tasks and closes the server.
+
+Per-request behaviour comes from ``script(path, body) -> Script``. The number of tokens is
+``Script.tokens``, capped by the request's own limit (``n_predict``, ``max_tokens``,
+``options.num_predict``) when that is >= 0, so ``n_predict: 0`` warm-ups answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import structlog
+from aiohttp import web
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from llmproxy.proxy.config import LayeredSettings, add_settings_arguments, settings_from_args
+from llmproxy.proxy.logs import configure_logging
+
+
+Kind = Literal["llamacpp", "openai", "ollama"]
+FailMode = Literal[None, "reset_mid_stream", "hang_before_headers", "hang_mid_body", "malformed"]
+
+
+@dataclass
+class Script:
+    """How the fake answers one generation request."""
+
+    tokens: int = 8
+    token_delay_s: float = 0.005
+    status: int = 200
+    fail: FailMode = None
+
+
+@dataclass(frozen=True)
+class Received:
+    """One request as it reached the fake (``t`` is ``time.monotonic()`` at receipt)."""
+
+    path: str
+    body: dict[str, Any] | None
+    raw: bytes
+    headers: dict[str, str]
+    t: float
+    id: int
+
+
+@dataclass
+class _Slot:
+    busy: bool = False
+    id_task: int = -1
+    n_decoded: int = 0
+
+
+# --------------------------------------------------------------------- wire shapes
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def error_body(message: str, type_: str, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "code": code}}
+
+
+def _text(n: int) -> str:
+    return "".join(f"t{i} " for i in range(n))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One generation route's wire format: llama-server native, OpenAI text/chat, Ollama."""
+
+    fmt: Literal["llama", "oai_text", "oai_chat", "ollama_generate", "ollama_chat"]
+    kinds: frozenset[str]
+
+    @property
+    def ndjson(self) -> bool:
+        return self.fmt.startswith("ollama")
+
+    @property
+    def stream_type(self) -> str:
+        return "application/x-ndjson" if self.ndjson else "text/event-stream"
+
+    def wants_stream(self, body: dict[str, Any]) -> bool:
+        return body.get("stream") is not False if self.ndjson else body.get("stream") is True
+
+    def frame(self, obj: Any) -> bytes:
+        if self.ndjson:
+            return (dumps(obj) + "\n").encode()
+        return f"data: {obj if isinstance(obj, str) else dumps(obj)}\n\n".encode()
+
+    def _piece(self, text: str, rid: int, slot: int, done: bool, n: int) -> dict[str, Any]:
+        if self.fmt == "llama":
+            obj: dict[str, Any] = {"index": 0, "content": text, "id_slot": slot, "stop": done}
+            if done:
+                obj.update(model="fake", tokens_predicted=n, tokens_evaluated=1, stop_type="limit", truncated=False)
+            return obj
+        if self.ndjson:
+            key = "message" if self.fmt == "ollama_chat" else "response"
+            obj = {"model": "fake", "created_at": "2026-01-01T00:00:00Z",
+                   key: {"role": "assistant", "content": text} if key == "message" else text, "done": done}
+            if done:
+                obj.update(done_reason="length", eval_count=n, prompt_eval_count=1)
+            return obj
+        return {}
+
+    def _oai(self, text: str | None, rid: int, finish: str | None, chunk: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        if self.fmt == "oai_text":
+            choice.update(text=text or "", logprobs=None)
+            obj_type = "text_completion"
+        elif chunk:
+            choice["delta"] = {} if text is None else {"role": "assistant", "content": text}
+            obj_type = "chat.completion.chunk"
+        else:
+            choice["message"] = {"role": "assistant", "content": text}
+            obj_type = "chat.completion"
+        return {"id": f"cmpl-{rid}", "object": obj_type, "created": 1767225600, "model": "fake", "choices": [choice]}
+
+    def chunk(self, i: int, rid: int, slot: int) -> dict[str, Any]:
+        """Stream piece carrying token ``i``."""
+        if self.fmt.startswith("oai"):
+            return self._oai(f"t{i} ", rid, None, chunk=True)
+        return self._piece(f"t{i} ", rid, slot, False, i + 1)
+
+    def final(self, n: int, rid: int, slot: int) -> list[Any]:
+        """The closing stream pieces: a stop/finish_reason/done piece (then [DONE] for OpenAI)."""
+        if self.fmt.startswith("oai"):
+            last = self._oai(None, rid, "length", chunk=True)
+            last["usage"] = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+            return [last, "[DONE]"]
+        return [self._piece("", rid, slot, True, n)]
+
+    def whole(self, n: int, rid: int, slot: int) -> dict[str, Any]:
+        """Non-streamed body with all ``n`` tokens."""
+        if self.fmt.startswith("oai"):
+            obj = self._oai(_text(n), rid, "length", chunk=False)
+            obj["usage"] = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+            return obj
+        return self._piece(_text(n), rid, slot, True, n)
+
+
+_LLAMA = frozenset({"llamacpp"})
+_OAI = frozenset({"llamacpp", "openai", "ollama"})
+_OLLAMA = frozenset({"ollama"})
+ROUTES: dict[str, Shape] = {
+    "/completion": Shape("llama", _LLAMA),
+    "/completions": Shape("llama", _LLAMA),
+    "/infill": Shape("llama", _LLAMA),
+    "/v1/completions": Shape("oai_text", _OAI),
+    "/v1/chat/completions": Shape("oai_chat", _OAI),
+    "/chat/completions": Shape("oai_chat", _LLAMA),
+    "/api/generate": Shape("ollama_generate", _OLLAMA),
+    "/api/chat": Shape("ollama_chat", _OLLAMA),
+}
+
+
+class FakeUpstream:
+    """Loopback fake LLM server; see the module docstring for the concurrency contract."""
+
+    def __init__(
+        self,
+        *,
+        kind: Kind = "llamacpp",
+        slots: int = 1,
+        abort_linger_s: float = 0.2,
+        slots_endpoint: bool = True,
+        script: Callable[[str, dict[str, Any]], Script] | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        if slots < 1:
+            raise ValueError("slots must be >= 1")
+        self.kind: Kind = kind
+        self.abort_linger_s = abort_linger_s
+        self.slots_endpoint = slots_endpoint
+        self.script: Callable[[str, dict[str, Any]], Script] = script or (lambda _p, _b: Script())
+        self._host, self._port = host, port
+        self.url = ""
+        self.received: list[Received] = []
+        self.aborted: list[int] = []
+        self.completed: list[int] = []
+        self.failed: list[int] = []  # ids the fake itself broke off (reset_mid_stream)
+        self.concurrent = 0
+        self.max_concurrent = 0
+        self._slots = [_Slot() for _ in range(slots)]
+        self._cond = asyncio.Condition()
+        self._stopping = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._waiters = 0  # coroutines waiting on _cond (wait_for, deferred generations)
+        self._runner: web.AppRunner | None = None
+
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._dispatch)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._port)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://{self._host}:{port}"
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> FakeUpstream:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.stop()
+
+    # ----------------------------------------------------------------- state
+    @property
+    def slot_busy(self) -> list[bool]:
+        return [s.busy for s in self._slots]
+
+    @property
+    def generations(self) -> list[Received]:
+        """The received requests that were generations (POSTs to a generation route)."""
+        return [r for r in self.received if r.path in ROUTES]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "received": [(r.id, r.path) for r in self.received][-20:],
+            "completed": self.completed,
+            "aborted": self.aborted,
+            "failed": self.failed,
+            "concurrent": self.concurrent,
+            "max_concurrent": self.max_concurrent,
+            "slot_busy": self.slot_busy,
+        }
+
+    async def wait_for(self, predicate: Callable[[FakeUpstream], bool], timeout: float = 5.0) -> None:
+        """Wait until ``predicate(self)`` holds; re-checked at every state change."""
+        self._waiters += 1
+        try:
+            async with asyncio.timeout(timeout), self._cond:
+                await self._cond.wait_for(lambda: predicate(self))
+        except TimeoutError:
+            name = getattr(predicate, "__name__", repr(predicate))
+            raise TimeoutError(
+                f"FakeUpstream.wait_for({name}) still false after {timeout}s; state: {self.snapshot()}"
+            ) from None
+        finally:
+            self._waiters -= 1
+
+    # ----------------------------------------------------------------- routing
+    def _get_routes(self) -> dict[str, Callable[[], web.Response]]:
+        n = len(self._slots)
+        routes: dict[str, Callable[[], web.Response]] = {
+            "/v1/models": lambda: _json({"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": "llmproxy"}]}),
+        }
+        if self.kind == "llamacpp":
+            routes["/health"] = lambda: _json({"status": "ok"})
+            routes["/props"] = lambda: _json(
+                {"total_slots": n, "model_path": "fake.gguf", "build_info": "fake",
+                 "default_generation_settings": {"n_ctx": 4096, "n_predict": -1}}
+            )
+            routes["/slots"] = self._slots_response
+        elif self.kind == "ollama":
+            routes["/api/version"] = lambda: _json({"version": "0.5.7"})
+            routes["/api/tags"] = lambda: _json({"models": [{"name": "fake:latest", "model": "fake:latest", "size": 1}]})
+        return routes
+
+    def _slots_response(self) -> web.Response:
+        if not self.slots_endpoint:
+            return _json(error_body("This server does not support slots endpoint.", "not_supported_error", 501), 501)
+        return _json([
+            {"id": i, "id_task": s.id_task, "n_ctx": 4096, "is_processing": s.busy,
+             "next_token": {"has_next_token": s.busy, "n_remain": -1, "n_decoded": s.n_decoded}}
+            for i, s in enumerate(self._slots)
+        ])
+
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            parsed = json.loads(raw) if raw else None
+        except ValueError:
+            parsed = None
+        body = parsed if isinstance(parsed, dict) else None
+        rec = Received(request.path, body, raw, dict(request.headers), time.monotonic(), len(self.received))
+        self.received.append(rec)
+        self._notify()
+        shape = ROUTES.get(request.path)
+        if request.method == "POST" and shape is not None and self.kind in shape.kinds:
+            if body is None:
+                return _json(error_body("invalid JSON body", "invalid_request_error", 400), 400)
+            return await self._generation(request, rec, body, shape)
+        handler = self._get_routes().get(request.path) if request.method == "GET" else None
+        if handler is None:
+            return _json(error_body(f"not found: {request.method} {request.path}", "not_found_error", 404), 404)
+        return handler()
+
+    # ----------------------------------------------------------------- generations
+    async def _generation(self, request: web.Request, rec: Received, body: dict[str, Any], shape: Shape) -> web.StreamResponse:
+        script = self.script(rec.path, body)
+        if not 200 <= script.status < 300:
+            self.completed.append(rec.id)
+            self._notify()
+            return _json(error_body(f"scripted error {script.status}", "server_error", script.status), script.status)
+        self.concurrent += 1
+        self.max_concurrent = max(self.max_concurrent, self.concurrent)
+        self._notify()
+        slot: int | None = None
+        try:
+            slot = await self._take_slot(body.get("id_slot"), rec.id)
+            return await self._respond(request, rec, body, shape, script, slot)
+        except (asyncio.CancelledError, ConnectionError):
+            self.aborted.append(rec.id)
+            self._notify()
+            if slot is not None and self.abort_linger_s > 0:
+                self._spawn(self._linger(slot))
+                slot = -1  # the linger task frees it
+            raise
+        finally:
+            if slot != -1:
+                self._free(slot)
+
+    async def _take_slot(self, want: Any, task_id: int) -> int:
+        """Wait for slot ``want`` (or any slot when absent or < 0), mark it busy, return it."""
+        wanted = want if isinstance(want, int) and 0 <= want < len(self._slots) else None
+
+        def free() -> int | None:
+            if wanted is not None:
+                return wanted if not self._slots[wanted].busy else None
+            return next((i for i, s in enumerate(self._slots) if not s.busy), None)
+
+        i = free()
+        if i is None:
+            self._waiters += 1
+            try:
+                async with self._cond:
+                    await self._cond.wait_for(lambda: free() is not None)
+            finally:
+                self._waiters -= 1
+            i = free()
+            assert i is not None
+        self._slots[i] = _Slot(busy=True, id_task=task_id)
+        self._notify()
+        return i
+
+    def _free(self, slot: int | None) -> None:
+        """End a generation now (synchronously): free its slot, drop it from ``concurrent``."""
+        if slot is not None:
+            self._slots[slot] = _Slot()
+        self.concurrent -= 1
+        self._notify()
+
+    async def _linger(self, slot: int) -> None:
+        """After an abort, keep the slot busy ``abort_linger_s`` (cancelled by ``stop()``)."""
+        await asyncio.sleep(self.abort_linger_s)
+        self._free(slot)
+
+    def _notify(self) -> None:
+        """Publish a state change to ``wait_for``/slot waiters (state is mutated synchronously).
+
+        Notifying needs the condition's lock, so it runs in a tracked task; skipped when
+        nobody waits or the server is stopping.
+        """
+        if self._waiters and not self._stopping.is_set():
+            self._spawn(self._notify_all())
+
+    async def _notify_all(self) -> None:
+        async with self._cond:
+            self._cond.notify_all()
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _tick(self, script: Script, slot: int) -> None:
+        await asyncio.sleep(script.token_delay_s)
+        self._slots[slot].n_decoded += 1
+
+    async def _hang(self) -> None:
+        await self._stopping.wait()
+
+    async def _respond(
+        self, request: web.Request, rec: Received, body: dict[str, Any], shape: Shape, script: Script, slot: int
+    ) -> web.StreamResponse:
+        n = _token_count(script.tokens, body)
+        stream = shape.wants_stream(body)
+        if script.fail == "hang_before_headers":
+            await self._hang()
+            return self._cut(request, web.StreamResponse(status=503))
+        resp = web.StreamResponse()
+        if stream:
+            resp.content_type = shape.stream_type
+            await resp.prepare(request)
+            for i in range(n):
+                await self._tick(script, slot)
+                if script.fail == "reset_mid_stream" and i == max(1, n // 2):
+                    return self._reset(request, rec, resp)
+                await resp.write(shape.frame(shape.chunk(i, rec.id, slot)))
+                if i == 0 and script.fail == "malformed":
+                    await resp.write(b'data: {"content":"t1 ",\n\n' if shape.stream_type != "application/x-ndjson" else b'{"response":\n')
+                if i == 0 and script.fail == "hang_mid_body":
+                    await self._hang()
+                    return self._cut(request, resp)
+            await resp.write(b"".join(shape.frame(obj) for obj in shape.final(n, rec.id, slot)))
+        else:
+            for _ in range(n):
+                await self._tick(script, slot)
+            payload = dumps(shape.whole(n, rec.id, slot)).encode()
+            if script.fail == "malformed":
+                payload = payload[: len(payload) // 2]
+            resp.content_type = "application/json"
+            resp.content_length = len(payload)
+            await resp.prepare(request)
+            if script.fail in ("reset_mid_stream", "hang_mid_body"):
+                await resp.write(payload[: len(payload) // 2])
+                if script.fail == "reset_mid_stream":
+                    return self._reset(request, rec, resp)
+                await self._hang()
+                return self._cut(request, resp)
+            await resp.write(payload)
+        await resp.write_eof()
+        self.completed.append(rec.id)  # published by _free() in _generation's finally
+        return resp
+
+    def _reset(self, request: web.Request, rec: Received, resp: web.StreamResponse) -> web.StreamResponse:
+        self.failed.append(rec.id)  # published by _free()
+        return self._cut(request, resp)
+
+    @staticmethod
+    def _cut(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+        """Break the connection (reset mid-stream, or a hang ended by ``stop()``)."""
+        if request.transport is not None:
+            request.transport.abort()
+        return resp
+
+
+def _token_count(tokens: int, body: dict[str, Any]) -> int:
+    options = body.get("options")
+    for limit in (body.get("n_predict"), body.get("max_tokens"), options.get("num_predict") if isinstance(options, dict) else None):
+        if isinstance(limit, int) and limit >= 0:
+            return min(tokens, limit)
+    return tokens
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(text=dumps(obj), status=status, content_type="application/json")
+
+
+
+
+# --------------------------------------------------------------------- subprocess entry
+class FakeUpstreamSettings(LayeredSettings):
+    """Options of ``python -m llmproxy.proxy.bench.fake_upstream`` (env ``LLMPROXY_FAKE_*``)."""
+
+    model_config = SettingsConfigDict(env_prefix="LLMPROXY_FAKE_", frozen=True, extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Address to bind")
+    port: int = Field(0, ge=0, le=65535, description="Port to bind; 0 picks a free port")
+    port_file: Path | None = Field(None, description="Write the bound port to this file once listening")
+    kind: Kind = Field("llamacpp", description="Which backend to imitate")
+    slots: int = Field(1, ge=1, description="Parallel generation slots")
+    tokens: int = Field(8, ge=0, description="Tokens generated per request (capped by the request's n_predict)")
+    token_delay_ms: float = Field(5.0, ge=0, description="Delay per generated token")
+    abort_linger_s: float = Field(0.2, ge=0, description="How long a slot stays busy after its client left")
+    slots_endpoint: bool = Field(True, description="Serve GET /slots (off: 501, like llama-server --no-slots)")
+    log_level: str = Field("warning", description="Log level")
+
+
+async def _serve(settings: FakeUpstreamSettings) -> None:
+    """Run until SIGINT/SIGTERM; the port file is written atomically once listening."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    script = Script(tokens=settings.tokens, token_delay_s=settings.token_delay_ms / 1000)
+    async with FakeUpstream(
+        kind=settings.kind, slots=settings.slots, abort_linger_s=settings.abort_linger_s,
+        slots_endpoint=settings.slots_endpoint, script=lambda _p, _b: script,
+        host=settings.host, port=settings.port,
+    ) as upstream:
+        if settings.port_file is not None:
+            tmp = settings.port_file.with_name(settings.port_file.name + ".tmp")
+            tmp.write_text(upstream.url.rsplit(":", 1)[1])
+            tmp.replace(settings.port_file)
+        structlog.get_logger().info("fake_upstream_listening", url=upstream.url, kind=settings.kind)
+        await stop.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m llmproxy.proxy.bench.fake_upstream", description="Fake LLM backend for benchmarks."
+    )
+    add_settings_arguments(parser, FakeUpstreamSettings)
+    settings = settings_from_args(FakeUpstreamSettings, parser.parse_args(argv))
+    configure_logging(settings.log_level)
+    asyncio.run(_serve(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
