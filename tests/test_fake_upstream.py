@@ -315,3 +315,15 @@ def test_subprocess_entry(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
+
+
+def test_overhead_bench_direct_half() -> None:
+    """The overhead bench's own plumbing: fake upstream child, load, table (no proxy)."""
+    from llmproxy.proxy.bench.overhead import OverheadSettings, _bench, format_table
+
+    settings = OverheadSettings(requests=20, warmup=2, concurrency=[1, 3], proxy=False, tokens=4)
+    cases = asyncio.run(_bench(settings))
+    assert [(c.mode, c.concurrency) for c in cases] == [("nonstream", 1), ("nonstream", 3), ("stream", 1), ("stream", 3)]
+    assert all(c.direct.ok == 20 and c.direct.errors == 0 and c.proxied is None for c in cases)
+    table = format_table(cases)
+    assert "stream c=3" in table and "overall: n/a (direct only)" in table

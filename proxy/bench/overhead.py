@@ -1,0 +1,210 @@
+"""``llmproxy bench overhead``: the proxy's added latency and throughput cost, side by side.
+
+Starts the fake upstream (``python -m llmproxy.proxy.bench.fake_upstream``) and the proxy
+(``python -m llmproxy.proxy serve --upstream URL``) as child processes, so neither shares
+the load generator's event loop, then runs the same closed-loop load (see loadgen.py)
+directly against the fake and through the proxy, for non-streaming and streaming requests
+at each concurrency. Prints one table row per case with p50/p99 latency, the latency the
+proxy adds, throughput and the goals: added p50 <= 1 ms, added p99 <= 3 ms, proxied
+throughput >= 50% of direct.
+
+Concurrency contract: children are owned by ``_child`` (an async context manager) which
+terminates them (then kills after 10 s) on exit, including on error or Ctrl-C. Each worker
+of the load generator sends its own ``X-LLMProxy-Session`` so that the proxy's supersede
+rule never cancels one worker's request on behalf of another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from llmproxy.proxy.bench.loadgen import LoadResult, run_load
+from llmproxy.proxy.config import LayeredSettings, add_settings_arguments, settings_from_args
+from llmproxy.proxy.logs import configure_logging
+
+GOAL_ADDED_P50_MS = 1.0
+GOAL_ADDED_P99_MS = 3.0
+GOAL_THROUGHPUT_RATIO = 0.5
+
+
+class OverheadSettings(LayeredSettings):
+    """Options of ``llmproxy bench overhead`` (env ``LLMPROXY_BENCH_*``)."""
+
+    model_config = SettingsConfigDict(env_prefix="LLMPROXY_BENCH_", frozen=True, extra="forbid")
+
+    requests: int = Field(2000, ge=1, description="Measured requests per case and target")
+    warmup: int = Field(200, ge=0, description="Unmeasured warm-up requests per case and target")
+    concurrency: list[int] = Field([1, 32], description="Concurrency levels (closed-loop workers)")
+    duration: float = Field(60.0, gt=0, description="Time cap in seconds per phase (warm-up, measured) and target")
+    modes: list[str] = Field(["nonstream", "stream"], description="Request modes: nonstream, stream")
+    route: str = Field("/completion", description="Upstream route to load (llama-server shape)")
+    tokens: int = Field(16, ge=0, description="Tokens the fake upstream generates per request")
+    token_delay_ms: float = Field(0.0, ge=0, description="Fake upstream delay per token")
+    slots: int = Field(64, ge=1, description="Fake upstream slots (and proxy capacity)")
+    max_queue: int = Field(1000, ge=0, description="Proxy --max-queue")
+    proxy: bool = Field(True, description="Also measure through the proxy (--no-proxy: direct only)")
+    startup_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a child to write its port file")
+    log_level: str = Field("warning", description="Log level (this process and its children)")
+
+
+@dataclass(frozen=True)
+class Case:
+    mode: str
+    concurrency: int
+    direct: LoadResult
+    proxied: LoadResult | None
+
+
+@contextlib.asynccontextmanager
+async def _child(name: str, argv: list[str], workdir: Path, timeout_s: float) -> AsyncIterator[str]:
+    """Run ``argv + --port-file F`` until exit of the block; yield its base URL."""
+    port_file = workdir / f"{name}.port"
+    log_path = workdir / f"{name}.log"
+    with log_path.open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, "--port-file", str(port_file), stdout=log, stderr=asyncio.subprocess.STDOUT
+        )
+        try:
+            deadline = time.monotonic() + timeout_s
+            while not port_file.exists():
+                if proc.returncode is not None or time.monotonic() > deadline:
+                    tail = log_path.read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"{name} did not start (rc={proc.returncode}); its output:\n{tail}")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(proc.wait(), 0.02)
+            yield f"http://127.0.0.1:{int(port_file.read_text())}"
+        finally:
+            if proc.returncode is None:
+                proc.terminate()
+                try:
+                    await asyncio.wait_for(proc.wait(), 10)
+                except TimeoutError:
+                    proc.kill()
+                    await proc.wait()
+
+
+def _body(settings: OverheadSettings, stream: bool) -> bytes:
+    obj = {"prompt": "def fib(n):", "n_predict": settings.tokens, "stream": stream, "cache_prompt": True}
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+async def _load(url: str, settings: OverheadSettings, stream: bool, concurrency: int) -> LoadResult:
+    return await run_load(
+        url + settings.route, _body(settings, stream), requests=settings.requests, warmup=settings.warmup,
+        concurrency=concurrency, duration_s=settings.duration, stream=stream,
+        headers=lambda w: {"X-LLMProxy-Session": f"bench-{w}"},
+    )
+
+
+def proxy_command(settings: OverheadSettings, upstream_url: str) -> list[str]:
+    """The proxy child's command line (``--port-file`` is appended by ``_child``)."""
+    return [
+        sys.executable, "-m", "llmproxy.proxy", "serve", "--port", "0", "--upstream", upstream_url,
+        "--capacity", str(settings.slots), "--max-queue", str(settings.max_queue), "--log-level", settings.log_level,
+    ]
+
+
+async def _bench(settings: OverheadSettings) -> list[Case]:
+    py = sys.executable
+    fake_argv = [
+        py, "-m", "llmproxy.proxy.bench.fake_upstream", "--port", "0", "--kind", "llamacpp",
+        "--slots", str(settings.slots), "--tokens", str(settings.tokens),
+        "--token-delay-ms", str(settings.token_delay_ms), "--log-level", settings.log_level,
+    ]
+    cases: list[Case] = []
+    with tempfile.TemporaryDirectory(prefix="llmproxy-bench-") as tmp:
+        workdir = Path(tmp)
+        async with contextlib.AsyncExitStack() as stack:
+            fake_url = await stack.enter_async_context(_child("fake_upstream", fake_argv, workdir, settings.startup_timeout_s))
+            proxy_url = None
+            if settings.proxy:
+                proxy_argv = proxy_command(settings, fake_url)
+                proxy_url = await stack.enter_async_context(_child("proxy", proxy_argv, workdir, settings.startup_timeout_s))
+            for mode in settings.modes:
+                stream = mode == "stream"
+                for c in settings.concurrency:
+                    direct = await _load(fake_url, settings, stream, c)
+                    proxied = await _load(proxy_url, settings, stream, c) if proxy_url else None
+                    cases.append(Case(mode, c, direct, proxied))
+    return cases
+
+
+def _goals(case: Case) -> tuple[float, float, float, list[str]]:
+    d, p = case.direct, case.proxied
+    if p is None:
+        return float("nan"), float("nan"), float("nan"), ["n/a"]
+    add50 = p.percentile_ms(50) - d.percentile_ms(50)
+    add99 = p.percentile_ms(99) - d.percentile_ms(99)
+    ratio = p.rps / d.rps if d.rps else float("nan")
+    marks = [
+        f"p50 {'PASS' if add50 <= GOAL_ADDED_P50_MS else 'FAIL'}",
+        f"p99 {'PASS' if add99 <= GOAL_ADDED_P99_MS else 'FAIL'}",
+        f"thr {'PASS' if ratio >= GOAL_THROUGHPUT_RATIO else 'FAIL'}",
+    ]
+    if d.errors or p.errors:
+        marks.append(f"ERRORS {d.errors}/{p.errors}")
+    return add50, add99, ratio, marks
+
+
+def format_table(cases: list[Case]) -> str:
+    """The result table (one row per case) followed by the goals and an overall verdict."""
+    head = (
+        f"{'case':<16}{'n':>6}{'direct p50':>11}{'p99':>8}{'proxied p50':>12}{'p99':>8}"
+        f"{'added p50':>10}{'p99':>8}{'rps direct':>11}{'proxied':>9}{'ratio':>7}  goals"
+    )
+    lines = [head, "-" * len(head)]
+    all_pass = True
+    for case in cases:
+        add50, add99, ratio, marks = _goals(case)
+        all_pass = all_pass and all(m.endswith("PASS") for m in marks)
+        d, p = case.direct, case.proxied
+        n = f"{d.ok}" + ("*" if d.capped or (p is not None and p.capped) else "")
+        lines.append(
+            f"{case.mode + ' c=' + str(case.concurrency):<16}{n:>6}"
+            f"{d.percentile_ms(50):>11.2f}{d.percentile_ms(99):>8.2f}"
+            f"{(p.percentile_ms(50) if p else float('nan')):>12.2f}{(p.percentile_ms(99) if p else float('nan')):>8.2f}"
+            f"{add50:>10.2f}{add99:>8.2f}{d.rps:>11.0f}{(p.rps if p else float('nan')):>9.0f}{ratio:>7.2f}  "
+            + ", ".join(marks)
+        )
+    lines.append("")
+    lines.append(
+        f"latencies in ms; goals: added p50 <= {GOAL_ADDED_P50_MS} ms, added p99 <= {GOAL_ADDED_P99_MS} ms, "
+        f"proxied throughput >= {GOAL_THROUGHPUT_RATIO:.0%} of direct; * = stopped by the duration cap"
+    )
+    measured = any(c.proxied is not None for c in cases)
+    lines.append(f"overall: {('PASS' if all_pass else 'FAIL') if measured else 'n/a (direct only)'}")
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(OverheadSettings, args)
+    configure_logging(settings.log_level)
+    unknown = set(settings.modes) - {"nonstream", "stream"}
+    if unknown:
+        raise SystemExit(f"llmproxy bench overhead: unknown mode(s): {', '.join(sorted(unknown))}")
+    cases = asyncio.run(_bench(settings))
+    sys.stdout.write(format_table(cases))
+    return 0
+
+
+def register(bench_sub: argparse._SubParsersAction) -> None:
+    parser = bench_sub.add_parser(
+        "overhead",
+        help="Latency and throughput the proxy adds over a fake upstream (direct vs proxied)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_settings_arguments(parser, OverheadSettings)
+    parser.set_defaults(func=run)
