@@ -1,0 +1,1 @@
+"""Upstream adapters: one module per backend kind, one interface (base.Adapter)."""

@@ -1,0 +1,47 @@
+"""The upstream adapter interface shared by every backend kind.
+
+An adapter knows three things about its backend: how to prepare a gated request body
+for a given permit/slot, whether it can *confirm* that a cancelled generation stopped
+(``can_confirm``), and how to wait for that confirmation. Cancelling is always "close the
+upstream connection" and is done by the job (jobs.py), not here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import aiohttp
+import structlog
+from yarl import URL
+
+from llmproxy.proxy.settings import ProxySettings
+
+log = structlog.get_logger("llmproxy.adapter")
+
+
+class Adapter:
+    kind: ClassVar[str] = "openai"
+
+    def __init__(
+        self, base_url: str, session: aiohttp.ClientSession, settings: ProxySettings, *, slots: int | None = None
+    ) -> None:
+        self.base_url = URL(base_url.rstrip("/"))
+        self.session = session
+        self.settings = settings
+        self.slots = slots
+        self.can_confirm = False
+
+    def url(self, raw_path: str) -> URL:
+        """The upstream URL for an origin-form request target (path + query), encoded as sent."""
+        return URL(str(self.base_url) + raw_path, encoded=True)
+
+    def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
+        """Body to send upstream for a gated request holding permit ``slot``."""
+        return raw
+
+    async def confirm_stopped(self, slot: int) -> bool:
+        """Wait until the backend shows ``slot`` idle. Adapters without a view return True."""
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "url": str(self.base_url), "slots": self.slots, "can_confirm": self.can_confirm}

@@ -1,0 +1,61 @@
+"""Byte-preserving edits of a JSON request body's top-level fields.
+
+The proxy forwards request bodies byte for byte except the fields it must set (``id_slot``
+for the llamacpp adapter). Re-serialising would change number formats, spacing and key
+order, so this scans the top-level object with the stdlib decoder to find exact value
+spans and splices only the one value.
+"""
+
+from __future__ import annotations
+
+import json
+from json.decoder import WHITESPACE, scanstring  # type: ignore[attr-defined]
+
+_DECODER = json.JSONDecoder()
+
+
+def _ws(text: str, i: int) -> int:
+    return WHITESPACE.match(text, i).end()
+
+
+def top_level_spans(text: str) -> dict[str, tuple[int, int]] | None:
+    """Map each top-level key to its value's (start, end) span; None if not an object."""
+    i = _ws(text, 0)
+    if i >= len(text) or text[i] != "{":
+        return None
+    spans: dict[str, tuple[int, int]] = {}
+    i = _ws(text, i + 1)
+    if i < len(text) and text[i] == "}":
+        return spans
+    while True:
+        if i >= len(text) or text[i] != '"':
+            return None
+        key, i = scanstring(text, i + 1)
+        i = _ws(text, i)
+        if i >= len(text) or text[i] != ":":
+            return None
+        start = _ws(text, i + 1)
+        _, end = _DECODER.raw_decode(text, start)
+        spans[key] = (start, end)
+        i = _ws(text, end)
+        if i < len(text) and text[i] == ",":
+            i = _ws(text, i + 1)
+            continue
+        if i < len(text) and text[i] == "}":
+            return spans
+        return None
+
+
+def set_top_level(raw: bytes, key: str, value: object) -> bytes:
+    """Return ``raw`` with top-level ``key`` set to ``value``, everything else untouched."""
+    text = raw.decode("utf-8")
+    spans = top_level_spans(text)
+    if spans is None:
+        raise ValueError("body is not a JSON object")
+    encoded = json.dumps(value, separators=(",", ":"))
+    if key in spans:
+        start, end = spans[key]
+        return (text[:start] + encoded + text[end:]).encode("utf-8")
+    brace = text.index("{")
+    sep = "," if spans else ""
+    return (text[: brace + 1] + json.dumps(key) + ":" + encoded + sep + text[brace + 1 :]).encode("utf-8")

@@ -1,0 +1,81 @@
+"""llama.cpp ``llama-server`` (and llmproxy's own backend).
+
+Permit i <-> slot i: ``id_slot`` is written into each gated body, so the proxy knows
+exactly which slot runs which request. After a cancel (connection closed), the stop is
+confirmed by polling ``GET /slots`` until slot i is idle, with an interval that backs off
+from ``confirm_poll_min_s`` to ``confirm_poll_max_s``. If that takes longer than
+``confirm_timeout_s`` the permit is released anyway and the timeout is logged as an error
+and counted in metrics (never silently). Without ``/slots`` (``--no-slots``), the adapter
+cannot confirm and the policies fall back to ``finish``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+from llmproxy.proxy.adapters.base import Adapter, log
+from llmproxy.proxy.adapters.body import set_top_level
+from llmproxy.proxy.routes import SLOT_ROUTES
+
+_POLL_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
+
+
+def slot_busy(entry: dict[str, Any]) -> bool:
+    """Busy flag of one /slots entry (new builds: is_processing; old builds: state != 0)."""
+    if "is_processing" in entry:
+        return bool(entry["is_processing"])
+    return bool(entry.get("state", 0))
+
+
+class LlamaCppAdapter(Adapter):
+    kind = "llamacpp"
+
+    def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
+        if path in SLOT_ROUTES and isinstance(parsed, dict):
+            return set_top_level(raw, "id_slot", slot)
+        return raw
+
+    async def probe_slots(self) -> bool:
+        """Is /slots available? Sets ``can_confirm``."""
+        try:
+            async with self.session.get(self.base_url / "slots", timeout=_POLL_TIMEOUT) as resp:
+                ok = resp.status == 200 and isinstance(await resp.json(content_type=None), list)
+        except (aiohttp.ClientError, ValueError, TimeoutError):
+            ok = False
+        self.can_confirm = ok
+        if not ok:
+            log.warning("upstream /slots unavailable: cannot confirm stops, in-flight policy falls back to finish")
+        return ok
+
+    async def _slot_busy(self, slot: int) -> bool | None:
+        try:
+            async with self.session.get(self.base_url / "slots", timeout=_POLL_TIMEOUT) as resp:
+                if resp.status != 200:
+                    return None
+                data = await resp.json(content_type=None)
+        except (aiohttp.ClientError, ValueError, TimeoutError):
+            return None
+        for entry in data if isinstance(data, list) else ():
+            if isinstance(entry, dict) and entry.get("id") == slot:
+                return slot_busy(entry)
+        return None
+
+    async def confirm_stopped(self, slot: int) -> bool:
+        s = self.settings
+        interval = s.confirm_poll_min_s
+        try:
+            async with asyncio.timeout(s.confirm_timeout_s):
+                while await self._slot_busy(slot) is not False:
+                    await asyncio.sleep(interval)
+                    interval = min(interval * 2, s.confirm_poll_max_s)
+            return True
+        except TimeoutError:
+            log.error(
+                "stop confirmation timed out: releasing the permit although the slot may still be busy",
+                slot=slot,
+                timeout_s=s.confirm_timeout_s,
+            )
+            return False

@@ -1,0 +1,61 @@
+"""The proxy's own endpoints under /llmproxy/: health, status (JSON), metrics (Prometheus)."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from llmproxy.proxy.state import STATE
+
+
+async def health(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    return web.json_response({"status": "ok", "upstream": st.adapter.kind})
+
+
+async def status(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    gate = st.gate
+    now = time.monotonic()
+    inflight = [
+        {
+            "id": t.id,
+            "slot": t.slot,
+            "state": t.state,
+            "route": t.route,
+            "session": t.session[:8],  # redacted: a prefix of the hashed key
+            "age_s": round(now - (t.granted_at or t.created), 3),
+        }
+        for t in gate.inflight_snapshot()
+    ]
+    queued = [
+        {"id": t.id, "route": t.route, "session": t.session[:8], "age_s": round(now - t.created, 3)}
+        for t in gate.queue_snapshot()
+    ]
+    return web.json_response(
+        {
+            "permits": {"total": gate.capacity, "free": gate.free, "held": gate.inflight},
+            "queue": {"depth": gate.queued, "max": gate.max_queue, "requests": queued},
+            "inflight": inflight,
+            "upstream": st.adapter.describe(),
+            "jobs": len(st.jobs),
+            "policies": {
+                "supersede_inflight": st.policy(st.settings.supersede_inflight),
+                "on_disconnect": st.policy(st.settings.on_disconnect),
+            },
+        }
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    body = generate_latest(st.metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/llmproxy/health", health)
+    app.router.add_get("/llmproxy/status", status)
+    app.router.add_get("/llmproxy/metrics", metrics)

@@ -1,0 +1,73 @@
+"""Builds the proxy's aiohttp Application: wiring only (routes, middleware, lifecycle)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from llmproxy.proxy import admin
+from llmproxy.proxy.adapters.detect import create_adapter
+from llmproxy.proxy.embedded import embedded_backend
+from llmproxy.proxy.gate import Gate
+from llmproxy.proxy.handlers import gated
+from llmproxy.proxy.jobs import JobRegistry
+from llmproxy.proxy.metrics import Metrics
+from llmproxy.proxy.middleware import proxy_middleware
+from llmproxy.proxy.passthrough import passthrough
+from llmproxy.proxy.routes import is_gated
+from llmproxy.proxy.settings import ProxySettings
+from llmproxy.proxy.state import METRICS, SETTINGS, STATE, UPSTREAM_URL, ProxyState
+from llmproxy.proxy.adapters.base import log
+
+
+async def dispatch(request: web.Request) -> web.StreamResponse:
+    if is_gated(request.method, request.path):
+        return await gated(request)
+    return await passthrough(request)
+
+
+async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
+    s = app[SETTINGS]
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout_s, sock_read=s.read_timeout_s)
+    connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
+    async with aiohttp.ClientSession(
+        timeout=timeout,
+        connector=connector,
+        auto_decompress=False,
+        skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
+    ) as session:
+        adapter = await create_adapter(session, s, app[UPSTREAM_URL])
+        capacity = s.capacity or adapter.slots or 1
+        if adapter.kind == "llamacpp" and adapter.slots and capacity > adapter.slots:
+            log.warning("capacity exceeds the upstream's slots; clamping", capacity=capacity, slots=adapter.slots)
+            capacity = adapter.slots
+        gate = Gate(capacity, s.max_queue, retry_after_s=s.retry_after_s)
+        app[METRICS].bind_gate(gate)
+        jobs = JobRegistry()
+        app[STATE] = ProxyState(s, session, adapter, gate, jobs, app[METRICS])
+        yield
+        gate.close()
+        await jobs.drain(s.shutdown_timeout_s)
+
+
+async def _on_shutdown(app: web.Application) -> None:
+    # Stop accepting new gated work and answer everything still queued with 503.
+    if STATE in app:
+        app[STATE].gate.close()
+
+
+def build_app(settings: ProxySettings) -> web.Application:
+    app = web.Application(middlewares=[proxy_middleware], client_max_size=settings.max_body_bytes)
+    app[SETTINGS] = settings
+    app[METRICS] = Metrics()
+    if settings.upstream:
+        app[UPSTREAM_URL] = settings.upstream
+    else:
+        app.cleanup_ctx.append(embedded_backend)  # sets UPSTREAM_URL once the backend is ready
+    app.cleanup_ctx.append(_upstream_ctx)
+    app.on_shutdown.append(_on_shutdown)
+    admin.add_routes(app)
+    app.router.add_route("*", "/{tail:.*}", dispatch)
+    return app

@@ -1,0 +1,45 @@
+"""Reading request bodies within the size limit and parsing the JSON the gate needs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from llmproxy.proxy.errors import BadRequest, BodyTooLarge
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """Read the whole body, refusing (413) before reading when Content-Length says too much."""
+    if request.content_length is not None and request.content_length > limit:
+        raise BodyTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """Parse a gated request body: a JSON object, else 400 with a clear message."""
+    if not raw.strip():
+        raise BadRequest("request body is empty; expected a JSON object")
+    try:
+        parsed = json.loads(raw)
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"request body is not valid UTF-8: {exc.reason}") from exc
+    except RecursionError as exc:
+        raise BadRequest("request body JSON is nested too deeply") from exc
+    except ValueError as exc:
+        raise BadRequest(f"malformed JSON in request body: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise BadRequest(f"request body must be a JSON object, not {type(parsed).__name__}")
+    for key, kinds in (("n_predict", int), ("max_tokens", int), ("stream", bool), ("model", str)):
+        value = parsed.get(key)
+        if value is not None and (not isinstance(value, kinds) or (kinds is int and isinstance(value, bool))):
+            raise BadRequest(f"field {key!r} must be {kinds.__name__}")
+    return parsed

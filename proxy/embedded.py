@@ -1,0 +1,99 @@
+"""The embedded backend: ``llmproxy serve`` with no upstream starts ``llmproxy backend``.
+
+Lifecycle (an aiohttp cleanup_ctx): start ``python -m llmproxy.backend`` as a child on a
+free loopback port (it writes the port to a file), wait for ``/health`` to answer 200
+while logging load progress, publish its URL in ``UPSTREAM_URL``, and on exit terminate
+it (SIGTERM, then SIGKILL after a grace period). The child gets PR_SET_PDEATHSIG so it
+never outlives a proxy that was SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from llmproxy.proxy.settings import ProxySettings
+from llmproxy.proxy.state import SETTINGS, UPSTREAM_URL
+
+log = structlog.get_logger("llmproxy.embedded")
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def backend_command(s: ProxySettings, port_file: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "llmproxy.backend", "--host", "127.0.0.1", "--port", "0"]
+    cmd += ["--port-file", str(port_file), "--engine", s.engine, "--parallel", str(s.parallel)]
+    cmd += ["--log-level", s.log_level]
+    if s.model is not None:
+        cmd += ["--model", str(s.model)]
+    if s.log_json is not None:
+        cmd += ["--log-json" if s.log_json else "--no-log-json"]
+    return cmd
+
+
+async def _wait_ready(proc: asyncio.subprocess.Process, port_file: Path, timeout: float) -> str:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    url: str | None = None
+    last_note = 0.0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        while loop.time() < deadline:
+            if proc.returncode is not None:
+                raise RuntimeError(f"embedded backend exited during start-up (code {proc.returncode})")
+            if url is None and port_file.exists() and (text := port_file.read_text().strip()):
+                url = f"http://127.0.0.1:{int(text)}"
+            if url is not None:
+                try:
+                    async with http.get(url + "/health") as resp:
+                        if resp.status == 200:
+                            return url
+                        info = await resp.json(content_type=None)
+                except (aiohttp.ClientError, ValueError, TimeoutError):
+                    info = None
+                if time.monotonic() - last_note > 1.0:
+                    last_note = time.monotonic()
+                    log.info("embedded backend loading", url=url, state=info)
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"embedded backend not ready within {timeout:g}s")
+
+
+async def _stop(proc: asyncio.subprocess.Process, grace: float) -> None:
+    if proc.returncode is None:
+        proc.terminate()
+        try:
+            async with asyncio.timeout(grace):
+                await proc.wait()
+        except TimeoutError:
+            log.warning("embedded backend did not stop in time; killing it", pid=proc.pid)
+            proc.kill()
+            await proc.wait()
+
+
+async def embedded_backend(app: web.Application) -> AsyncIterator[None]:
+    s = app[SETTINGS]
+    with tempfile.TemporaryDirectory(prefix="llmproxy-") as tmp:
+        port_file = Path(tmp) / "backend.port"
+        cmd = backend_command(s, port_file)
+        log.info("starting embedded backend", engine=s.engine, model=str(s.model or "default"), parallel=s.parallel)
+        proc = await asyncio.create_subprocess_exec(*cmd, preexec_fn=_die_with_parent)
+        try:
+            app[UPSTREAM_URL] = await _wait_ready(proc, port_file, s.backend_start_timeout_s)
+            log.info("embedded backend ready", url=app[UPSTREAM_URL], pid=proc.pid)
+            yield
+        finally:
+            await _stop(proc, s.shutdown_timeout_s + 5)

@@ -1,0 +1,108 @@
+"""The proxy's own exceptions, the error envelope, and the one client-exception boundary.
+
+Every error the proxy itself produces is a ``ProxyError`` carrying its HTTP status and
+envelope ``type``. aiohttp client exceptions are translated into these in exactly one
+place, ``map_client_errors`` (like httpx's ``map_httpcore_exceptions``); the middleware
+(middleware.py) turns them into HTTP responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import aiohttp
+
+
+class ProxyError(Exception):
+    status: int = 500
+    type: str = "server_error"
+    outcome: str = "error"
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+    def envelope(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "code": self.status, "src": "llmproxy"}}
+
+    def body(self) -> bytes:
+        return json.dumps(self.envelope(), separators=(",", ":")).encode()
+
+
+class HTTPStatusError(ProxyError):
+    """An HTTP error raised by aiohttp itself (unknown method, bad request line...)."""
+
+    outcome = "rejected"
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = "invalid_request_error" if status < 500 else "server_error"
+
+
+class BadRequest(ProxyError):
+    status, type, outcome = 400, "invalid_request_error", "rejected"
+
+
+class Unauthorized(ProxyError):
+    status, type, outcome = 401, "authentication_error", "rejected"
+
+
+class NotAllowed(ProxyError):
+    status, type, outcome = 405, "invalid_request_error", "rejected"
+
+
+class BodyTooLarge(ProxyError):
+    status, type, outcome = 413, "request_too_large", "rejected"
+
+
+class QueueFull(ProxyError):
+    status, type, outcome = 429, "queue_full", "rejected"
+
+
+class Superseded(ProxyError):
+    """A newer request from the same session replaced this one (Continue: silent cancel)."""
+
+    status, type, outcome = 499, "superseded", "superseded"
+
+
+class QueueTimeout(ProxyError):
+    status, type, outcome = 503, "queue_timeout", "rejected"
+
+
+class ShuttingDown(ProxyError):
+    status, type, outcome = 503, "shutting_down", "rejected"
+
+
+class UpstreamUnreachable(ProxyError):
+    status, type, outcome = 502, "upstream_unreachable", "error"
+
+
+class UpstreamFailed(ProxyError):
+    status, type, outcome = 502, "upstream_error", "error"
+
+
+class UpstreamTimeout(ProxyError):
+    status, type, outcome = 504, "upstream_timeout", "error"
+
+
+@contextmanager
+def map_client_errors(what: str = "upstream") -> Iterator[None]:
+    """Translate aiohttp/asyncio client exceptions into ProxyErrors (the one boundary)."""
+    try:
+        yield
+    except ProxyError:
+        raise
+    except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
+        raise UpstreamUnreachable(f"{what} unreachable: {exc.__class__.__name__}: {exc}") from exc
+    except (aiohttp.ServerTimeoutError, asyncio.TimeoutError, TimeoutError) as exc:
+        raise UpstreamTimeout(f"{what} timed out") from exc
+    except aiohttp.ClientResponseError as exc:
+        raise UpstreamFailed(f"{what} error: {exc.status} {exc.message}") from exc
+    except (aiohttp.ClientError, ConnectionError, OSError) as exc:
+        raise UpstreamFailed(f"{what} failed: {exc.__class__.__name__}: {exc}") from exc

@@ -1,0 +1,197 @@
+"""The Gate: N permits (= upstream slots), a bounded FIFO wait queue, and sessions.
+
+Pure asyncio logic, no sockets (tested directly). Concurrency contract:
+
+- ``submit`` never blocks: it enqueues a ``Ticket`` (or grants a free permit at once),
+  supersedes an older queued ticket of the same session (its waiter gets ``Superseded``
+  and the newcomer takes its queue position), asks in-flight tickets of the same session
+  to stop (``Ticket.on_supersede``; the job decides by policy), and raises ``QueueFull``
+  or ``ShuttingDown``.
+- ``Ticket.wait`` blocks until a permit (slot id) is granted. The waiter's task may be
+  cancelled (client disconnect, queue timeout): it must then call ``abandon``, which
+  removes a queued ticket or returns a permit that was granted but never taken.
+- Once a permit is taken, the ticket belongs to an upstream job task; only that job
+  calls ``release``, and only after the upstream is known idle. No client-side event
+  releases a permit.
+- Permits are slot ids 0..N-1. A grant prefers the slot the session used last when it is
+  free (prompt-cache affinity); FIFO order between waiters is never changed by that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from llmproxy.proxy.errors import QueueFull, ShuttingDown, Superseded
+
+State = Literal["queued", "granted", "running", "stopping", "done"]
+_AFFINITY_MAX = 4096
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One gated request's claim on a permit."""
+
+    id: int
+    session: str
+    supersedable: bool
+    route: str
+    future: asyncio.Future[int]
+    created: float = field(default_factory=time.monotonic)
+    state: State = "queued"
+    slot: int | None = None
+    granted_at: float | None = None
+    on_supersede: Callable[[], None] | None = None
+    superseded: bool = False  # set if superseded after the grant but before the job took it
+
+    async def wait(self) -> int:
+        """Block until granted; returns the slot id. Raises Superseded/ShuttingDown."""
+        return await self.future
+
+
+class Gate:
+    def __init__(self, capacity: int, max_queue: int, *, retry_after_s: int = 1) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.capacity = capacity
+        self.max_queue = max_queue
+        self.retry_after_s = retry_after_s
+        self._free: list[int] = list(range(capacity))
+        self._queue: list[Ticket] = []
+        self._inflight: dict[int, Ticket] = {}  # ticket id -> ticket (granted/running/stopping)
+        self._affinity: OrderedDict[str, int] = OrderedDict()
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- observation --------------------------------------------------------------
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def inflight(self) -> int:
+        return len(self._inflight)
+
+    def queue_snapshot(self) -> list[Ticket]:
+        return list(self._queue)
+
+    def inflight_snapshot(self) -> list[Ticket]:
+        return list(self._inflight.values())
+
+    async def wait_quiescent(self) -> None:
+        """Return once no ticket is queued or holds a permit."""
+        await self._idle.wait()
+
+    # -- the protocol ---------------------------------------------------------------
+    def submit(self, session: str, *, supersedable: bool, route: str = "") -> Ticket:
+        if self._closed:
+            raise ShuttingDown("llmproxy is shutting down")
+        loop = asyncio.get_running_loop()
+        ticket = Ticket(next(self._ids), session, supersedable, route, loop.create_future())
+        if supersedable:
+            for old in list(self._inflight.values()):
+                if old.supersedable and old.session == session:
+                    if old.state == "granted":
+                        old.superseded = True  # take() refuses it: it never reaches upstream
+                    elif old.on_supersede is not None:
+                        old.on_supersede()
+            for i, old in enumerate(self._queue):
+                if old.supersedable and old.session == session:
+                    self._queue[i] = ticket  # the newcomer takes the old one's position
+                    old.state = "done"
+                    old.future.set_exception(Superseded("superseded by a newer request from the same session"))
+                    old.future.exception()  # retrieved: the waiter may already be gone
+                    return ticket
+        if self._free and not self._queue:
+            self._grant(ticket)
+        elif len(self._queue) >= self.max_queue:
+            raise QueueFull(
+                f"queue full ({self.max_queue} waiting)", headers={"Retry-After": str(self.retry_after_s)}
+            )
+        else:
+            self._queue.append(ticket)
+        self._idle.clear()
+        return ticket
+
+    def take(self, ticket: Ticket, on_supersede: Callable[[], None] | None = None) -> int:
+        """The upstream job takes ownership of a granted permit (Superseded if replaced meanwhile)."""
+        assert ticket.state == "granted" and ticket.slot is not None, ticket.state
+        if ticket.superseded:
+            self.release(ticket)
+            raise Superseded("superseded by a newer request from the same session")
+        ticket.state = "running"
+        ticket.on_supersede = on_supersede
+        return ticket.slot
+
+    def mark_stopping(self, ticket: Ticket) -> None:
+        if ticket.state == "running":
+            ticket.state = "stopping"
+
+    def abandon(self, ticket: Ticket) -> None:
+        """The waiter gave up (disconnect/timeout): leave the queue or return an untaken permit."""
+        if ticket.state == "queued":
+            self._queue.remove(ticket)
+            ticket.state = "done"
+            if not ticket.future.done():
+                ticket.future.cancel()
+            self._check_idle()
+        elif ticket.state == "granted":
+            self.release(ticket)
+
+    def release(self, ticket: Ticket) -> None:
+        """Return the ticket's permit; only once the upstream is idle for it."""
+        if ticket.state not in ("granted", "running", "stopping"):
+            return
+        slot = ticket.slot
+        assert slot is not None
+        del self._inflight[ticket.id]
+        ticket.state = "done"
+        ticket.on_supersede = None
+        self._free.append(slot)
+        while self._queue and self._free:
+            self._grant(self._queue.pop(0))
+        self._check_idle()
+
+    def close(self) -> None:
+        """Shutdown: refuse new tickets and answer every queued one with ShuttingDown."""
+        self._closed = True
+        queued, self._queue = self._queue, []
+        for t in queued:
+            t.state = "done"
+            t.future.set_exception(ShuttingDown("llmproxy is shutting down"))
+            t.future.exception()
+        self._check_idle()
+
+    # -- internals ----------------------------------------------------------------------
+    def _grant(self, ticket: Ticket) -> None:
+        preferred = self._affinity.get(ticket.session)
+        if preferred is not None and preferred in self._free:
+            self._free.remove(preferred)
+            slot = preferred
+        else:
+            self._free.sort()
+            slot = self._free.pop(0)
+        self._affinity[ticket.session] = slot
+        self._affinity.move_to_end(ticket.session)
+        if len(self._affinity) > _AFFINITY_MAX:
+            self._affinity.popitem(last=False)
+        ticket.slot = slot
+        ticket.state = "granted"
+        ticket.granted_at = time.monotonic()
+        self._inflight[ticket.id] = ticket
+        ticket.future.set_result(slot)
+
+    def _check_idle(self) -> None:
+        if not self._queue and not self._inflight:
+            self._idle.set()

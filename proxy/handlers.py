@@ -1,0 +1,85 @@
+"""The gated request handler: body -> session -> queue -> permit -> upstream job -> relay.
+
+Concurrency contract: the handler task belongs to the client connection (aiohttp runs
+with ``handler_cancellation=True``, so a client disconnect cancels it). While queued, a
+cancellation abandons the ticket (the request never reaches the upstream). Once the
+permit is granted, an UpstreamJob owns it; a cancellation then only tells the job that
+the client left (policy ``on_disconnect``); the job, not this handler, releases the
+permit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiohttp import web
+
+from llmproxy.proxy.bodies import parse_json_object, read_body
+from llmproxy.proxy.errors import QueueTimeout
+from llmproxy.proxy.headers import request_headers
+from llmproxy.proxy.jobs import UpstreamJob, UpstreamRequest
+from llmproxy.proxy.relay import relay
+from llmproxy.proxy.security import auth_headers_to_strip
+from llmproxy.proxy.sessions import is_warmup, session_key
+from llmproxy.proxy.state import RECORD, STATE
+
+
+async def gated(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    s = st.settings
+    rec = request[RECORD]
+    rec.gated = True
+    raw = await read_body(request, s.max_body_bytes)
+    parsed = parse_json_object(raw)
+    rec.parsed_body = parsed
+    rec.session = session_key(
+        parts=s.session_parts,
+        header_name=s.session_header,
+        headers=request.headers,
+        peer=request.remote,
+        path=request.path,
+        body=parsed,
+    )
+    supersedable = s.supersede and request.path in s.supersede_routes and not is_warmup(parsed)
+    ticket = st.gate.submit(rec.session, supersedable=supersedable, route=request.path)
+    try:
+        async with asyncio.timeout(s.queue_timeout_s):
+            await ticket.wait()
+    except TimeoutError:
+        st.gate.abandon(ticket)
+        raise QueueTimeout(f"no permit within {s.queue_timeout_s:g}s") from None
+    except asyncio.CancelledError:
+        st.gate.abandon(ticket)
+        rec.client_gone = True
+        rec.outcome = "cancelled_queued"
+        raise
+    rec.queue_wait_s = time.monotonic() - ticket.created
+    st.metrics.queue_wait.observe(rec.queue_wait_s)
+    upstream_req = UpstreamRequest(
+        method=request.method,
+        path=request.path,
+        raw_path=request.raw_path,
+        headers=request_headers(request.headers, strip=auth_headers_to_strip(s)),
+        body=raw,
+    )
+    job = UpstreamJob(  # takes the permit (raises Superseded if replaced since the grant)
+        gate=st.gate,
+        ticket=ticket,
+        adapter=st.adapter,
+        request=upstream_req,
+        record=rec,
+        metrics=st.metrics,
+        supersede_policy=st.policy(s.supersede_inflight),
+        disconnect_policy=st.policy(s.on_disconnect),
+        unconfirmed_hold_s=s.unconfirmed_cancel_hold_s,
+    )
+    rec.slot = job.slot
+    rec.add_ref()
+    st.jobs.spawn(job.run())
+    try:
+        return await relay(request, aiter(job.channel))
+    except asyncio.CancelledError:
+        rec.client_gone = True
+        job.client_gone()
+        raise

@@ -1,0 +1,266 @@
+"""Upstream jobs: the task that owns a permit, talks to the upstream, and releases it.
+
+Concurrency contract:
+- A job is spawned in the app's ``JobRegistry`` (tracked; never a bare fire-and-forget
+  task) as soon as its handler has a permit, and is independent of that handler: client
+  disconnects cancel the handler, never the job.
+- The job's upstream transfer runs as a child task. ``stop(reason)`` (supersede, or the
+  client left under policy ``cancel``) cancels only that child, which closes the upstream
+  connection; the job then waits for the adapter to confirm the stop (or, for adapters
+  that cannot, holds the permit ``unconfirmed_cancel_hold_s``).
+- The permit is released in the job's ``finally``, i.e. after the upstream body was read
+  to its end or the stop was confirmed. Only app shutdown cancels the job itself
+  (``JobRegistry.drain``), and then the permit is released as the job unwinds.
+- Events for the handler go through a bounded ``Channel``. When the client is gone the
+  channel switches to discard mode, so a finishing job never blocks on a dead reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import structlog
+from multidict import CIMultiDict
+
+from llmproxy.proxy.adapters.base import Adapter
+from llmproxy.proxy.errors import ProxyError, Superseded, map_client_errors
+from llmproxy.proxy.gate import Gate, Ticket
+from llmproxy.proxy.headers import response_headers
+from llmproxy.proxy.metrics import Metrics
+from llmproxy.proxy.record import RequestRecord
+
+log = structlog.get_logger("llmproxy.job")
+
+
+@dataclass(frozen=True, slots=True)
+class Headers:
+    status: int
+    headers: CIMultiDict[str]
+    content_length: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    error: ProxyError
+
+
+Event = Headers | Chunk | End | Error
+
+
+class Channel:
+    """Bounded job -> handler event stream with a terminal event and a discard mode.
+
+    ``put`` (Headers/Chunk) blocks while the buffer is full: backpressure from a slow
+    client. ``finish`` (End/Error) never blocks; ``get`` returns buffered events first,
+    then the terminal one. ``detach`` (client gone) drops the buffer and turns every
+    later ``put`` into a no-op, so a job that finishes its generation never waits on a
+    reader that left.
+    """
+
+    def __init__(self, maxsize: int = 64) -> None:
+        self._buf: deque[Event] = deque()
+        self._max = maxsize
+        self._final: Event | None = None
+        self._readable = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self.detached = False
+
+    async def put(self, ev: Event) -> None:
+        while len(self._buf) >= self._max and not self.detached:
+            self._writable.clear()
+            await self._writable.wait()
+        if self.detached or self._final is not None:
+            return
+        self._buf.append(ev)
+        self._readable.set()
+
+    def finish(self, ev: Event) -> None:
+        if self._final is None:
+            self._final = ev
+            self._readable.set()
+
+    async def get(self) -> Event:
+        while True:
+            if self._buf:
+                ev = self._buf.popleft()
+                self._writable.set()
+                return ev
+            if self._final is not None:
+                return self._final
+            self._readable.clear()
+            await self._readable.wait()
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        """Yield events up to and including the terminal one."""
+        while True:
+            ev = await self.get()
+            yield ev
+            if isinstance(ev, (End, Error)):
+                return
+
+    def detach(self) -> None:
+        self.detached = True
+        self._buf.clear()
+        self._writable.set()
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamRequest:
+    method: str
+    path: str
+    raw_path: str
+    headers: CIMultiDict[str]
+    body: bytes
+
+
+class UpstreamJob:
+    def __init__(
+        self,
+        *,
+        gate: Gate,
+        ticket: Ticket,
+        adapter: Adapter,
+        request: UpstreamRequest,
+        record: RequestRecord,
+        metrics: Metrics,
+        supersede_policy: str,
+        disconnect_policy: str,
+        unconfirmed_hold_s: float,
+    ) -> None:
+        self.gate, self.ticket, self.adapter, self.request = gate, ticket, adapter, request
+        self.record, self.metrics = record, metrics
+        self.supersede_policy, self.disconnect_policy = supersede_policy, disconnect_policy
+        self.unconfirmed_hold_s = unconfirmed_hold_s
+        self.channel = Channel()
+        self.slot = gate.take(ticket, on_supersede=self._superseded)
+        self._transfer: asyncio.Task[None] | None = None
+        self._stop_reason: str | None = None
+        self._finished = False  # upstream body read to its end
+
+    # -- control (called from the handler / the gate) ------------------------------
+    def _superseded(self) -> None:
+        self.record.superseded_inflight = True
+        if self.supersede_policy == "cancel":
+            self.stop("superseded")
+
+    def client_gone(self) -> None:
+        self.channel.detach()
+        if self.disconnect_policy == "cancel":
+            self.stop("client_disconnect")
+
+    def stop(self, reason: str) -> None:
+        if self._stop_reason is not None or self._finished:
+            return
+        self._stop_reason = reason
+        self.gate.mark_stopping(self.ticket)
+        if self._transfer is not None and not self._transfer.done():
+            self._transfer.cancel()
+
+    # -- the job ----------------------------------------------------------------------
+    async def run(self) -> None:
+        rec = self.record
+        try:
+            self._transfer = asyncio.create_task(self._transfer_body())  # child, awaited below
+            try:
+                await asyncio.wait([self._transfer])
+            except asyncio.CancelledError:
+                self._transfer.cancel()
+                await asyncio.wait([self._transfer])
+                raise
+            if not self._transfer.cancelled() and (exc := self._transfer.exception()) is not None:
+                log.error("upstream job crashed", error=repr(exc), request_id=rec.request_id)
+                self.channel.finish(Error(ProxyError(f"internal error: {exc!r}")))
+            if self._stop_reason == "superseded":
+                self.channel.finish(Error(Superseded("superseded by a newer request from the same session")))
+            if self._stop_reason is not None or (rec.upstream_error and not self._finished):
+                await self._confirm()
+        finally:
+            self.channel.finish(Error(ProxyError("upstream job ended without a response")))
+            hold = time.monotonic() - (self.ticket.granted_at or time.monotonic())
+            self.gate.release(self.ticket)
+            self.metrics.permit_hold.observe(hold)
+            rec.permit_hold_s = hold
+            rec.end_ref()
+
+    async def _confirm(self) -> None:
+        start = time.monotonic()
+        if self.adapter.can_confirm:
+            if not await self.adapter.confirm_stopped(self.slot):
+                self.metrics.confirm_timeouts.inc()
+                self.record.confirm_timed_out = True
+        elif self._stop_reason is not None and self.unconfirmed_hold_s > 0:
+            await asyncio.sleep(self.unconfirmed_hold_s)  # policy cancel without a view: best effort
+        waited = time.monotonic() - start
+        self.metrics.confirm_wait.observe(waited)
+        self.record.confirm_wait_s = waited
+
+    async def _transfer_body(self) -> None:
+        rec, req = self.record, self.request
+        body = self.adapter.prepare_body(req.path, req.body, rec.parsed_body, self.slot)
+        start = time.monotonic()
+        rec.upstream_started = start
+        try:
+            with map_client_errors():
+                async with self.adapter.session.request(
+                    req.method, self.adapter.url(req.raw_path), headers=req.headers, data=body
+                ) as resp:
+                    rec.upstream_status = resp.status
+                    await self.channel.put(Headers(resp.status, response_headers(resp.headers), resp.content_length))
+                    first = True
+                    async for data in resp.content.iter_any():
+                        if first:
+                            self.metrics.upstream_ttfb.observe(time.monotonic() - start)
+                            first = False
+                        await self.channel.put(Chunk(data))
+            self._finished = True
+            self.channel.finish(End())
+        except ProxyError as exc:
+            rec.upstream_error = exc
+            log.warning("upstream request failed", error=exc.message, request_id=rec.request_id)
+            self.channel.finish(Error(exc))
+        finally:
+            rec.upstream_s = time.monotonic() - start
+            self.metrics.upstream_latency.observe(rec.upstream_s)
+
+
+class JobRegistry:
+    """Tracks every upstream job; shutdown waits for them, then cancels stragglers."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def drain(self, timeout: float) -> None:
+        if not self._tasks:
+            return
+        _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
+        for task in pending:
+            task.cancel()
+        if pending:
+            log.warning("cancelled upstream jobs still running at shutdown", count=len(pending))
+            await asyncio.wait(pending)

@@ -1,0 +1,91 @@
+"""RequestRecord: what one request did, for the canonical log line and metrics.
+
+A record is referenced by its handler and, for gated requests that got a permit, by
+their upstream job. Whoever finishes last (``end_ref``) emits the single canonical log
+line and counts the outcome, so a request whose client left while its job still drains
+is logged once, with the job's final numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from llmproxy.proxy.errors import ProxyError
+
+log = structlog.get_logger("llmproxy.request")
+
+
+@dataclass(eq=False)
+class RequestRecord:
+    request_id: str
+    method: str
+    path: str
+    on_done: Any = None  # callable(record) -> None: counts metrics
+    session: str | None = None
+    gated: bool = False
+    parsed_body: Any = None
+    started: float = field(default_factory=time.monotonic)
+    refs: int = 1
+    status: int | None = None
+    outcome: str | None = None
+    slot: int | None = None
+    queue_wait_s: float | None = None
+    upstream_started: float | None = None
+    upstream_s: float | None = None
+    upstream_status: int | None = None
+    upstream_error: ProxyError | None = None
+    permit_hold_s: float | None = None
+    confirm_wait_s: float | None = None
+    confirm_timed_out: bool = False
+    superseded_inflight: bool = False
+    client_gone: bool = False
+    error: str | None = None
+
+    def add_ref(self) -> None:
+        self.refs += 1
+
+    def end_ref(self) -> None:
+        self.refs -= 1
+        if self.refs == 0:
+            self._emit()
+
+    def _resolve_outcome(self) -> str:
+        if self.outcome is not None:
+            return self.outcome
+        if self.upstream_error is not None:
+            return "error"
+        if self.superseded_inflight and (self.client_gone or self.status == 499):
+            return "superseded"
+        if self.client_gone:
+            return "cancelled_inflight"
+        return "completed" if self.status is not None and self.status < 500 else "error"
+
+    def _emit(self) -> None:
+        self.outcome = self._resolve_outcome()
+        if self.on_done is not None:
+            self.on_done(self)
+        ms = lambda v: None if v is None else round(v * 1000, 2)  # noqa: E731
+        fields = {
+            "request_id": self.request_id,
+            "method": self.method,
+            "route": self.path,
+            "status": self.status,
+            "outcome": self.outcome,
+            "session": self.session,
+            "slot": self.slot,
+            "queue_wait_ms": ms(self.queue_wait_s),
+            "upstream_ms": ms(self.upstream_s),
+            "upstream_status": self.upstream_status,
+            "permit_hold_ms": ms(self.permit_hold_s),
+            "confirm_wait_ms": ms(self.confirm_wait_s),
+            "total_ms": ms(time.monotonic() - self.started),
+        }
+        if self.confirm_timed_out:
+            fields["confirm_timed_out"] = True
+        if self.error:
+            fields["error"] = self.error
+        log.info("request", **{k: v for k, v in fields.items() if v is not None})

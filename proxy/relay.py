@@ -1,0 +1,59 @@
+"""Writing an upstream response to the client: headers, chunks unbuffered, stream errors.
+
+Bytes pass through as received (no re-encoding, no buffering): each chunk is written as
+soon as it arrives. Once the response has started, its status cannot change, so a later
+error ends the stream with an error event in the stream's own format (SSE ``data:`` line
+or NDJSON line); for other bodies the connection is closed so the client sees a
+truncated response rather than a silently short one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from llmproxy.proxy.errors import ProxyError
+from llmproxy.proxy.jobs import Chunk, End, Error, Event, Headers
+
+
+def stream_error_bytes(content_type: str, error: ProxyError) -> bytes | None:
+    payload = json.dumps(error.envelope(), separators=(",", ":"))
+    if content_type.startswith("text/event-stream"):
+        return f"data: {payload}\n\n".encode()
+    if content_type in ("application/x-ndjson", "application/jsonl", "application/json-seq"):
+        return f"{payload}\n".encode()
+    return None
+
+
+async def relay(request: web.Request, events: AsyncIterator[Event]) -> web.StreamResponse:
+    """Write ``events`` (Headers, Chunk*, End|Error) as the response to ``request``."""
+    resp: web.StreamResponse | None = None
+    async for ev in events:
+        if isinstance(ev, Headers):
+            resp = web.StreamResponse(status=ev.status, headers=ev.headers)
+            if ev.content_length is not None:
+                resp.content_length = ev.content_length
+            await resp.prepare(request)
+        elif isinstance(ev, Chunk):
+            assert resp is not None
+            await resp.write(ev.data)
+        elif isinstance(ev, End):
+            if resp is None:
+                raise ProxyError("upstream ended without a response")
+            await resp.write_eof()
+            return resp
+        elif isinstance(ev, Error):
+            if resp is None:
+                raise ev.error
+            tail = stream_error_bytes(resp.content_type, ev.error)
+            if tail is not None:
+                await resp.write(tail)
+                await resp.write_eof()
+            else:
+                resp.force_close()
+                if request.transport is not None:
+                    request.transport.close()
+            return resp
+    raise ProxyError("upstream event stream ended early")

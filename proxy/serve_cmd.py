@@ -1,0 +1,31 @@
+"""``llmproxy serve``: the gateway (flags generated from ProxySettings)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import structlog
+
+from llmproxy.proxy.app import build_app
+from llmproxy.proxy.config import add_settings_arguments, describe, settings_from_args
+from llmproxy.proxy.logs import configure_logging
+from llmproxy.proxy.server import serve
+from llmproxy.proxy.settings import ProxySettings
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(ProxySettings, args)
+    configure_logging(settings.log_level, settings.log_json)
+    structlog.get_logger("llmproxy").info("starting llmproxy", settings=describe(settings))
+    return asyncio.run(serve(settings, build_app(settings)))
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "serve",
+        help="Run the gating proxy (starts the embedded backend when no --upstream is given)",
+        description="Run the gating proxy. Every option can also be set as LLMPROXY_<NAME> or in --config TOML.",
+    )
+    add_settings_arguments(parser, ProxySettings)
+    parser.set_defaults(func=run)

@@ -1,0 +1,104 @@
+"""Running the proxy app: bind (or inherit a systemd socket), signals, graceful stop.
+
+Shutdown contract: the first SIGTERM/SIGINT stops accepting connections, answers queued
+requests with 503 (gate.close in on_shutdown), lets in-flight requests finish for up to
+``shutdown_timeout_s`` and then runs cleanup (jobs drained, embedded backend stopped),
+exiting 0. A second signal exits at once (status 1); the embedded backend dies with us
+(PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import signal
+import socket
+from pathlib import Path
+
+import structlog
+from aiohttp import web
+
+from llmproxy.proxy.settings import ProxySettings
+
+log = structlog.get_logger("llmproxy.server")
+SD_LISTEN_FDS_START = 3
+
+
+def inherited_socket() -> socket.socket | None:
+    """The listening socket passed by systemd socket activation (LISTEN_FDS), if any."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()):
+        return None
+    if int(os.environ.get("LISTEN_FDS", "0")) < 1:
+        return None
+    for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+        os.environ.pop(var, None)  # not inherited by the embedded backend
+    return socket.socket(fileno=SD_LISTEN_FDS_START)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)
+
+
+async def serve(settings: ProxySettings, app: web.Application) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals_seen = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen > 1:
+            log.warning("second signal: exiting now", signal=signal.Signals(signum).name)
+            os._exit(1)
+        log.info("signal received: shutting down gracefully", signal=signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=settings.shutdown_timeout_s
+    )
+    setup = asyncio.ensure_future(runner.setup())
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([setup, stopper], return_when=asyncio.FIRST_COMPLETED)
+        if not setup.done():
+            setup.cancel()
+            await asyncio.wait([setup])
+            return 0
+        setup.result()
+        sock = inherited_socket()
+        site: web.BaseSite
+        if sock is not None:
+            site = web.SockSite(runner, sock)
+        else:
+            site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+        await site.start()
+        bound = runner.addresses[0]
+        port = bound[1]
+        if settings.port_file is not None:
+            _write_port_file(settings.port_file, port)
+        if sock is None and not _is_loopback(settings.host) and settings.api_key is None:
+            log.warning("listening on a non-loopback address WITHOUT an API key: anyone on the network can use it",
+                        host=settings.host)
+        log.info("listening", url=f"http://{bound[0]}:{port}", socket_activated=sock is not None)
+        await stopper
+        return 0
+    finally:
+        stopper.cancel()
+        await runner.cleanup()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
