@@ -77,6 +77,7 @@ class RequestRecord:
             "outcome": self.outcome,
             "session": self.session,
             "slot": self.slot,
+            "reached_upstream": self.upstream_started is not None,
             "queue_wait_ms": ms(self.queue_wait_s),
             "upstream_ms": ms(self.upstream_s),
             "upstream_status": self.upstream_status,

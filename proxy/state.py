@@ -35,6 +35,6 @@ SETTINGS = web.AppKey("settings", ProxySettings)
 METRICS = web.AppKey("metrics", Metrics)
 UPSTREAM_URL = web.AppKey("upstream_url", str)
 STATE = web.AppKey("state", ProxyState)
-RECORD = "llmproxy.record"  # request-scoped RequestRecord (request[RECORD])
+RECORD = web.RequestKey("record", RequestRecord)  # request-scoped
 
 __all__ = ["ProxyState", "SETTINGS", "METRICS", "UPSTREAM_URL", "STATE", "RECORD", "RequestRecord"]

@@ -12,12 +12,15 @@ Concurrency contract:
 - A *generation* is a POST to a generation route. It counts in ``concurrent`` from the
   moment its request is received (including while it waits for a slot, like llama-server's
   deferred queue) until its slot is idle again. ``id_slot`` >= 0 waits for that slot,
-  otherwise the lowest free slot is taken; waiting requests are woken in arrival order.
+  otherwise the lowest free slot is taken; waiting requests are woken in arrival order
+  (a newcomer that finds a slot free takes it at once, as in llama-server).
 - The app runs with ``handler_cancellation=True``: a client disconnect cancels the handler.
   The abort is recorded at once; the slot stays busy for ``abort_linger_s`` more (llama-server
   notices disconnects by polling) in a background task owned by this object, which
-  ``stop()`` cancels and awaits. No other task is created.
-- Every state change notifies one ``asyncio.Condition``; ``wait_for`` waits on it.
+  ``stop()`` cancels and awaits.
+- State is mutated synchronously (so a cancelled handler can never leave a slot busy);
+  every change then notifies one ``asyncio.Condition`` from a short tracked task (only
+  when someone waits on it); ``wait_for`` waits on it.
 - ``stop()`` wakes the ``hang_*`` fail modes, cancels linger tasks and closes the server.
 
 Per-request behaviour comes from ``script(path, body) -> Script``. The number of tokens is
@@ -33,8 +36,8 @@ import json
 import signal
 import time
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import structlog
@@ -60,6 +63,22 @@ class Script:
     fail: FailMode = None
 
 
+class Headers(dict[str, str]):
+    """Request headers with lower-cased keys and case-insensitive lookups."""
+
+    def __init__(self, items: Any = ()) -> None:
+        super().__init__((k.lower(), v) for k, v in dict(items).items())
+
+    def __getitem__(self, key: str) -> str:
+        return super().__getitem__(key.lower())
+
+    def __contains__(self, key: object) -> bool:
+        return super().__contains__(key.lower() if isinstance(key, str) else key)
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        return super().get(key.lower(), default)
+
+
 @dataclass(frozen=True)
 class Received:
     """One request as it reached the fake (``t`` is ``time.monotonic()`` at receipt)."""
@@ -67,7 +86,7 @@ class Received:
     path: str
     body: dict[str, Any] | None
     raw: bytes
-    headers: dict[str, str]
+    headers: Headers  # a dict with lower-cased keys; lookups ignore case
     t: float
     id: int
 
@@ -313,7 +332,7 @@ class FakeUpstream:
         except ValueError:
             parsed = None
         body = parsed if isinstance(parsed, dict) else None
-        rec = Received(request.path, body, raw, dict(request.headers), time.monotonic(), len(self.received))
+        rec = Received(request.path, body, raw, Headers(request.headers), time.monotonic(), len(self.received))
         self.received.append(rec)
         self._notify()
         shape = ROUTES.get(request.path)

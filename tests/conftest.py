@@ -1,0 +1,54 @@
+"""Shared fixtures: the fake upstream and an in-process proxy on real loopback sockets."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from llmproxy.proxy.app import build_app
+from llmproxy.proxy.bench.fake_upstream import FakeUpstream
+from llmproxy.proxy.settings import ProxySettings
+from llmproxy.proxy.state import STATE, ProxyState
+
+
+@dataclass
+class RunningProxy:
+    url: str
+    app: web.Application
+
+    @property
+    def state(self) -> ProxyState:
+        return self.app[STATE]
+
+
+@asynccontextmanager
+async def run_proxy(upstream: str, **overrides: Any) -> AsyncIterator[RunningProxy]:
+    settings = ProxySettings(upstream=upstream, port=0, detect_timeout_s=0, **overrides)
+    app = build_app(settings)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield RunningProxy(f"http://127.0.0.1:{port}", app)
+    finally:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeUpstream]:
+    async with FakeUpstream(kind="llamacpp", slots=1, abort_linger_s=0.2) as f:
+        yield f
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        yield s

@@ -1,0 +1,135 @@
+"""Gate logic without sockets: FIFO, capacity, supersede, abandon, affinity, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from llmproxy.proxy.errors import QueueFull, ShuttingDown, Superseded
+from llmproxy.proxy.gate import Gate
+
+
+async def test_grants_up_to_capacity_then_queues_fifo() -> None:
+    gate = Gate(2, 10)
+    a, b, c, d = (gate.submit(f"s{i}", supersedable=True) for i in range(4))
+    assert {await a.wait(), await b.wait()} == {0, 1}
+    assert not c.future.done() and not d.future.done()
+    assert gate.free == 0 and gate.queued == 2
+    gate.take(a)
+    gate.release(a)
+    assert await c.wait() == a.slot  # the head waiter gets the freed permit
+    assert not d.future.done()
+
+
+async def test_queue_full_raises_with_retry_after() -> None:
+    gate = Gate(1, 1, retry_after_s=3)
+    gate.submit("a", supersedable=False)
+    gate.submit("b", supersedable=False)
+    with pytest.raises(QueueFull) as info:
+        gate.submit("c", supersedable=False)
+    assert info.value.status == 429 and info.value.headers["Retry-After"] == "3"
+
+
+async def test_supersede_queued_takes_position_and_fails_old() -> None:
+    gate = Gate(1, 3)
+    running = gate.submit("x", supersedable=False)
+    old = gate.submit("editor", supersedable=True)
+    other = gate.submit("other", supersedable=True)
+    new = gate.submit("editor", supersedable=True)
+    with pytest.raises(Superseded):
+        await old.wait()
+    assert gate.queue_snapshot() == [new, other]  # newcomer took the old position
+    gate.take(running)
+    gate.release(running)
+    assert await new.wait() == 0
+
+
+async def test_supersede_does_not_need_queue_room() -> None:
+    gate = Gate(1, 1)
+    gate.submit("x", supersedable=False)
+    gate.submit("editor", supersedable=True)
+    gate.submit("editor", supersedable=True)  # replaces, so no QueueFull
+
+
+async def test_warmups_and_other_sessions_are_not_superseded() -> None:
+    gate = Gate(1, 5)
+    gate.submit("x", supersedable=False)
+    warm = gate.submit("editor", supersedable=False)
+    gate.submit("editor", supersedable=True)
+    assert not warm.future.done() and gate.queued == 2
+
+
+async def test_inflight_supersede_calls_back_and_holds_permit() -> None:
+    gate = Gate(1, 5)
+    first = gate.submit("editor", supersedable=True)
+    await first.wait()
+    calls: list[str] = []
+    gate.take(first, on_supersede=lambda: calls.append("stop"))
+    second = gate.submit("editor", supersedable=True)
+    assert calls == ["stop"]
+    assert gate.free == 0 and not second.future.done()  # permit held until release
+    gate.release(first)
+    assert await second.wait() == 0
+
+
+async def test_superseded_between_grant_and_take_never_runs() -> None:
+    gate = Gate(1, 5)
+    first = gate.submit("editor", supersedable=True)
+    second = gate.submit("editor", supersedable=True)
+    with pytest.raises(Superseded):
+        gate.take(first)
+    assert await second.wait() == 0
+
+
+async def test_abandon_queued_and_granted() -> None:
+    gate = Gate(1, 5)
+    a = gate.submit("a", supersedable=False)
+    b = gate.submit("b", supersedable=False)
+    c = gate.submit("c", supersedable=False)
+    gate.abandon(b)
+    assert gate.queue_snapshot() == [c]
+    gate.abandon(a)  # granted, never taken: permit goes to c
+    assert await c.wait() == 0
+    gate.take(c)
+    gate.release(c)
+    await asyncio.wait_for(gate.wait_quiescent(), 1)
+    assert gate.free == 1
+
+
+async def test_cancelled_waiter_abandons_cleanly() -> None:
+    gate = Gate(1, 5)
+    holder = gate.submit("h", supersedable=False)
+    waiter = gate.submit("w", supersedable=False)
+    task = asyncio.create_task(waiter.wait())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    gate.abandon(waiter)
+    gate.take(holder)
+    gate.release(holder)
+    assert gate.free == 1 and gate.queued == 0
+
+
+async def test_affinity_prefers_last_slot() -> None:
+    gate = Gate(3, 5)
+    t = [gate.submit(s, supersedable=False) for s in ("a", "b", "c")]
+    slots = {tk.session: await tk.wait() for tk in t}
+    for tk in t:
+        gate.take(tk)
+    gate.release(t[0])
+    gate.release(t[2])
+    again = gate.submit("c", supersedable=False)
+    assert await again.wait() == slots["c"]
+
+
+async def test_close_fails_queued_and_refuses_new() -> None:
+    gate = Gate(1, 5)
+    gate.submit("a", supersedable=False)
+    q = gate.submit("b", supersedable=False)
+    gate.close()
+    with pytest.raises(ShuttingDown):
+        await q.wait()
+    with pytest.raises(ShuttingDown):
+        gate.submit("c", supersedable=False)

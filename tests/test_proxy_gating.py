@@ -1,0 +1,174 @@
+"""Gating scenarios against the real fake upstream: bursts, supersede, disconnects, policies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import structlog
+
+from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
+from tests.conftest import run_proxy
+from tests.helpers import wait_until
+
+
+def infill(seq: int, **extra: Any) -> dict[str, Any]:
+    return {"id_slot": 0, "input_prefix": "def f():\n", "input_suffix": "", "prompt": "    re",
+            "n_predict": 128, "stream": False, "cache_prompt": True, "seq": seq, **extra}
+
+
+def request_events(logs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {e["request_id"]: e for e in logs if e.get("event") == "request"}
+
+
+async def test_editor_burst_one_session(http: aiohttp.ClientSession) -> None:
+    """20 keystrokes 50 ms apart, each abandoning the previous request, N=1."""
+    script = lambda _p, _b: Script(tokens=20, token_delay_s=0.02)  # noqa: E731  ~0.4 s per generation
+    async with FakeUpstream(slots=1, abort_linger_s=0.15, script=script) as fake, run_proxy(fake.url) as px:
+        with structlog.testing.capture_logs() as logs:
+
+            async def one(i: int) -> tuple[int, bytes]:
+                async with http.post(px.url + "/infill", json=infill(i), headers={"X-Request-Id": f"k{i}",
+                                     "User-Agent": "curl/8.5.0"}) as r:
+                    return r.status, await r.read()
+
+            tasks: list[asyncio.Task[tuple[int, bytes]]] = []
+            for i in range(20):
+                if tasks:
+                    tasks[-1].cancel()  # the editor closes the previous connection
+                tasks.append(asyncio.create_task(one(i)))
+                await asyncio.sleep(0.05)  # the keystroke interval being simulated
+            status, body = await tasks[-1]
+            await asyncio.gather(*tasks[:-1], return_exceptions=True)
+            await asyncio.wait_for(px.state.gate.wait_quiescent(), 10)
+            await wait_until(lambda: len(request_events(logs)) == 20, what="20 canonical log lines")
+
+        assert status == 200
+        assert json.loads(body)["content"] == "".join(f"t{i} " for i in range(20))
+        assert fake.max_concurrent == 1
+        events = request_events(logs)
+        reached = {r.body["seq"] for r in fake.generations}
+        sent = {seq for seq in range(20) if events[f"k{seq}"]["reached_upstream"]}
+        assert sent == reached  # the proxy's own view matches what the upstream saw
+        for seq in set(range(20)) - reached:  # dropped before the upstream: never "completed"
+            assert events[f"k{seq}"]["outcome"] in ("superseded", "cancelled_queued"), events[f"k{seq}"]
+        for seq in reached - {19}:  # abandoned by the editor while running
+            assert events[f"k{seq}"]["outcome"] in ("superseded", "cancelled_inflight"), events[f"k{seq}"]
+        assert events["k19"]["outcome"] == "completed"
+        assert 19 in reached and len(reached) < 10, reached
+        assert all(r.body["id_slot"] == 0 for r in fake.generations)
+        assert px.state.gate.free == 1
+
+
+async def test_disconnect_while_queued_never_reaches_upstream(http: aiohttp.ClientSession) -> None:
+    gate_open = asyncio.Event()
+
+    def script(_p: str, body: dict[str, Any]) -> Script:
+        return Script(tokens=3, token_delay_s=0.01)
+
+    async with FakeUpstream(slots=1, script=script, abort_linger_s=0.05) as fake, run_proxy(fake.url) as px:
+        first = asyncio.create_task(http.post(px.url + "/completion", json={"prompt": "a", "seq": 1, "n_predict": 400},
+                                              headers={"X-LLMProxy-Session": "one"}))
+        await fake.wait_for(lambda f: len(f.generations) == 1)
+        second = asyncio.create_task(http.post(px.url + "/completion", json={"prompt": "b", "seq": 2},
+                                               headers={"X-LLMProxy-Session": "two"}))
+        await wait_until(lambda: px.state.gate.queued == 1, what="second request queued")
+        second.cancel()
+        await asyncio.gather(second, return_exceptions=True)
+        await wait_until(lambda: px.state.gate.queued == 0, what="queued request dropped")
+        gate_open.set()
+        resp = await first
+        assert resp.status == 200
+        resp.release()
+        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        assert [r.body["seq"] for r in fake.generations] == [1]
+
+
+async def test_supersede_inflight_cancels_and_holds_permit_until_idle(http: aiohttp.ClientSession) -> None:
+    script = lambda _p, _b: Script(tokens=200, token_delay_s=0.01)  # noqa: E731
+    async with FakeUpstream(slots=1, script=script, abort_linger_s=0.3) as fake, run_proxy(fake.url) as px:
+        hdr = {"X-LLMProxy-Session": "ed"}
+        first = asyncio.create_task(http.post(px.url + "/completion", json={"prompt": "a", "seq": 1}, headers=hdr))
+        await fake.wait_for(lambda f: len(f.generations) == 1)
+        second = asyncio.create_task(
+            http.post(px.url + "/completion", json={"prompt": "b", "seq": 2, "n_predict": 3}, headers=hdr)
+        )
+        r1 = await first
+        assert r1.status == 499
+        assert (await r1.json())["error"]["type"] == "superseded"
+        await fake.wait_for(lambda f: len(f.aborted) == 1)
+        r2 = await second
+        assert r2.status == 200 and (await r2.json())["content"] == "t0 t1 t2 "
+        assert fake.max_concurrent == 1  # second started only after the abort linger ended
+        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+
+
+async def test_finish_policy_drains_without_cancelling(http: aiohttp.ClientSession) -> None:
+    script = lambda _p, _b: Script(tokens=20, token_delay_s=0.01)  # noqa: E731
+    async with FakeUpstream(kind="openai", slots=1, script=script) as fake, run_proxy(fake.url) as px:
+        assert px.state.policy(px.state.settings.on_disconnect) == "finish"
+        task = asyncio.create_task(http.post(px.url + "/v1/completions", json={"prompt": "x", "seq": 1}))
+        await fake.wait_for(lambda f: len(f.generations) == 1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await fake.wait_for(lambda f: len(f.completed) == 1)
+        assert fake.aborted == []
+        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+
+
+async def test_no_slots_endpoint_falls_back_to_finish(http: aiohttp.ClientSession) -> None:
+    async with FakeUpstream(slots=1, slots_endpoint=False) as fake, run_proxy(fake.url) as px:
+        assert not px.state.adapter.can_confirm
+        assert px.state.policy("auto") == "finish"
+
+
+async def test_confirm_timeout_releases_loudly(http: aiohttp.ClientSession) -> None:
+    script = lambda _p, _b: Script(tokens=200, token_delay_s=0.01)  # noqa: E731
+    async with FakeUpstream(slots=1, script=script, abort_linger_s=30) as fake, run_proxy(
+        fake.url, confirm_timeout_s=0.3
+    ) as px:
+        with structlog.testing.capture_logs() as logs:
+            task = asyncio.create_task(http.post(px.url + "/completion", json={"prompt": "x"}))
+            await fake.wait_for(lambda f: len(f.generations) == 1)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        assert any(e["log_level"] == "error" and "confirmation timed out" in e["event"] for e in logs)
+        assert px.state.metrics.confirm_timeouts._value.get() == 1
+
+
+async def test_queue_full_429_and_queue_timeout_503(http: aiohttp.ClientSession) -> None:
+    script = lambda _p, _b: Script(tokens=100, token_delay_s=0.01)  # noqa: E731
+    async with FakeUpstream(slots=1, script=script) as fake, run_proxy(
+        fake.url, max_queue=1, queue_timeout_s=0.3, retry_after_s=2
+    ) as px:
+        hold = asyncio.create_task(http.post(px.url + "/completion", json={"prompt": "a"},
+                                             headers={"X-LLMProxy-Session": "a"}))
+        await fake.wait_for(lambda f: len(f.generations) == 1)
+        queued = asyncio.create_task(http.post(px.url + "/completion", json={"prompt": "b"},
+                                               headers={"X-LLMProxy-Session": "b"}))
+        await wait_until(lambda: px.state.gate.queued == 1, what="one queued")
+        async with http.post(px.url + "/completion", json={"prompt": "c"}, headers={"X-LLMProxy-Session": "c"}) as r:
+            assert r.status == 429 and r.headers["Retry-After"] == "2"
+            assert (await r.json())["error"]["src"] == "llmproxy"
+        r = await queued
+        assert r.status == 503 and (await r.json())["error"]["type"] == "queue_timeout"
+        (await hold).release()
+        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        assert len(fake.generations) == 1
+
+
+async def test_warmup_is_not_superseded(http: aiohttp.ClientSession) -> None:
+    script = lambda _p, _b: Script(tokens=30, token_delay_s=0.01)  # noqa: E731
+    async with FakeUpstream(slots=1, script=script) as fake, run_proxy(fake.url) as px:
+        hdr = {"X-LLMProxy-Session": "ed"}
+        busy = asyncio.create_task(http.post(px.url + "/infill", json=infill(0), headers=hdr))
+        await fake.wait_for(lambda f: len(f.generations) == 1)
+        warm = asyncio.create_task(http.post(px.url + "/infill", json=infill(1, n_predict=0), headers=hdr))
+        await wait_until(lambda: px.state.gate.queued == 1, what="warm-up queued")
+        real = asyncio.create_task(http.post(px.url + "/infill", json=infill(2), headers=hdr))
+        statuses = [(await t).status for t in (busy, warm, real)]
+        assert statuses[1] == 200 and statuses[2] == 200
+        assert sorted(r.body["seq"] for r in fake.generations) == [0, 1, 2]
