@@ -73,6 +73,7 @@ async def test_completion_nonstream_compact_and_recorded(session: aiohttp.Client
         assert obj["stop"] is True and obj["tokens_predicted"] == 8 and obj["id_slot"] == 0
         [rec] = up.received
         assert (rec.path, rec.body, rec.headers["User-Agent"], rec.id) == ("/infill", payload, "curl/8", 0)
+        assert rec.headers.get("user-agent") == "curl/8" and "USER-AGENT" in rec.headers and "x-missing" not in rec.headers
         assert json.loads(rec.raw) == payload
         await up.wait_for(lambda u: u.concurrent == 0)
         assert (up.completed, up.aborted, up.max_concurrent, up.slot_busy) == ([0], [], 1, [False])
