@@ -1,0 +1,199 @@
+"""Wire behaviour: errors and envelope, streaming relay, passthrough, headers, auth, paths."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import aiohttp
+import pytest
+
+from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
+from tests.conftest import run_proxy
+from tests.helpers import closed_port, wait_until
+
+
+def assert_envelope(body: dict, status: int, type_: str) -> None:
+    assert body == {"error": {"message": body["error"]["message"], "type": type_, "code": status, "src": "llmproxy"}}
+
+
+async def test_upstream_down_is_502_quickly(http: aiohttp.ClientSession) -> None:
+    async with run_proxy(f"http://127.0.0.1:{closed_port()}", upstream_kind="llamacpp") as px:
+        t0 = time.monotonic()
+        async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:
+            assert r.status == 502
+            assert_envelope(await r.json(), 502, "upstream_unreachable")
+        assert time.monotonic() - t0 < 2
+        async with http.get(px.url + "/health") as r:  # passthrough too
+            assert r.status == 502
+        await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
+
+
+async def test_upstream_hang_is_504(http: aiohttp.ClientSession) -> None:
+    script = lambda _p, _b: Script(fail="hang_before_headers")  # noqa: E731
+    async with FakeUpstream(slots=1, script=script, slots_endpoint=False) as fake, run_proxy(
+        fake.url, read_timeout_s=0.3
+    ) as px:
+        async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:
+            assert r.status == 504
+            assert_envelope(await r.json(), 504, "upstream_timeout")
+        await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
+
+
+async def test_malformed_and_wrong_types_are_400(fake: FakeUpstream, http: aiohttp.ClientSession) -> None:
+    async with run_proxy(fake.url) as px:
+        for body in (b"{bad", b"[1,2]", b"", b'{"n_predict":"many"}', b"\xff\xfe{}", b"[" * 100000):
+            async with http.post(px.url + "/completion", data=body) as r:
+                assert r.status == 400, body[:20]
+                assert_envelope(await r.json(), 400, "invalid_request_error")
+        assert fake.received == [] or all(r.path != "/completion" for r in fake.received)
+
+
+async def test_oversize_body_is_413(fake: FakeUpstream, http: aiohttp.ClientSession) -> None:
+    async with run_proxy(fake.url, max_body_bytes=1024) as px:
+        big = json.dumps({"prompt": "x" * 5000}).encode()
+        async with http.post(px.url + "/completion", data=big) as r:
+            assert r.status == 413
+            assert_envelope(await r.json(), 413, "request_too_large")
+
+        async def chunked():  # no Content-Length: the limit is enforced while reading
+            for _ in range(10):
+                yield b"x" * 512
+
+        async with http.post(px.url + "/completion", data=chunked()) as r:
+            assert r.status == 413
+        assert not fake.generations
+
+
+@pytest.mark.parametrize(
+    ("kind", "path", "body", "ctype"),
+    [
+        ("llamacpp", "/completion", {"prompt": "x", "stream": True}, "text/event-stream"),
+        ("llamacpp", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True},
+         "text/event-stream"),
+        ("ollama", "/api/generate", {"model": "m", "prompt": "x"}, "application/x-ndjson"),
+    ],
+)
+async def test_streams_relayed_chunk_by_chunk(http: aiohttp.ClientSession, kind: str, path: str, body: dict,
+                                              ctype: str) -> None:
+    script = lambda _p, _b: Script(tokens=10, token_delay_s=0.05)  # noqa: E731
+    async with FakeUpstream(kind=kind, slots=1, script=script) as fake, run_proxy(fake.url) as px:
+        async with http.post(px.url + path, json=body) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith(ctype)
+            first = await r.content.readline()
+            assert first.strip()
+            assert fake.completed == []  # the client saw data before the upstream sent its last chunk
+            rest = await r.read()
+        direct = await http.post(fake.url + path, json=body)
+        # byte for byte, except the per-request ids/counters the upstream puts in each chunk
+        norm = lambda b: re.sub(rb'"(id|id_slot|created)":("[^"]*"|\d+)', b"", b)  # noqa: E731
+        assert norm(first + rest) == norm(await direct.read())
+
+
+async def test_error_after_stream_start_is_an_event(http: aiohttp.ClientSession) -> None:
+    script = lambda _p, _b: Script(tokens=10, token_delay_s=0.01, fail="reset_mid_stream")  # noqa: E731
+    async with FakeUpstream(slots=1, script=script) as fake, run_proxy(fake.url) as px:
+        async with http.post(px.url + "/completion", json={"prompt": "x", "stream": True}) as r:
+            assert r.status == 200
+            text = (await r.read()).decode()
+        last = [ln for ln in text.split("\n\n") if ln.strip()][-1]
+        assert last.startswith("data: ")
+        assert json.loads(last[6:])["error"]["src"] == "llmproxy"
+        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+
+
+async def test_passthrough_is_ungated(http: aiohttp.ClientSession) -> None:
+    script = lambda _p, _b: Script(tokens=100, token_delay_s=0.01)  # noqa: E731
+    async with FakeUpstream(slots=1, script=script) as fake, run_proxy(fake.url) as px:
+        busy = asyncio.create_task(http.post(px.url + "/completion", json={"prompt": "x"}))
+        await fake.wait_for(lambda f: len(f.generations) == 1)
+        for path in ("/health", "/props", "/slots", "/v1/models"):
+            async with http.get(px.url + path) as r, http.get(fake.url + path) as d:
+                assert r.status == d.status
+                assert r.headers["Content-Type"] == d.headers["Content-Type"]
+        (await busy).release()
+
+
+async def test_id_slot_injected_per_permit(http: aiohttp.ClientSession) -> None:
+    script = lambda _p, _b: Script(tokens=20, token_delay_s=0.01)  # noqa: E731
+    async with FakeUpstream(slots=2, script=script) as fake, run_proxy(fake.url) as px:
+        assert px.state.gate.capacity == 2  # from /props total_slots
+        reqs = [http.post(px.url + "/infill", json={"id_slot": 0, "input_prefix": "x", "seq": i},
+                          headers={"X-LLMProxy-Session": f"s{i}"}) for i in range(4)]
+        for r in await asyncio.gather(*reqs):
+            assert r.status == 200
+            r.release()
+        assert fake.max_concurrent == 2
+        assert {r.body["id_slot"] for r in fake.generations} == {0, 1}
+
+
+async def test_hop_by_hop_headers_not_forwarded(fake: FakeUpstream, http: aiohttp.ClientSession) -> None:
+    async with run_proxy(fake.url) as px:
+        headers = {"Connection": "keep-alive, X-Secret-Hop", "X-Secret-Hop": "1", "Keep-Alive": "timeout=5",
+                   "X-End-To-End": "yes", "Proxy-Authorization": "Basic abc"}
+        async with http.post(px.url + "/completion", json={"prompt": "x"}, headers=headers) as r:
+            assert r.status == 200
+        got = {k.lower() for k in fake.generations[-1].headers}
+        assert "x-end-to-end" in got
+        assert not got & {"x-secret-hop", "keep-alive", "proxy-authorization"}
+
+
+async def test_api_key(fake: FakeUpstream, http: aiohttp.ClientSession) -> None:
+    async with run_proxy(fake.url, api_key="s3cret") as px:
+        for hdr in ({}, {"Authorization": "Bearer undefined"}, {"Authorization": ""}, {"api-key": ""},
+                    {"Authorization": "Bearer s3cre"}):
+            async with http.post(px.url + "/completion", json={"prompt": "x"}, headers=hdr) as r:
+                assert r.status == 401, hdr
+                assert_envelope(await r.json(), 401, "authentication_error")
+        for hdr in ({"Authorization": "Bearer s3cret"}, {"api-key": "s3cret"}, {"x-api-key": "s3cret"}):
+            async with http.post(px.url + "/completion", json={"prompt": "x"}, headers=hdr) as r:
+                assert r.status == 200, hdr
+        assert not any("s3cret" in json.dumps(g.headers) for g in fake.received)  # key not forwarded
+        async with http.get(px.url + "/llmproxy/health") as r:
+            assert r.status == 200
+
+
+async def _raw(port: int, request: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    await writer.drain()
+    data = await reader.read(65536)
+    writer.close()
+    await writer.wait_closed()
+    return data
+
+
+@pytest.mark.parametrize(
+    "target", [b"http://example.com/completion", b"/../etc/passwd", b"/v1/%2e%2e/secret", b"//evil.com/x"]
+)
+async def test_path_tricks_rejected(fake: FakeUpstream, target: bytes) -> None:
+    async with run_proxy(fake.url) as px:
+        port = int(px.url.rsplit(":", 1)[1])
+        before = len(fake.received)  # start-up detection probes
+        resp = await _raw(port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert resp.startswith(b"HTTP/1.1 400"), resp[:80]
+        assert b'"src":"llmproxy"' in resp
+        assert len(fake.received) == before
+
+
+async def test_status_and_metrics(fake: FakeUpstream, http: aiohttp.ClientSession) -> None:
+    async with run_proxy(fake.url) as px:
+        async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:
+            assert r.status == 200
+        async with http.post(px.url + "/completion", data=b"{") as r:
+            assert r.status == 400
+        await wait_until(lambda: px.state.gate.inflight == 0)
+        async with http.get(px.url + "/llmproxy/status") as r:
+            st = await r.json()
+        assert st["permits"] == {"total": 1, "free": 1, "held": 0}
+        assert st["queue"]["depth"] == 0 and st["upstream"]["kind"] == "llamacpp"
+        async with http.get(px.url + "/llmproxy/metrics") as r:
+            text = await r.text()
+        for name in ("llmproxy_queue_depth", "llmproxy_inflight", "llmproxy_permits_free",
+                     "llmproxy_upstream_latency_seconds_bucket", "llmproxy_upstream_ttfb_seconds_bucket",
+                     "llmproxy_permit_hold_seconds_bucket", "llmproxy_confirm_wait_seconds_bucket"):
+            assert name in text, name
+        assert 'llmproxy_requests_total{outcome="completed",route="/completion"} 1.0' in text
+        assert 'llmproxy_requests_total{outcome="rejected",route="/completion"} 1.0' in text
