@@ -23,6 +23,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     t_max_predict_ms: int | None = None  # llama.vim: stop after this long once a newline was produced
+    ignore_eos: bool = False  # llama-server's ignore_eos: generate through end-of-generation tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +88,7 @@ class Done:
     prompt_ms: float
     predicted_ms: float
     stopping_word: str = ""
+    n_cached: int = 0  # prompt tokens reused from the slot's KV cache (not re-evaluated)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,42 @@
+"""``llmproxy backend``: run the local model server alone (llama-server compatible API)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from llmproxy.backend.settings import BackendSettings
+from llmproxy.proxy.config import add_settings_arguments, settings_from_args
+
+HELP = "Run the local model server (llama-server compatible API)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_settings_arguments(parser, BackendSettings)
+    parser.set_defaults(func=run)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("backend", help=HELP, description=HELP)
+    add_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from llmproxy.backend.model_path import ModelNotFound
+    from llmproxy.backend.server import serve
+    from llmproxy.proxy.logs import configure_logging
+
+    settings = settings_from_args(BackendSettings, args)
+    configure_logging(settings.log_level, settings.log_json)
+    try:
+        asyncio.run(serve(settings))
+    except ModelNotFound as exc:
+        raise SystemExit(f"llmproxy backend: {exc}") from None
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llmproxy.backend", description=HELP)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)

@@ -1,0 +1,289 @@
+"""The dispatch layer: bridges the event loop and the worker processes without blocking.
+
+* One reader **thread** per worker incarnation blocks on that worker's result queue and
+  hands each batch of events to the loop with ``loop.call_soon_threadsafe``; when the
+  queue is quiet it checks whether the process is still alive, so a dead worker is
+  noticed within ~0.1 s.
+* On the loop, ``_on_events`` feeds each request's ``asyncio.Queue`` and keeps the slot
+  table. A slot is marked idle **only** when the worker's ``Done``/``Failed`` for its
+  request arrives (or the worker is dead), never when a client goes away: /slots shows a
+  cancelled generation as processing until the worker has really stopped.
+* Slots are global ids ``0..total_slots-1`` mapped onto (worker, local slot); the
+  ``Submit`` sent to a worker carries the *local* slot id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from llmproxy.backend.protocol import (
+    Cancel,
+    Done,
+    Event,
+    Failed,
+    Prompt,
+    SamplingParams,
+    Submit,
+    Token,
+    WorkerState,
+)
+from llmproxy.backend.supervisor import Supervisor, WorkerHandle
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+    from llmproxy.backend.settings import BackendSettings
+
+log = structlog.get_logger("llmproxy.backend.dispatch")
+
+READER_POLL_S = 0.1
+
+
+class Unavailable(Exception):
+    """No worker can take the request now (loading / restarting): answer 503."""
+
+
+@dataclass
+class Slot:
+    id: int
+    worker: WorkerHandle
+    local: int
+    request: Request | None = None
+    id_task: int = -1
+    n_decoded: int = 0
+    n_prompt: int = 0
+    has_new_line: bool = False
+    params: SamplingParams | None = None
+    last_used: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.request is not None
+
+
+@dataclass
+class Request:
+    id: str
+    slot: Slot
+    submit: Submit
+    generation: int
+    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    finished: bool = False
+    result: Event | None = None
+    done_event: asyncio.Event = field(default_factory=asyncio.Event)
+    t_submit: float = field(default_factory=time.perf_counter)
+
+    async def events(self) -> AsyncIterator[Event]:
+        while True:
+            ev = await self.queue.get()
+            yield ev
+            if isinstance(ev, (Done, Failed)):
+                return
+
+
+class Dispatcher:
+    def __init__(self, settings: BackendSettings) -> None:
+        self.settings = settings
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.supervisor = Supervisor(settings, self._worker_started)
+        self.slots: list[Slot] = []
+        for w in self.supervisor.workers:
+            for local in range(w.n_slots):
+                self.slots.append(Slot(id=w.slot_base + local, worker=w, local=local))
+        self.requests: dict[str, Request] = {}
+        self._task_ids = itertools.count()
+        self._changed: asyncio.Condition | None = None
+        self._wakers: set[asyncio.Task[None]] = set()
+        self.started_at = time.time()
+
+    @property
+    def workers(self) -> list[WorkerHandle]:
+        return self.supervisor.workers
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._changed = asyncio.Condition()
+        await self.supervisor.start_all()
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        await self.supervisor.stop_all(timeout_s)
+        for req in list(self.requests.values()):
+            self._finish(req, Failed(req.id, 503, "server shutting down", "unavailable_error"))
+
+    def _worker_started(self, w: WorkerHandle) -> None:
+        t = threading.Thread(
+            target=self._reader, args=(w, w.generation, w.outq, w.process), name=f"dispatch-{w.index}", daemon=True
+        )
+        t.start()
+
+    def _reader(self, w: WorkerHandle, generation: int, outq: Any, proc: Any) -> None:
+        loop = self.loop
+        assert loop is not None
+        while True:
+            try:
+                batch = outq.get(timeout=READER_POLL_S)
+            except queue.Empty:
+                if proc.is_alive():
+                    continue
+                # the process is gone: pass on whatever it managed to send, then report
+                while True:
+                    try:
+                        batch = outq.get(timeout=0.02)
+                    except (queue.Empty, EOFError, OSError):
+                        break
+                    loop.call_soon_threadsafe(self._on_events, w, generation, batch)
+                loop.call_soon_threadsafe(self._on_exit, w, generation, proc.exitcode)
+                return
+            except (EOFError, OSError):
+                proc.join(1.0)
+                loop.call_soon_threadsafe(self._on_exit, w, generation, proc.exitcode)
+                return
+            try:
+                loop.call_soon_threadsafe(self._on_events, w, generation, batch)
+            except RuntimeError:  # loop closed
+                return
+
+    # --- loop-side event handling --------------------------------------------------------
+
+    def _on_events(self, w: WorkerHandle, generation: int, batch: list[Event]) -> None:
+        if generation != w.generation:
+            return
+        for ev in batch:
+            if isinstance(ev, WorkerState):
+                self._on_state(w, ev)
+                continue
+            req = self.requests.get(ev.request_id)
+            if req is None:
+                continue
+            if isinstance(ev, Token):
+                req.slot.n_decoded = ev.n_decoded
+                req.slot.has_new_line = req.slot.has_new_line or "\n" in ev.text
+                req.queue.put_nowait(ev)
+            else:
+                self._finish(req, ev)
+
+    def _on_state(self, w: WorkerHandle, ev: WorkerState) -> None:
+        w.state = ev.state if ev.state != "failed" else "error"
+        w.progress = ev.progress
+        if ev.info is not None:
+            w.info = ev.info
+        if ev.message:
+            w.message = ev.message
+        if ev.state == "ready":
+            w.message = ""
+            log.info("worker_ready", worker=w.index, pid=w.pid)
+        self._notify()
+
+    def _on_exit(self, w: WorkerHandle, generation: int, exitcode: int | None) -> None:
+        if generation != w.generation:
+            return
+        w.generation += 1  # ignore anything else from this incarnation
+        for req in [r for r in self.requests.values() if r.slot.worker is w]:
+            self._finish(
+                req,
+                Failed(req.id, 502, f"backend worker {w.index} died (exit code {exitcode}); request aborted"),
+            )
+        self.supervisor.on_exit(w, exitcode)
+        self._notify()
+
+    def _finish(self, req: Request, ev: Event) -> None:
+        if req.finished:
+            return
+        req.finished = True
+        req.result = ev
+        self.requests.pop(req.id, None)
+        slot = req.slot
+        if slot.request is req:
+            slot.request = None
+            slot.last_used = time.monotonic()
+        req.queue.put_nowait(ev)
+        req.done_event.set()
+        self._notify()
+
+    def _notify(self) -> None:
+        cond = self._changed
+        if cond is None:
+            return
+
+        async def _wake() -> None:
+            async with cond:
+                cond.notify_all()
+
+        assert self.loop is not None
+        task = self.loop.create_task(_wake())
+        self._wakers.add(task)
+        task.add_done_callback(self._wakers.discard)
+
+    # --- requests ---------------------------------------------------------------------
+
+    def any_ready(self) -> bool:
+        return any(w.ready for w in self.workers)
+
+    def _pick(self, id_slot: int) -> Slot | None:
+        if id_slot >= 0:
+            s = self.slots[id_slot]
+            return s if (not s.busy and s.worker.ready) else None
+        free = [s for s in self.slots if not s.busy and s.worker.ready]
+        return min(free, key=lambda s: s.id) if free else None
+
+    async def acquire(self, id_slot: int = -1) -> Slot:
+        """A free slot (``id_slot`` or any); waits while all candidates are busy."""
+        if id_slot >= len(self.slots):
+            raise ValueError(f"id_slot {id_slot} out of range (total_slots={len(self.slots)})")
+        cond = self._changed
+        assert cond is not None
+        async with cond:
+            while True:
+                if id_slot >= 0 and not self.slots[id_slot].worker.ready:
+                    raise Unavailable(self._unavailable_message())
+                if id_slot < 0 and not self.any_ready():
+                    raise Unavailable(self._unavailable_message())
+                slot = self._pick(id_slot)
+                if slot is not None:
+                    return slot
+                await cond.wait()
+
+    def _unavailable_message(self) -> str:
+        if any(w.state == "error" for w in self.workers):
+            return "Model worker restarting"
+        return "Loading model"
+
+    def submit(self, slot: Slot, prompt: Prompt, params: SamplingParams) -> Request:
+        rid = uuid.uuid4().hex
+        w = slot.worker
+        sub = Submit(request_id=rid, slot=slot.local, prompt=prompt, params=params)
+        req = Request(id=rid, slot=slot, submit=sub, generation=w.generation)
+        slot.request = req
+        slot.id_task = next(self._task_ids)
+        slot.n_decoded = 0
+        slot.has_new_line = False
+        slot.params = params
+        self.requests[rid] = req
+        try:
+            w.inq.put(sub)
+        except Exception as exc:  # queue closed (worker being replaced)
+            self._finish(req, Failed(rid, 503, f"worker unavailable: {exc}", "unavailable_error"))
+        return req
+
+    async def start_request(self, prompt: Prompt, params: SamplingParams, id_slot: int = -1) -> Request:
+        slot = await self.acquire(id_slot)
+        return self.submit(slot, prompt, params)
+
+    def cancel(self, req: Request) -> None:
+        """Ask the worker to stop (between tokens). The slot stays busy until it answers."""
+        if req.finished:
+            return
+        try:
+            req.slot.worker.inq.put(Cancel(req.id))
+        except Exception:
+            pass

@@ -1,0 +1,420 @@
+"""The llama-cpp-python engine: one sequence (slot) per instance, token-by-token steps.
+
+Each ``step`` does one bounded unit: evaluate one prompt chunk of ``n_batch`` tokens, or
+decode and sample one token (through ``Llama.generate``, advanced one ``next()`` per
+step). The worker loop checks its inbound queue between steps, so a Cancel stops the
+generation between two tokens (or two prompt chunks).
+
+Prompt caching: the KV cache of the previous request stays in the context; a new prompt
+re-uses its longest common prefix (llama-server's ``cache_prompt``), which is what makes
+editor autocomplete cheap.
+
+Prompts:
+* completion: the text (special tokens parsed) or the given token ids.
+* infill: with FIM tokens in the vocab (``llama_vocab_fim_pre/suf/mid``):
+  ``[BOS] [extra: FIM_REP "myproject\\n" (FIM_SEP filename "\\n" text)*] FIM_PRE prefix+prompt
+  FIM_SUF suffix FIM_MID`` (llama-server's layout), the prefix truncated on the left and
+  the suffix on the right to fit the context. **Fallback** for vocabularies without FIM
+  tokens: plain continuation of ``extra texts + prefix + prompt`` (the suffix is
+  ignored), so the model still completes the current line.
+* chat: the GGUF's ``tokenizer.chat_template`` (Jinja2), else ChatML.
+
+Stop words are matched on the generated text; text that could be the start of a stop
+word is held back until it is known not to be one, so a stop word never leaks into a
+stream.
+"""
+
+from __future__ import annotations
+
+import codecs
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmproxy.backend.model_path import resolve_model
+from llmproxy.backend.protocol import Done, EngineInfo, Event, Failed, Prompt, Submit, Token
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class PromptTooLong(ValueError):
+    pass
+
+
+@dataclass
+class _Seq:
+    submit: Submit
+    tokens: list[int]
+    n_predict: int  # effective cap
+    n_cached: int = 0
+    pos: int = 0  # prompt tokens already in the KV cache
+    gen: Iterator[int] | None = None
+    n_decoded: int = 0
+    held: str = ""  # generated text not yet emitted (could start a stop word)
+    has_new_line: bool = False
+    decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
+    t_admit: float = field(default_factory=time.perf_counter)
+    t_start: float = 0.0
+    t_first: float = 0.0
+
+    @property
+    def rid(self) -> str:
+        return self.submit.request_id
+
+
+class LlamaCppEngine:
+    def __init__(self, settings: Any, worker_index: int = 0) -> None:
+        self.settings = settings
+        self.worker_index = worker_index
+        self.llm: Any = None
+        self.model_path = resolve_model(settings.model)
+        self.alias = settings.model_alias or self.model_path.stem
+        self.n_ctx = int(settings.n_ctx)
+        self.n_batch = int(settings.n_batch)
+        self.current: _Seq | None = None
+        self.pending: deque[_Seq] = deque()
+        self._fim: tuple[int, int, int] | None = None
+        self._fim_rep = -1
+        self._fim_sep = -1
+        self._chat: Any = None
+        self._eog: Callable[[int], bool] = lambda t: False
+
+    # --- Engine protocol -------------------------------------------------------------
+
+    def load(self, progress: Callable[[float], None]) -> EngineInfo:
+        import llama_cpp
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        progress(0.05)
+        self.llm = llama_cpp.Llama(
+            model_path=str(self.model_path),
+            n_ctx=self.n_ctx,
+            n_batch=self.n_batch,
+            n_threads=self.settings.threads_per_worker(),
+            n_threads_batch=self.settings.threads_per_worker(),
+            verbose=False,
+        )
+        progress(0.8)
+        llm = self.llm
+        model = llm._model
+        vocab = model.vocab
+        self._eog = lambda t: bool(llama_cpp.llama_vocab_is_eog(vocab, t))
+        pre, suf, mid = model.token_prefix(), model.token_suffix(), model.token_middle()
+        if min(pre, suf, mid) >= 0:
+            self._fim = (pre, suf, mid)
+            self._fim_rep = llama_cpp.llama_vocab_fim_rep(vocab)
+            self._fim_sep = llama_cpp.llama_vocab_fim_sep(vocab)
+        meta = llm.metadata or {}
+        template = meta.get("tokenizer.chat_template") or CHATML
+        bos_id, eos_id = model.token_bos(), model.token_eos()
+        bos = llm.detokenize([bos_id], special=True).decode("utf-8", "replace") if bos_id >= 0 else ""
+        eos = llm.detokenize([eos_id], special=True).decode("utf-8", "replace") if eos_id >= 0 else ""
+        self._chat = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
+        self._bos_text = bos
+        if self.settings.warmup:
+            self._warmup()
+        progress(1.0)
+        return EngineInfo(
+            model_path=str(self.model_path),
+            model_alias=self.alias,
+            n_ctx=self.n_ctx,
+            has_fim=self._fim is not None,
+            n_slots=1,
+            extra=(
+                ("engine", "llama-cpp"),
+                ("n_threads", str(self.settings.threads_per_worker())),
+                ("n_batch", str(self.n_batch)),
+                ("chat_template", template),
+                ("infill", "fim" if self._fim else "prefix-only fallback"),
+            ),
+        )
+
+    def capacity(self) -> int:
+        return 1
+
+    def active(self) -> int:
+        return (1 if self.current is not None else 0) + len(self.pending)
+
+    def active_ids(self) -> list[str]:
+        ids = [s.rid for s in self.pending]
+        if self.current is not None:
+            ids.insert(0, self.current.rid)
+        return ids
+
+    def admit(self, submit: Submit) -> list[Event]:
+        p = submit.params
+        try:
+            tokens = self._tokens(submit.prompt, p.n_predict)
+        except PromptTooLong as exc:
+            return [Failed(submit.request_id, 400, str(exc), "invalid_request_error")]
+        n = len(tokens)
+        if n == 0:
+            return [Failed(submit.request_id, 400, "empty prompt", "invalid_request_error")]
+        if n >= self.n_ctx:
+            return [Failed(submit.request_id, 400, _too_long(n, self.n_ctx), "exceed_context_size_error")]
+        cap = int(self.settings.n_predict_max)
+        if p.n_predict >= 0:
+            if n + p.n_predict > self.n_ctx:
+                return [
+                    Failed(
+                        submit.request_id,
+                        400,
+                        f"prompt ({n} tokens) + n_predict ({p.n_predict}) exceeds the context size ({self.n_ctx})",
+                        "exceed_context_size_error",
+                    )
+                ]
+            cap = min(cap, p.n_predict)
+        seq = _Seq(submit=submit, tokens=tokens, n_predict=min(cap, self.n_ctx - n))
+        self.pending.append(seq)
+        return []
+
+    def cancel(self, request_id: str) -> list[Event]:
+        cur = self.current
+        if cur is not None and cur.rid == request_id:
+            self.current = None
+            return [self._finish(cur, "cancelled", emit_held=False)[-1]]
+        for seq in list(self.pending):
+            if seq.rid == request_id:
+                self.pending.remove(seq)
+                return [Done(request_id, "cancelled", len(seq.tokens), 0, 0.0, 0.0)]
+        return []
+
+    def step(self) -> list[Event]:
+        if self.current is None:
+            if not self.pending:
+                return []
+            self.current = self.pending.popleft()
+            self._start(self.current)
+            if self.current.n_predict <= 0:
+                seq, self.current = self.current, None
+                return self._finish(seq, "limit")
+        seq = self.current
+        try:
+            return self._step(seq)
+        except Exception as exc:
+            self.current = None
+            self.llm.reset()
+            return [Failed(seq.rid, 500, f"generation failed: {exc}")]
+
+    def sleep(self) -> None:  # the GGUF stays mapped; nothing worth freeing
+        return None
+
+    def close(self) -> None:
+        if self.llm is not None:
+            try:
+                self.llm.close()
+            except Exception:
+                pass
+            self.llm = None
+
+    def _warmup(self) -> None:
+        """A short generation so the first real request does not pay first-call costs."""
+        from llmproxy.backend.protocol import SamplingParams
+
+        sub = Submit("warmup", 0, Prompt(kind="completion", text="Hello"), SamplingParams(n_predict=2, seed=0))
+        events = self.admit(sub)
+        while self.active() and not events:
+            events = [e for e in self.step() if not isinstance(e, Token)]
+        self.llm.reset()
+
+    # --- internals ---------------------------------------------------------------------
+
+    def _start(self, seq: _Seq) -> None:
+        llm = self.llm
+        seq.t_start = time.perf_counter()
+        cached = llm._input_ids
+        toks = seq.tokens
+        lcp = 0
+        limit = min(len(cached), len(toks) - 1)
+        while lcp < limit and cached[lcp] == toks[lcp]:
+            lcp += 1
+        if lcp > 0 and not llm._ctx.kv_cache_seq_rm(-1, lcp, -1):
+            lcp = 0
+        if lcp == 0:
+            llm.reset()
+        else:
+            llm.n_tokens = lcp
+        seq.pos = seq.n_cached = lcp
+
+    def _step(self, seq: _Seq) -> list[Event]:
+        llm = self.llm
+        if seq.gen is None:
+            remaining = len(seq.tokens) - seq.pos
+            if remaining > self.n_batch:  # one prompt chunk per step
+                llm.eval(seq.tokens[seq.pos : seq.pos + self.n_batch])
+                seq.pos += self.n_batch
+                return []
+            p = seq.submit.params
+            llm.set_seed(p.seed if p.seed is not None and p.seed >= 0 else random.getrandbits(31))
+            seq.gen = llm.generate(
+                seq.tokens,
+                top_k=p.top_k if p.top_k > 0 else 0,
+                top_p=p.top_p,
+                min_p=p.min_p,
+                temp=max(0.0, p.temperature),
+                repeat_penalty=1.0,
+                reset=True,
+            )
+        try:
+            tok = next(seq.gen)
+        except StopIteration:
+            self.current = None
+            return self._finish(seq, "eos")
+        now = time.perf_counter()
+        if seq.n_decoded == 0:
+            seq.t_first = now
+        if self._eog(tok) and not seq.submit.params.ignore_eos:
+            self.current = None
+            return self._finish(seq, "eos")
+        seq.n_decoded += 1
+        text = seq.held + seq.decoder.decode(llm.detokenize([tok]))
+        out: list[Event] = []
+        stops = seq.submit.params.stop
+        if stops:
+            hit = _find_stop(text, stops)
+            if hit is not None:
+                idx, word = hit
+                if idx > 0:
+                    out.append(Token(seq.rid, text[:idx], seq.n_decoded))
+                seq.held = ""
+                self.current = None
+                return out + self._finish(seq, "word", emit_held=False, stopping_word=word)
+            keep = _partial_stop_len(text, stops)
+        else:
+            keep = 0
+        emit, seq.held = (text[: len(text) - keep], text[len(text) - keep :]) if keep else (text, "")
+        if emit:
+            seq.has_new_line = seq.has_new_line or "\n" in emit
+            out.append(Token(seq.rid, emit, seq.n_decoded))
+        p = seq.submit.params
+        reason = None
+        if seq.n_decoded >= seq.n_predict or llm.n_tokens + 1 >= self.n_ctx:
+            reason = "limit"
+        elif (
+            p.t_max_predict_ms is not None
+            and p.t_max_predict_ms > 0
+            and seq.has_new_line
+            and (now - seq.t_first) * 1000.0 > p.t_max_predict_ms
+        ):
+            reason = "time"
+        if reason is not None:
+            self.current = None
+            out.extend(self._finish(seq, reason))
+        return out
+
+    def _finish(self, seq: _Seq, reason: str, emit_held: bool = True, stopping_word: str = "") -> list[Event]:
+        out: list[Event] = []
+        if seq.gen is not None:
+            seq.gen.close()  # type: ignore[attr-defined]
+        if emit_held:
+            tail = seq.held + seq.decoder.decode(b"", final=True)
+            if tail:
+                out.append(Token(seq.rid, tail, seq.n_decoded))
+        now = time.perf_counter()
+        t_first = seq.t_first or now
+        t_start = seq.t_start or now
+        out.append(
+            Done(
+                request_id=seq.rid,
+                stop_reason=reason,  # type: ignore[arg-type]
+                n_prompt_tokens=len(seq.tokens),
+                n_predicted=seq.n_decoded,
+                prompt_ms=(t_first - t_start) * 1000.0,
+                predicted_ms=(now - t_first) * 1000.0,
+                stopping_word=stopping_word,
+                n_cached=seq.n_cached,
+            )
+        )
+        return out
+
+    # --- prompts -----------------------------------------------------------------------
+
+    def _tok(self, text: str, add_bos: bool = False, special: bool = True) -> list[int]:
+        if not text:
+            return []
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
+
+    def _add_bos(self) -> list[int]:
+        model = self.llm._model
+        return [model.token_bos()] if model.add_bos_token() and model.token_bos() >= 0 else []
+
+    def _tokens(self, prompt: Prompt, n_predict: int) -> list[int]:
+        if prompt.kind == "completion":
+            if prompt.tokens is not None:
+                return list(prompt.tokens)
+            return self._add_bos() + self._tok(prompt.text)
+        if prompt.kind == "chat":
+            messages = [{"role": r, "content": c} for r, c in prompt.messages]
+            text = self._chat(messages=messages).prompt
+            bos = [] if (self._bos_text and text.startswith(self._bos_text)) else self._add_bos()
+            return bos + self._tok(text)
+        return self._infill_tokens(prompt, n_predict)
+
+    def _infill_tokens(self, prompt: Prompt, n_predict: int) -> list[int]:
+        # room for the prompt: leave space for generation (at least a little)
+        reserve = n_predict if n_predict > 0 else min(self.settings.n_predict_max, self.n_ctx // 4)
+        budget = max(16, self.n_ctx - reserve - 1)
+        bos = self._add_bos()
+        prefix = self._tok(prompt.prefix + prompt.text, special=False)
+        suffix = self._tok(prompt.suffix, special=False)
+        if self._fim is None:
+            # documented fallback: continue extra + prefix (+prompt) as plain text
+            extra = self._tok("".join(t for _, t in prompt.extra), special=False)
+            take = budget - len(bos)
+            body = (extra + prefix)[-take:] if take > 0 else []
+            return bos + body
+        pre, suf, mid = self._fim
+        n_fixed = len(bos) + 3
+        room = budget - n_fixed
+        if room <= 0:
+            raise PromptTooLong(_too_long(n_fixed, self.n_ctx))
+        n_suffix = min(len(suffix), room // 4)
+        n_prefix = min(len(prefix), room - n_suffix)
+        n_suffix = min(len(suffix), room - n_prefix)
+        prefix = prefix[len(prefix) - n_prefix :]
+        suffix = suffix[:n_suffix]
+        room -= n_prefix + n_suffix
+        extra: list[int] = []
+        if prompt.extra and room > 0:
+            if self._fim_rep >= 0 and self._fim_sep >= 0:
+                extra = [self._fim_rep] + self._tok("myproject\n", special=False)
+                for name, text in prompt.extra:
+                    extra += [self._fim_sep] + self._tok(f"{name}\n{text}", special=False)
+                extra += [self._fim_sep] + self._tok("filename\n", special=False)
+            else:
+                extra = self._tok("".join(t for _, t in prompt.extra), special=False)
+            if len(extra) > room:
+                extra = []  # all or nothing: a cut chunk would mislead the model
+        return bos + extra + [pre] + prefix + [suf] + suffix + [mid]
+
+
+def _too_long(n: int, n_ctx: int) -> str:
+    return f"the request exceeds the available context size: the prompt has {n} tokens, the context is {n_ctx}"
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    best: tuple[int, str] | None = None
+    for word in stops:
+        if not word:
+            continue
+        idx = text.find(word)
+        if idx >= 0 and (best is None or idx < best[0]):
+            best = (idx, word)
+    return best
+
+
+def _partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop word."""
+    keep = 0
+    for word in stops:
+        for k in range(min(len(word) - 1, len(text)), keep, -1):
+            if text.endswith(word[:k]):
+                keep = k
+                break
+    return keep

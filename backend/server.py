@@ -1,0 +1,56 @@
+"""Running the backend: bind, write the port file, serve until SIGTERM/SIGINT, drain.
+
+Shutdown order: stop listening; in-flight requests get ``shutdown_timeout_s`` to finish
+(aiohttp's graceful shutdown); handlers still running are then cancelled (each sends
+``Cancel`` to its worker); the app cleanup sends ``Shutdown`` pills, joins the workers
+and kills stragglers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import structlog
+from aiohttp import web
+from llmproxy.backend.app import create_app
+from llmproxy.backend.settings import BackendSettings
+from llmproxy.proxy.config import describe
+
+log = structlog.get_logger("llmproxy.backend")
+
+
+def _write_port_file(path: Path, port: int) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(f"{port}\n")
+    os.replace(tmp, path)
+
+
+async def serve(settings: BackendSettings, stop: asyncio.Event | None = None) -> None:
+    app = create_app(settings)
+    runner = web.AppRunner(
+        app, handler_cancellation=True, shutdown_timeout=settings.shutdown_timeout_s, access_log=None
+    )
+    await runner.setup()
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        port = runner.addresses[0][1]
+        if settings.port_file is not None:
+            _write_port_file(settings.port_file, port)
+        log.info("backend_listening", host=settings.host, port=port, settings=describe(settings))
+        await stop.wait()
+        log.info("backend_stopping")
+    finally:
+        await runner.cleanup()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        log.info("backend_stopped")

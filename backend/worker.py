@@ -1,0 +1,144 @@
+"""The worker process: owns one engine instance and drives it (the Engine protocol).
+
+Started with the multiprocessing *spawn* context by the supervisor. Inbound messages
+(Submit/Cancel/Shutdown) arrive on ``inq``; events go out on ``outq`` as *lists* of
+events (one list per loop turn, fewer pickles). The loop:
+
+* idle (``engine.active() == 0``): block on ``inq`` with a short timeout;
+* busy: drain ``inq`` without blocking, then ``engine.step()`` (one bounded unit), so a
+  Cancel lands between two tokens and a new Submit joins at the next step.
+
+The worker exits on Shutdown, or by itself when its parent dies (``os.getppid()``
+changes), so a SIGKILLed server never leaves orphans. Any engine exception on a request
+becomes a ``Failed`` event; an exception outside a request ends the process (the
+supervisor restarts it).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+from llmproxy.backend.protocol import Cancel, Event, Failed, Shutdown, Submit, WorkerState
+
+IDLE_POLL_S = 0.25
+
+
+def _parent_alive(parent_pid: int) -> bool:
+    return os.getppid() == parent_pid
+
+
+def worker_main(
+    index: int, settings_data: dict[str, Any], inq: Any, outq: Any, parent_pid: int
+) -> None:
+    """Entry point of a worker process (must be importable: spawn pickles it by name)."""
+    # The server handles SIGINT/SIGTERM and tells workers to stop; a terminal's Ctrl-C
+    # (sent to the whole process group) must not kill a worker mid-generation.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    outq.cancel_join_thread()  # never block exit flushing to a parent that is gone
+    from llmproxy.backend.settings import BackendSettings
+
+    settings = BackendSettings.from_worker(settings_data)
+    code = 0
+    try:
+        code = run_worker(index, settings, inq, outq, parent_pid)
+    except BaseException:  # noqa: BLE001 - report and die; the supervisor restarts us
+        msg = traceback.format_exc()
+        try:
+            outq.put([WorkerState("failed", message=msg[-2000:])])
+            time.sleep(0.1)
+        except Exception:
+            pass
+        print(msg, file=sys.stderr, flush=True)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_worker(index: int, settings: Any, inq: Any, outq: Any, parent_pid: int) -> int:
+    from llmproxy.backend.engines import create_engine
+
+    engine = create_engine(settings, index)
+    last_progress = [0.0]
+
+    def progress(p: float) -> None:
+        if p - last_progress[0] >= 0.05 or p >= 1.0:
+            last_progress[0] = p
+            outq.put([WorkerState("loading", progress=float(p))])
+
+    outq.put([WorkerState("loading", progress=0.0)])
+    info = engine.load(progress)
+    outq.put([WorkerState("ready", progress=1.0, info=info)])
+
+    idle_unload_s = float(getattr(settings, "idle_unload_s", 0) or 0)
+    idle_since = time.monotonic()
+    sleeping = False
+    try:
+        while True:
+            if not _parent_alive(parent_pid):
+                return 0
+            out: list[Event] = []
+            msgs: list[Any] = []
+            if engine.active() == 0:
+                try:
+                    msgs.append(inq.get(timeout=IDLE_POLL_S))
+                except queue.Empty:
+                    if idle_unload_s > 0 and not sleeping and time.monotonic() - idle_since >= idle_unload_s:
+                        engine.sleep()
+                        sleeping = True
+                        outq.put([WorkerState("sleeping", progress=1.0, info=info)])
+                    continue
+            while True:
+                try:
+                    msgs.append(inq.get_nowait())
+                except queue.Empty:
+                    break
+            for msg in msgs:
+                if isinstance(msg, Shutdown):
+                    # finish nothing new: cancel what is left (the server drained first)
+                    for rid in list(_active_ids(engine)):
+                        out.extend(engine.cancel(rid))
+                    if out:
+                        outq.put(out)
+                    return 0
+                if isinstance(msg, Submit):
+                    if sleeping:
+                        sleeping = False
+                        outq.put([WorkerState("ready", progress=1.0, info=info)])
+                    out.extend(_guard(msg.request_id, engine.admit, msg))
+                elif isinstance(msg, Cancel):
+                    out.extend(_guard(msg.request_id, engine.cancel, msg.request_id))
+            if out:
+                outq.put(out)
+                out = []
+            if engine.active() > 0:
+                out.extend(engine.step())
+                if out:
+                    outq.put(out)
+                if engine.active() == 0:
+                    idle_since = time.monotonic()
+    finally:
+        try:
+            engine.close()
+        except Exception:
+            pass
+
+
+def _active_ids(engine: Any) -> list[str]:
+    ids = getattr(engine, "active_ids", None)
+    return list(ids()) if callable(ids) else []
+
+
+def _guard(request_id: str, fn: Any, *args: Any) -> list[Event]:
+    try:
+        return list(fn(*args))
+    except Exception as exc:  # a bad request must never kill the worker
+        traceback.print_exc()
+        return [Failed(request_id, 500, f"engine error: {exc}")]

@@ -1,0 +1,202 @@
+"""The HTTP API through a real server and model: llama-server shapes, OpenAI shapes, errors."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+PROMPT = "def fibonacci(n):\n"
+GREEDY = {"temperature": 0, "seed": 1}
+
+
+def sse_events(raw: str) -> list[Any]:
+    out = []
+    for block in raw.split("\n\n"):
+        block = block.strip()
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: ") :]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+async def post_stream(url: str, body: dict[str, Any]) -> tuple[int, str, str]:
+    async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
+        return r.status, r.headers.get("Content-Type", ""), await r.text()
+
+
+def test_health_props_models(backend: Any) -> None:
+    assert backend.get("/health") == (200, {"status": "ok"})
+    status, props = backend.get("/props")
+    assert status == 200
+    assert props["total_slots"] == 1
+    assert props["model_path"].endswith(".gguf") or props["model_path"]
+    assert props["default_generation_settings"]["n_ctx"] == 2048
+    assert props["engine"]["name"] == backend.engine
+    status, models = backend.get("/v1/models")
+    assert status == 200 and models["object"] == "list"
+    assert models["data"][0]["id"] == props["model_alias"]
+    slots = backend.slots()
+    assert [s["id"] for s in slots] == [0]
+    assert slots[0]["is_processing"] is False
+
+
+def test_completion(backend: Any) -> None:
+    status, body = backend.post("/completion", {"prompt": PROMPT, "n_predict": 8, **GREEDY})
+    assert status == 200, body
+    assert isinstance(body["content"], str) and body["content"]
+    assert body["stop"] is True
+    assert 1 <= body["tokens_predicted"] <= 8
+    assert body["tokens_evaluated"] > 0
+    assert body["stop_type"] in ("eos", "limit")
+    assert body["id_slot"] == 0
+    t = body["timings"]
+    assert t["predicted_n"] == body["tokens_predicted"] and t["predicted_ms"] > 0
+
+
+async def test_completion_stream_matches(backend: Any) -> None:
+    req = {"prompt": PROMPT, "n_predict": 12, **GREEDY}
+    _, whole = backend.post("/completion", req)
+    status, ctype, raw = await post_stream(backend.url + "/completion", {**req, "stream": True})
+    assert status == 200 and ctype.startswith("text/event-stream")
+    events = sse_events(raw)
+    assert events[-1]["stop"] is True
+    assert all(e["stop"] is False for e in events[:-1])
+    assert "timings" in events[-1] and events[-1]["tokens_predicted"] == whole["tokens_predicted"]
+    assert "".join(e["content"] for e in events) == whole["content"]
+
+
+def test_stop_word(backend: Any) -> None:
+    req = {"prompt": "1, 2, 3, 4, 5,", "n_predict": 16, **GREEDY}
+    _, base = backend.post("/completion", req)
+    text = base["content"]
+    if len(text) < 6:
+        pytest.skip(f"model output too short to pick a stop word: {text!r}")
+    word = text[3:6]
+    idx = text.find(word)
+    status, body = backend.post("/completion", {**req, "stop": [word]})
+    assert status == 200
+    assert body["content"] == text[:idx]
+    assert body["stop_type"] == "word" and body["stopping_word"] == word
+
+
+async def test_stop_word_stream_never_leaks(backend: Any) -> None:
+    req = {"prompt": "1, 2, 3, 4, 5,", "n_predict": 16, **GREEDY}
+    _, base = backend.post("/completion", req)
+    text = base["content"]
+    if len(text) < 6:
+        pytest.skip("model output too short")
+    word = text[3:6]
+    _, _, raw = await post_stream(backend.url + "/completion", {**req, "stop": [word], "stream": True})
+    events = sse_events(raw)
+    assert "".join(e["content"] for e in events) == text[: text.find(word)]
+    assert events[-1]["stop_type"] == "word"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_infill(backend: Any, stream: bool) -> None:
+    req = {
+        "input_prefix": "def add(a, b):\n    ",
+        "input_suffix": "\n\nprint(add(1, 2))\n",
+        "input_extra": [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}],
+        "prompt": "return",
+        "n_predict": 8,
+        "t_max_predict_ms": 2000,
+        "stream": stream,
+        **GREEDY,
+    }
+    if not stream:
+        status, body = backend.post("/infill", req)
+        assert status == 200, body
+        assert isinstance(body["content"], str) and body["stop"] is True
+        assert body["tokens_predicted"] <= 8
+    else:
+        status, _, raw = await post_stream(backend.url + "/infill", req)
+        assert status == 200
+        assert sse_events(raw)[-1]["stop"] is True
+
+
+def test_v1_completions(backend: Any) -> None:
+    status, body = backend.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, **GREEDY})
+    assert status == 200, body
+    assert body["object"] == "text_completion"
+    choice = body["choices"][0]
+    assert isinstance(choice["text"], str) and choice["finish_reason"] in ("stop", "length")
+    assert body["usage"]["completion_tokens"] <= 8
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+
+
+async def test_v1_completions_stream(backend: Any) -> None:
+    req = {"prompt": PROMPT, "max_tokens": 8, **GREEDY}
+    _, whole = backend.post("/v1/completions", req)
+    status, _, raw = await post_stream(backend.url + "/v1/completions", {**req, "stream": True})
+    assert status == 200
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+
+
+def test_chat(backend: Any) -> None:
+    req = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, **GREEDY}
+    status, body = backend.post("/v1/chat/completions", req)
+    assert status == 200, body
+    assert body["object"] == "chat.completion"
+    msg = body["choices"][0]["message"]
+    assert msg["role"] == "assistant" and isinstance(msg["content"], str)
+    assert body["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+async def test_chat_stream(backend: Any) -> None:
+    req = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, **GREEDY}
+    _, whole = backend.post("/v1/chat/completions", req)
+    status, _, raw = await post_stream(backend.url + "/v1/chat/completions", {**req, "stream": True})
+    assert status == 200
+    events = sse_events(raw)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert chunks[0]["choices"][0]["delta"].get("role") == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == whole["choices"][0]["message"]["content"]
+
+
+def _envelope(status: int, body: Any, code: int) -> None:
+    assert status == code, body
+    assert body["error"]["code"] == code and body["error"]["message"] and body["error"]["type"]
+
+
+def test_bad_input(backend: Any) -> None:
+    _envelope(*backend.post("/completion", b"{not json"), 400)
+    _envelope(*backend.post("/completion", b"[1, 2]"), 400)
+    _envelope(*backend.post("/completion", {"n_predict": 4}), 400)  # no prompt
+    _envelope(*backend.post("/completion", {"prompt": "x", "temperature": "hot"}), 400)
+    _envelope(*backend.post("/completion", {"prompt": "x", "id_slot": 7}), 400)
+    _envelope(*backend.post("/nope", {}), 404)
+    _envelope(*backend.get("/nope"), 404)
+    _envelope(*backend.post("/v1/completions", {"prompt": "x", "model": "no-such-model"}), 404)
+    _envelope(*backend.post("/v1/chat/completions", {"messages": "hi"}), 400)
+    # beyond the context (n_ctx 2048): a long prompt, and n_predict past the end
+    status, body = backend.post("/completion", {"prompt": "hello " * 3000, "n_predict": 4})
+    _envelope(status, body, 400)
+    assert "context" in body["error"]["message"]
+    _envelope(*backend.post("/completion", {"prompt": "hello", "n_predict": 5000}), 400)
+    # streamed requests that fail before the first token get a plain JSON error too
+    _envelope(*backend.post("/completion", {"prompt": "hello " * 3000, "stream": True}), 400)
+    # the server is fine afterwards
+    status, body = backend.post("/completion", {"prompt": "hello", "n_predict": 2})
+    assert status == 200, body
+
+
+def test_model_names_accepted(backend: Any) -> None:
+    _, props = backend.get("/props")
+    for name in (props["model_alias"], props["model_path"]):
+        status, body = backend.post("/v1/completions", {"prompt": "x", "max_tokens": 1, "model": name})
+        assert status == 200, body

@@ -1,0 +1,128 @@
+"""Worker crashes and recovery, parallel slots and id_slot."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+from backend_helpers import parallel_flags, wait_until
+
+LONG = {"prompt": "Once upon a time", "n_predict": 500, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def crashy(engine: str, start_backend: Any) -> Any:
+    """A server of its own: these tests kill its worker."""
+    return start_backend(engine, *parallel_flags(engine, 1))
+
+
+async def test_worker_sigkill_stream_fails_fast_and_recovers(crashy: Any) -> None:
+    old_pid = crashy.worker_pids()[0]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(crashy.url + "/completion", json=LONG) as r:
+            assert r.status == 200
+            await r.content.readline()
+            os.kill(old_pid, signal.SIGKILL)
+            t0 = time.perf_counter()
+            last = None
+            async for line in r.content:
+                if line.startswith(b"data: "):
+                    last = json.loads(line[6:])
+            elapsed = time.perf_counter() - t0
+        assert last is not None and "error" in last, last
+        assert last["error"]["code"] == 502
+        assert elapsed < 1.0, elapsed
+        async with s.get(crashy.url + "/health") as h:
+            body = await h.json()
+            assert h.status == 503
+            assert body["status"] in ("error", "loading")
+            assert body["error"]["code"] == 503
+        async with s.post(crashy.url + "/completion", json={"prompt": "x", "n_predict": 2}) as r:
+            assert r.status == 503  # no worker to run it yet
+    assert wait_until(lambda: crashy.get("/health")[0] == 200, 120, 0.1), crashy.log_tail()
+    new_pid = crashy.worker_pids()[0]
+    assert new_pid != old_pid
+    status, body = crashy.post("/completion", {"prompt": "Hello", "n_predict": 4})
+    assert status == 200, body
+    _, props = crashy.get("/props")
+    assert props["workers"][0]["restarts"] >= 1
+
+
+async def test_worker_sigkill_non_stream_gets_502(crashy: Any) -> None:
+    assert wait_until(lambda: crashy.get("/health")[0] == 200, 120, 0.1)
+    pid = crashy.worker_pids()[0]
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.ensure_future(s.post(crashy.url + "/completion", json={**LONG, "stream": False}))
+        t_end = time.monotonic() + 30
+        while True:
+            async with s.get(crashy.url + "/slots") as r:
+                sl = (await r.json())[0]
+            if sl["is_processing"] and sl["n_decoded"] >= 2:
+                break
+            assert time.monotonic() < t_end
+            await asyncio.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.perf_counter()
+        resp = await task
+        body = await resp.json()
+        elapsed = time.perf_counter() - t0
+        resp.release()
+    assert resp.status == 502
+    assert body["error"]["code"] == 502 and "worker" in body["error"]["message"]
+    assert elapsed < 1.0
+    assert wait_until(lambda: crashy.get("/health")[0] == 200, 120, 0.1)
+    assert crashy.post("/completion", {"prompt": "Hi", "n_predict": 2})[0] == 200
+
+
+@pytest.fixture(scope="module")
+def two_slots(engine: str, start_backend: Any) -> Any:
+    return start_backend(engine, *parallel_flags(engine, 2))
+
+
+async def test_parallel_slots_run_at_once(two_slots: Any) -> None:
+    assert [s["id"] for s in two_slots.slots()] == [0, 1]
+    req = {**LONG, "n_predict": 200, "stream": False}
+    async with aiohttp.ClientSession() as s:
+        tasks = [asyncio.ensure_future(s.post(two_slots.url + "/completion", json=req)) for _ in range(2)]
+        both = False
+        t_end = time.monotonic() + 30
+        while not both and time.monotonic() < t_end and not all(t.done() for t in tasks):
+            async with s.get(two_slots.url + "/slots") as r:
+                sl = await r.json()
+            both = all(x["is_processing"] and x["n_decoded"] > 0 for x in sl)
+            await asyncio.sleep(0.01)
+        results = []
+        for t in tasks:
+            r = await t
+            results.append((r.status, await r.json()))
+            r.release()
+    assert both, "the two requests never ran at the same time"
+    assert all(st == 200 and b["stop"] for st, b in results)
+    assert sorted(b["id_slot"] for _, b in results) == [0, 1]
+
+
+async def test_id_slot_honoured_and_busy_slot_waits(two_slots: Any) -> None:
+    async with aiohttp.ClientSession() as s:
+        long = asyncio.ensure_future(
+            s.post(two_slots.url + "/completion", json={**LONG, "n_predict": 100, "stream": False, "id_slot": 1})
+        )
+        t_end = time.monotonic() + 30
+        while True:
+            async with s.get(two_slots.url + "/slots") as r:
+                if (await r.json())[1]["is_processing"]:
+                    break
+            assert time.monotonic() < t_end
+            await asyncio.sleep(0.005)
+        async with s.post(two_slots.url + "/completion", json={"prompt": "x", "n_predict": 2, "id_slot": 1}) as r:
+            short = await r.json()
+        assert long.done(), "a request for a busy slot must wait for it"
+        first = await long
+        first_body = await first.json()
+        first.release()
+    assert first_body["id_slot"] == 1 and short["id_slot"] == 1
