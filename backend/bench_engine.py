@@ -131,6 +131,7 @@ class Server:
         t_first = 0.0
         n = 0
         server_tps = 0.0
+        self.last_prompt_ms = 0.0
         async with session.post(self.url + "/completion", json=body) as r:
             async for line in r.content:
                 if not line.startswith(b"data: "):
@@ -138,6 +139,7 @@ class Server:
                 ev = json.loads(line[6:])
                 if ev.get("stop"):
                     server_tps = ev["timings"]["predicted_per_second"]
+                    self.last_prompt_ms = ev["timings"]["prompt_ms"]
                     break
                 if t_first == 0.0:
                     t_first = time.perf_counter()
@@ -183,7 +185,7 @@ async def _bench(args: argparse.Namespace, bare: Bare, server: Server) -> dict[s
     import aiohttp
 
     res: dict[str, list[float]] = {k: [] for k in ("bare_ttft", "bare_tps", "bare_ms_tok", "srv_ttft", "srv_tps",
-                                                   "srv_tps_internal", "cancel_ms")}  # fmt: skip
+                                                   "srv_tps_internal", "srv_prompt_ms", "cancel_ms")}  # fmt: skip
     async with aiohttp.ClientSession() as session:
         await server.wait_ready(session)
         # warm both (page cache, first-call costs)
@@ -199,6 +201,7 @@ async def _bench(args: argparse.Namespace, bare: Bare, server: Server) -> dict[s
                 res["srv_ttft"].append(ttft)
                 res["srv_tps"].append(tps)
                 res["srv_tps_internal"].append(itps)
+                res["srv_prompt_ms"].append(server.last_prompt_ms)
         for _ in range(args.cancels):
             res["cancel_ms"].append(await server.cancel_latency(session))
     return res
@@ -235,7 +238,10 @@ def run_llamacpp(args: argparse.Namespace) -> int:
     print(f"{'metric':<{w0}}  {'bare':>10}  {'server':>14}  ratio")
     for r in rows:
         print(f"{r[0]:<{w0}}  {r[1]:>10}  {r[2]:>14}  {r[3]}")
-    print(f"(server-side decode tok/s from its own timings: {med(res['srv_tps_internal']):.1f})")
+    transport = [t - p for t, p in zip(res["srv_ttft"], res["srv_prompt_ms"], strict=True)]
+    print(f"(server-side decode tok/s from its own timings: {med(res['srv_tps_internal']):.1f}; "
+          f"TTFT inside the worker {med(res['srv_prompt_ms']):.2f} ms, so HTTP + dispatch + queues add "
+          f"{med(transport):.2f} ms median)")
     if args.json is not None:
         summary = {
             "bare_tps": bare_tps, "server_tps": srv_tps, "tps_ratio": srv_tps / bare_tps,

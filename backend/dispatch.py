@@ -1,9 +1,9 @@
 """The dispatch layer: bridges the event loop and the worker processes without blocking.
 
-* One reader **thread** per worker incarnation blocks on that worker's result queue and
-  hands each batch of events to the loop with ``loop.call_soon_threadsafe``; when the
-  queue is quiet it checks whether the process is still alive, so a dead worker is
-  noticed within ~0.1 s.
+* One reader **thread** per worker incarnation blocks on that worker's result pipe and
+  hands each batch of events to the loop with ``loop.call_soon_threadsafe``. The worker
+  holds the only write end, so its death reads as EOF at once (and the thread also
+  checks ``is_alive`` every 0.1 s of quiet).
 * On the loop, ``_on_events`` feeds each request's ``asyncio.Queue`` and keeps the slot
   table. A slot is marked idle **only** when the worker's ``Done``/``Failed`` for its
   request arrives (or the worker is dead), never when a client goes away: /slots shows a
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import queue
 import threading
 import time
 import uuid
@@ -126,32 +125,30 @@ class Dispatcher:
         )
         t.start()
 
-    def _reader(self, w: WorkerHandle, generation: int, outq: Any, proc: Any) -> None:
+    def _reader(self, w: WorkerHandle, generation: int, conn: Any, proc: Any) -> None:
+        """Blocks on one worker's result pipe; EOF (or a dead process) ends it."""
         loop = self.loop
         assert loop is not None
-        while True:
-            try:
-                batch = outq.get(timeout=READER_POLL_S)
-            except queue.Empty:
-                if proc.is_alive():
-                    continue
-                # the process is gone: pass on whatever it managed to send, then report
-                while True:
-                    try:
-                        batch = outq.get(timeout=0.02)
-                    except (queue.Empty, EOFError, OSError):
+        try:
+            while True:
+                try:
+                    if not conn.poll(READER_POLL_S):
+                        if proc.is_alive():
+                            continue
                         break
-                    loop.call_soon_threadsafe(self._on_events, w, generation, batch)
-                loop.call_soon_threadsafe(self._on_exit, w, generation, proc.exitcode)
-                return
-            except (EOFError, OSError):
-                proc.join(1.0)
-                loop.call_soon_threadsafe(self._on_exit, w, generation, proc.exitcode)
-                return
-            try:
+                    batch = conn.recv()
+                except Exception:  # EOFError: the worker is gone; OSError/unpickling: a torn message
+                    break
                 loop.call_soon_threadsafe(self._on_events, w, generation, batch)
-            except RuntimeError:  # loop closed
-                return
+            proc.join(1.0)
+            loop.call_soon_threadsafe(self._on_exit, w, generation, proc.exitcode)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
+        finally:
+            try:
+                conn.close()
+            except Exception:
+                pass
 
     # --- loop-side event handling --------------------------------------------------------
 

@@ -96,15 +96,16 @@ class Supervisor:
             return
         w.generation += 1
         w.inq = _ctx.Queue()
-        w.outq = _ctx.Queue()
+        w.outq, child_out = _ctx.Pipe(duplex=False)
         w.state, w.progress, w.message = "starting", 0.0, ""
         w.process = _ctx.Process(
             target=worker_main,
-            args=(w.index, self._settings_data, w.inq, w.outq, os.getpid()),
+            args=(w.index, self._settings_data, w.inq, child_out, os.getpid()),
             name=f"llmproxy-backend-worker-{w.index}",
             daemon=False,
         )
         await asyncio.to_thread(w.process.start)
+        child_out.close()  # the worker holds the only write end: its death means EOF here
         w.started_at = time.monotonic()
         log.info("worker_started", worker=w.index, pid=w.pid, generation=w.generation)
         self._on_started(w)
@@ -158,9 +159,8 @@ class Supervisor:
                 p.kill()
                 p.join(2.0)
             w.state = "stopped"
-            for q in (w.inq, w.outq):
-                try:
-                    q.cancel_join_thread()
-                    q.close()
-                except Exception:
-                    pass
+            try:
+                w.inq.cancel_join_thread()
+                w.inq.close()
+            except Exception:
+                pass

@@ -1,8 +1,10 @@
 """The worker process: owns one engine instance and drives it (the Engine protocol).
 
 Started with the multiprocessing *spawn* context by the supervisor. Inbound messages
-(Submit/Cancel/Shutdown) arrive on ``inq``; events go out on ``outq`` as *lists* of
-events (one list per loop turn, fewer pickles). The loop:
+(Submit/Cancel/Shutdown) arrive on ``inq`` (a multiprocessing Queue: the event loop's
+``put`` never blocks); events go out on ``out`` (the write end of a one-way Pipe, sent
+synchronously: no feeder thread between a token and the server) as *lists* of events
+(one list per loop turn, fewer pickles). The loop:
 
 * idle (``engine.active() == 0``): block on ``inq`` with a short timeout;
 * busy: drain ``inq`` without blocking, then ``engine.step()`` (one bounded unit), so a
@@ -41,13 +43,15 @@ def worker_main(
     # (sent to the whole process group) must not kill a worker mid-generation.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    outq.cancel_join_thread()  # never block exit flushing to a parent that is gone
+    outq = _Sender(outq)
     from llmproxy.backend.settings import BackendSettings
 
     settings = BackendSettings.from_worker(settings_data)
     code = 0
     try:
         code = run_worker(index, settings, inq, outq, parent_pid)
+    except ParentGone:
+        code = 0
     except BaseException:  # noqa: BLE001 - report and die; the supervisor restarts us
         msg = traceback.format_exc()
         try:
@@ -60,6 +64,23 @@ def worker_main(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+class ParentGone(Exception):
+    pass
+
+
+class _Sender:
+    """``put`` over the write end of a Pipe; a closed pipe means the server is gone."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def put(self, obj: Any) -> None:
+        try:
+            self.conn.send(obj)
+        except (BrokenPipeError, ConnectionResetError, EOFError) as exc:
+            raise ParentGone() from exc
 
 
 def run_worker(index: int, settings: Any, inq: Any, outq: Any, parent_pid: int) -> int:

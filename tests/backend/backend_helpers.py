@@ -55,6 +55,8 @@ class Backend:
             "--log-level",
             "warning",
             "--log-json",
+            "--n-threads",
+            os.environ.get("LLMPROXY_TEST_THREADS", "1"),  # shared CI boxes: 1 thread is steadier
             "--n-predict-max",
             "512",
             "--restart-backoff-min-s",
