@@ -1,0 +1,134 @@
+"""Torch engine: one scheduler step (admission policy, chunked prefill, batched decode).
+
+``run_step(engine)`` is ``TorchEngine.step``: same single-thread contract (called by the
+worker loop between inbound drains; bounded work per call):
+
+1. schedule: move waiting requests to prefilling (continuous: whenever the batch has a
+   free row and the KV budget allows; static: flush a group of up to ``max_batch_size``
+   once the batch is empty and the group is full or its oldest member waited
+   ``max_batch_wait_ms``);
+2. prefill at most ``prefill_chunk`` prompt tokens (FIFO over prefilling sequences); a
+   sequence whose prompt is complete samples its first token and joins the batch;
+3. one decode step for every row of the batch; rows that finish leave at once.
+
+Token handling (``accept``) follows the llama-cpp engine: EOS (unless ``ignore_eos``),
+stop words with held-back partial matches, ``n_predict``/context limit, and
+``t_max_predict_ms`` once a newline was produced.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from llmproxy.backend.engines.llamacpp_engine import _find_stop, _partial_stop_len
+from llmproxy.backend.protocol import Event, Token
+
+
+def _reserve(seq: Any) -> int:
+    return len(seq.tokens) + seq.n_predict
+
+
+def _kv_fits(engine: Any, seq: Any) -> bool:
+    """Padded layout: (rows after admission) x (longest reserved row) must fit the budget."""
+    if engine.kv_budget is None:
+        return True
+    running = [*engine.batch.rows, *engine.prefilling]
+    if not running:
+        return True  # always let one sequence run
+    longest = max(_reserve(s) for s in [*running, seq])
+    return (len(running) + 1) * longest <= engine.kv_budget
+
+
+def _start(engine: Any, seq: Any) -> None:
+    from transformers import DynamicCache
+
+    seq.cache = DynamicCache()
+    seq.t_start = time.perf_counter()
+    engine.prefilling.append(seq)
+
+
+def schedule(engine: Any) -> None:
+    waiting, batch = engine.waiting, engine.batch
+    if engine.static:
+        if len(batch) or engine.prefilling or not waiting:
+            return
+        full = len(waiting) >= engine.max_batch
+        if not full and time.perf_counter() - waiting[0].t_admit < engine.wait_s:
+            return
+        n = 0
+        while waiting and n < engine.max_batch and _kv_fits(engine, waiting[0]):
+            _start(engine, waiting.popleft())
+            n += 1
+        return
+    while waiting and len(batch) + len(engine.prefilling) < engine.max_batch and _kv_fits(engine, waiting[0]):
+        _start(engine, waiting.popleft())
+
+
+def run_step(engine: Any) -> list[Event]:
+    schedule(engine)
+    batch = engine.batch
+    out: list[Event] = []
+    if not engine.prefilling and not len(batch):
+        if engine.waiting:  # static mode, group not due yet: wait (bounded) for it to fill
+            due = engine.waiting[0].t_admit + engine.wait_s - time.perf_counter()
+            time.sleep(min(max(due, 0.0), engine.wait_s))
+        return out
+    budget = engine.chunk
+    for seq in list(engine.prefilling):
+        if budget <= 0:
+            break
+        n = min(budget, len(seq.tokens) - seq.pos)
+        logits = batch.prefill_chunk(seq.cache, seq.tokens[seq.pos : seq.pos + n], seq.pos)
+        seq.pos += n
+        budget -= n
+        if seq.pos < len(seq.tokens):
+            continue
+        engine.prefilling.remove(seq)
+        if not accept(engine, seq, seq.sampler(logits), out):
+            batch.join(seq, seq.cache, len(seq.tokens))
+        seq.cache = None
+    if len(batch):
+        logits = batch.decode([s.next_token for s in batch.rows])
+        done = [s for i, s in enumerate(batch.rows) if accept(engine, s, s.sampler(logits[i]), out)]
+        batch.leave(done)
+    return out
+
+
+def accept(engine: Any, seq: Any, tok: int, out: list[Event]) -> bool:
+    """Handle one sampled token: emit text, decide whether ``seq`` is finished (True)."""
+    now = time.perf_counter()
+    if seq.n_decoded == 0 and not seq.t_first:
+        seq.t_first = now
+    p = seq.submit.params
+    if tok in engine.prompts.eog and not p.ignore_eos:
+        out.extend(engine._finish(seq, "eos"))
+        return True
+    seq.n_decoded += 1
+    seq.next_token = tok
+    text = seq.held + seq.detok.push(tok)
+    keep = 0
+    if p.stop:
+        hit = _find_stop(text, p.stop)
+        if hit is not None:
+            idx, word = hit
+            if idx > 0:
+                out.append(Token(seq.rid, text[:idx], seq.n_decoded))
+            seq.held = ""
+            out.extend(engine._finish(seq, "word", emit_held=False, stopping_word=word))
+            return True
+        keep = _partial_stop_len(text, p.stop)
+    emit, seq.held = (text[: len(text) - keep], text[len(text) - keep :]) if keep else (text, "")
+    if emit:
+        seq.has_new_line = seq.has_new_line or "\n" in emit
+        out.append(Token(seq.rid, emit, seq.n_decoded))
+    reason = None
+    if seq.n_decoded >= seq.n_predict or len(seq.tokens) + seq.n_decoded >= engine.n_ctx:
+        reason = "limit"
+    elif p.t_max_predict_ms and p.t_max_predict_ms > 0 and seq.has_new_line:
+        if (now - seq.t_first) * 1000.0 > p.t_max_predict_ms:
+            reason = "time"
+    if reason is None:
+        return False
+    out.extend(engine._finish(seq, reason))
+    return True

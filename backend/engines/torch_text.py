@@ -1,0 +1,142 @@
+"""Torch engine: prompts -> token ids, and token ids -> streamed text.
+
+Prompt rules are the llama-cpp engine's (see ``llamacpp_engine``), over a Hugging Face
+tokenizer: completion text is tokenized with special tokens parsed (BOS as the model's
+``add_bos`` says), chat uses the tokenizer's chat template (ChatML when it has none),
+infill uses the FIM tokens when the vocabulary has them
+(``BOS [FIM_REP "myproject\\n" (FIM_SEP name "\\n" text)* FIM_SEP "filename\\n"] FIM_PRE
+prefix+prompt FIM_SUF suffix FIM_MID``) and otherwise the documented prefix-only fallback
+(plain continuation of extra texts + prefix + prompt; the suffix is ignored).
+
+``Detokenizer`` turns one token at a time into text without splitting a multi-byte
+character: text is only released once it no longer ends in U+FFFD.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmproxy.backend.engines.llamacpp_engine import CHATML, PromptTooLong, _too_long
+from llmproxy.backend.protocol import Prompt
+
+_FIM_NAMES = {
+    "pre": ("<fim_prefix>", "<|fim_prefix|>", "<|fim_begin|>", "<PRE>"),
+    "suf": ("<fim_suffix>", "<|fim_suffix|>", "<|fim_hole|>", "<SUF>"),
+    "mid": ("<fim_middle>", "<|fim_middle|>", "<|fim_end|>", "<MID>"),
+    "rep": ("<reponame>", "<repo_name>", "<|repo_name|>"),
+    "sep": ("<file_sep>", "<|file_sep|>"),
+}
+_EOG_NAMES = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
+
+
+def _vocab_id(vocab: dict[str, int], names: tuple[str, ...]) -> int:
+    for n in names:
+        if n in vocab:
+            return vocab[n]
+    return -1
+
+
+class PromptBuilder:
+    """Builds token ids for a ``Prompt`` with one tokenizer (llama-cpp engine's rules)."""
+
+    def __init__(self, tokenizer: Any, add_bos: bool, n_ctx: int, n_predict_max: int) -> None:
+        self.tok = tokenizer
+        self.n_ctx = n_ctx
+        self.n_predict_max = n_predict_max
+        vocab = tokenizer.get_vocab()
+        ids = {k: _vocab_id(vocab, names) for k, names in _FIM_NAMES.items()}
+        self.fim = (ids["pre"], ids["suf"], ids["mid"]) if min(ids["pre"], ids["suf"], ids["mid"]) >= 0 else None
+        self.fim_rep, self.fim_sep = ids["rep"], ids["sep"]
+        bos = tokenizer.bos_token_id
+        self.bos = [bos] if add_bos and bos is not None else []
+        self.bos_text = tokenizer.bos_token if self.bos else ""
+        self.chat_template = tokenizer.chat_template or CHATML
+        eog = {vocab[n] for n in _EOG_NAMES if n in vocab}
+        if tokenizer.eos_token_id is not None:
+            eog.add(tokenizer.eos_token_id)
+        self.eog = frozenset(eog)
+
+    def _tok(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False).input_ids) if text else []
+
+    def _plain(self, text: str) -> list[int]:
+        """Tokenize without parsing special tokens (user code must not inject them)."""
+        if not text:
+            return []
+        return list(self.tok(text, add_special_tokens=False, split_special_tokens=True).input_ids)
+
+    def tokens(self, prompt: Prompt, n_predict: int) -> list[int]:
+        if prompt.kind == "completion":
+            if prompt.tokens is not None:
+                return list(prompt.tokens)
+            return self.bos + self._tok(prompt.text)
+        if prompt.kind == "chat":
+            messages = [{"role": r, "content": c} for r, c in prompt.messages]
+            text = self.tok.apply_chat_template(
+                messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
+            )
+            bos = [] if (self.bos_text and text.startswith(self.bos_text)) else self.bos
+            return bos + self._tok(text)
+        return self._infill(prompt, n_predict)
+
+    def _infill(self, prompt: Prompt, n_predict: int) -> list[int]:
+        reserve = n_predict if n_predict > 0 else min(self.n_predict_max, self.n_ctx // 4)
+        budget = max(16, self.n_ctx - reserve - 1)
+        prefix = self._plain(prompt.prefix + prompt.text)
+        if self.fim is None:
+            extra = self._plain("".join(t for _, t in prompt.extra))
+            take = budget - len(self.bos)
+            return self.bos + ((extra + prefix)[-take:] if take > 0 else [])
+        suffix = self._plain(prompt.suffix)
+        pre, suf, mid = self.fim
+        n_fixed = len(self.bos) + 3
+        room = budget - n_fixed
+        if room <= 0:
+            raise PromptTooLong(_too_long(n_fixed, self.n_ctx))
+        n_suffix = min(len(suffix), room // 4)
+        n_prefix = min(len(prefix), room - n_suffix)
+        n_suffix = min(len(suffix), room - n_prefix)
+        prefix, suffix = prefix[len(prefix) - n_prefix :], suffix[:n_suffix]
+        room -= n_prefix + n_suffix
+        extra: list[int] = []
+        if prompt.extra and room > 0:
+            if self.fim_rep >= 0 and self.fim_sep >= 0:
+                extra = [self.fim_rep] + self._plain("myproject\n")
+                for name, text in prompt.extra:
+                    extra += [self.fim_sep] + self._plain(f"{name}\n{text}")
+                extra += [self.fim_sep] + self._plain("filename\n")
+            else:
+                extra = self._plain("".join(t for _, t in prompt.extra))
+            if len(extra) > room:
+                extra = []  # all or nothing: a cut chunk would mislead the model
+        return self.bos + extra + [pre] + prefix + [suf] + suffix + [mid]
+
+
+class Detokenizer:
+    """Incremental decoding (prefix/read offsets): never emits half a UTF-8 character."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return new_text[len(prefix_text) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (possibly an incomplete character) at the end."""
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return new_text[len(prefix_text) :]
