@@ -189,7 +189,8 @@ class UpstreamJob:
                 self.channel.finish(Error(ProxyError(f"internal error: {exc!r}")))
             if self._stop_reason == "superseded":
                 self.channel.finish(Error(Superseded("superseded by a newer request from the same session")))
-            if self._stop_reason is not None or (rec.upstream_error and not self._finished):
+            sent = rec.upstream_started is not None
+            if sent and (self._stop_reason is not None or (rec.upstream_error and not self._finished)):
                 await self._confirm()
         finally:
             self.channel.finish(Error(ProxyError("upstream job ended without a response")))

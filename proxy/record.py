@@ -60,8 +60,8 @@ class RequestRecord:
             return "error"
         if self.superseded_inflight and (self.client_gone or self.status == 499):
             return "superseded"
-        if self.client_gone:
-            return "cancelled_inflight"
+        if self.client_gone:  # left before anything was sent: it never reached the upstream
+            return "cancelled_inflight" if self.upstream_started is not None else "cancelled_queued"
         return "completed" if self.status is not None and self.status < 500 else "error"
 
     def _emit(self) -> None:
