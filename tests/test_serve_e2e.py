@@ -1,0 +1,105 @@
+"""End to end: ``llmproxy serve --port 0 --upstream URL`` as a real subprocess.
+
+Also the shutdown contract: SIGTERM answers queued requests 503, lets in-flight ones
+finish, exits 0; a second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+
+from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
+from tests.helpers import wait_until
+
+LLMPROXY = str(Path(sys.executable).with_name("llmproxy"))
+
+
+@asynccontextmanager
+async def serve(tmp_path: Path, *args: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+    port_file = tmp_path / "port"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMPROXY_")}
+    proc = await asyncio.create_subprocess_exec(
+        LLMPROXY, "serve", "--port", "0", "--port-file", str(port_file), "--log-json", *args,
+        stderr=asyncio.subprocess.PIPE, env=env,
+    )
+    try:
+        await wait_until(lambda: port_file.exists() or proc.returncode is not None, 30, what="port file")
+        assert proc.returncode is None, await proc.stderr.read()
+        yield proc, f"http://127.0.0.1:{int(port_file.read_text())}"
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+
+
+async def wait_for_log(proc: asyncio.subprocess.Process, event: str, timeout: float = 10) -> None:
+    async with asyncio.timeout(timeout):
+        while line := await proc.stderr.readline():
+            if line.startswith(b"{") and json.loads(line).get("event") == event:
+                return
+    raise AssertionError(f"process ended without logging {event!r}")
+
+
+async def test_serve_subprocess_proxies_and_stops_cleanly(tmp_path: Path) -> None:
+    script = lambda _p, _b: Script(tokens=4, token_delay_s=0.001)  # noqa: E731
+    async with FakeUpstream(slots=2, script=script) as fake, serve(tmp_path, "--upstream", fake.url) as (proc, url):
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url + "/infill", data=b'{"input_prefix":"x","n_predict":4}') as r:
+                assert r.status == 200
+                assert await r.read() == b'{"index":0,"content":"t0 t1 t2 t3 ","id_slot":0,"stop":true,"model":"fake","tokens_predicted":4,"tokens_evaluated":1,"stop_type":"limit","truncated":false}'
+            async with http.get(url + "/llmproxy/status") as r:
+                assert (await r.json())["permits"]["total"] == 2
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        lines = [json.loads(ln) for ln in (await proc.stderr.read()).decode().splitlines() if ln.startswith("{")]
+        req = [ln for ln in lines if ln.get("event") == "request" and ln["route"] == "/infill"]
+        assert req and req[0]["outcome"] == "completed" and req[0]["request_id"]
+
+
+async def test_sigterm_drains_inflight_and_503s_queued(tmp_path: Path) -> None:
+    script = lambda _p, _b: Script(tokens=30, token_delay_s=0.02)  # noqa: E731
+    async with FakeUpstream(slots=1, script=script) as fake, serve(
+        tmp_path, "--upstream", fake.url, "--shutdown-timeout-s", "10"
+    ) as (proc, url), aiohttp.ClientSession() as http:
+        inflight = asyncio.create_task(http.post(url + "/completion", json={"prompt": "a"},
+                                                 headers={"X-LLMProxy-Session": "a"}))
+        await fake.wait_for(lambda f: len(f.generations) == 1)
+        queued = asyncio.create_task(http.post(url + "/completion", json={"prompt": "b"},
+                                               headers={"X-LLMProxy-Session": "b"}))
+        async def is_queued() -> bool:
+            async with http.get(url + "/llmproxy/status") as r:
+                return (await r.json())["queue"]["depth"] == 1
+        while not await is_queued():
+            await asyncio.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        rq = await queued
+        assert rq.status == 503 and (await rq.json())["error"]["type"] == "shutting_down"
+        ri = await inflight
+        assert ri.status == 200
+        assert (await ri.json())["content"] == "".join(f"t{i} " for i in range(30))
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        assert len(fake.generations) == 1
+
+
+async def test_second_signal_forces_exit(tmp_path: Path) -> None:
+    script = lambda _p, _b: Script(fail="hang_before_headers")  # noqa: E731
+    async with FakeUpstream(slots=1, script=script) as fake, serve(
+        tmp_path, "--upstream", fake.url, "--shutdown-timeout-s", "60"
+    ) as (proc, url), aiohttp.ClientSession() as http:
+        hung = asyncio.create_task(http.post(url + "/completion", json={"prompt": "a"}))
+        await fake.wait_for(lambda f: len(f.generations) == 1)
+        proc.send_signal(signal.SIGTERM)
+        await wait_for_log(proc, "signal received: shutting down gracefully")
+        assert proc.returncode is None  # still draining the hung request
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 5) == 1
+        await asyncio.gather(hung, return_exceptions=True)
