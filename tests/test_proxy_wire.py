@@ -197,3 +197,12 @@ async def test_status_and_metrics(fake: FakeUpstream, http: aiohttp.ClientSessio
             assert name in text, name
         assert 'llmproxy_requests_total{outcome="completed",route="/completion"} 1.0' in text
         assert 'llmproxy_requests_total{outcome="rejected",route="/completion"} 1.0' in text
+
+
+@pytest.mark.parametrize(("kind", "expected", "capacity"), [("llamacpp", "llamacpp", 3), ("ollama", "ollama", 1),
+                                                             ("openai", "openai", 1)])
+async def test_adapter_detection(kind: str, expected: str, capacity: int) -> None:
+    async with FakeUpstream(kind=kind, slots=3) as fake, run_proxy(fake.url) as px:
+        assert px.state.adapter.kind == expected
+        assert px.state.gate.capacity == capacity
+        assert px.state.adapter.can_confirm is (expected == "llamacpp")
