@@ -41,6 +41,7 @@ async def status(request: web.Request) -> web.Response:
             "inflight": inflight,
             "upstream": st.adapter.describe(),
             "jobs": len(st.jobs),
+            "breaker": st.breaker.state,
             "policies": {
                 "supersede_inflight": st.policy(st.settings.supersede_inflight),
                 "on_disconnect": st.policy(st.settings.on_disconnect),

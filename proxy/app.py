@@ -9,6 +9,7 @@ from aiohttp import web
 
 from llmproxy.proxy import admin
 from llmproxy.proxy.adapters.detect import create_adapter
+from llmproxy.proxy.breaker import CircuitBreaker
 from llmproxy.proxy.embedded import embedded_backend
 from llmproxy.proxy.gate import Gate
 from llmproxy.proxy.handlers import gated
@@ -46,7 +47,9 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         gate = Gate(capacity, s.max_queue, retry_after_s=s.retry_after_s)
         app[METRICS].bind_gate(gate)
         jobs = JobRegistry()
-        app[STATE] = ProxyState(s, session, adapter, gate, jobs, app[METRICS])
+        breaker = CircuitBreaker(s.breaker_threshold, s.breaker_cooldown_s)
+        app[METRICS].bind_breaker(breaker)
+        app[STATE] = ProxyState(s, session, adapter, gate, jobs, app[METRICS], breaker)
         yield
         gate.close()
         await jobs.drain(s.shutdown_timeout_s)

@@ -2,25 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 from aiohttp import web
 
-from llmproxy.proxy.errors import BadRequest, BodyTooLarge
+from llmproxy.proxy.errors import BadRequest, BodyTooLarge, RequestTimeout
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """Read the whole body, refusing (413) before reading when Content-Length says too much."""
+async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
+    """Read the whole body within ``timeout`` (slow-body clients get 408), at most ``limit``
+    bytes (413, refused before reading when Content-Length already says too much)."""
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
     parts: list[bytes] = []
     size = 0
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
-        parts.append(chunk)
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.content.iter_any():
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
+                parts.append(chunk)
+    except TimeoutError:
+        raise RequestTimeout(f"request body not received within {timeout:g}s") from None
     return b"".join(parts)
 
 

@@ -57,6 +57,10 @@ class NotAllowed(ProxyError):
     status, type, outcome = 405, "invalid_request_error", "rejected"
 
 
+class RequestTimeout(ProxyError):
+    status, type, outcome = 408, "request_timeout", "rejected"
+
+
 class BodyTooLarge(ProxyError):
     status, type, outcome = 413, "request_too_large", "rejected"
 

@@ -1,11 +1,11 @@
-"""The gated request handler: body -> session -> queue -> permit -> upstream job -> relay.
+"""The gated request handler: body -> session -> breaker -> queue -> permit -> job -> relay.
 
 Concurrency contract: the handler task belongs to the client connection (aiohttp runs
 with ``handler_cancellation=True``, so a client disconnect cancels it). While queued, a
 cancellation abandons the ticket (the request never reaches the upstream). Once the
 permit is granted, an UpstreamJob owns it; a cancellation then only tells the job that
 the client left (policy ``on_disconnect``); the job, not this handler, releases the
-permit.
+permit and reports the upstream's health to the circuit breaker.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from aiohttp import web
 
 from llmproxy.proxy.bodies import parse_json_object, read_body
 from llmproxy.proxy.errors import QueueTimeout
+from llmproxy.proxy.gate import Ticket
 from llmproxy.proxy.headers import request_headers
 from llmproxy.proxy.jobs import UpstreamJob, UpstreamRequest
 from llmproxy.proxy.relay import relay
 from llmproxy.proxy.security import auth_headers_to_strip
 from llmproxy.proxy.sessions import is_warmup, session_key
-from llmproxy.proxy.state import RECORD, STATE
+from llmproxy.proxy.state import RECORD, STATE, ProxyState
 
 
 async def gated(request: web.Request) -> web.StreamResponse:
@@ -30,7 +31,7 @@ async def gated(request: web.Request) -> web.StreamResponse:
     s = st.settings
     rec = request[RECORD]
     rec.gated = True
-    raw = await read_body(request, s.max_body_bytes)
+    raw = await read_body(request, s.max_body_bytes, s.body_timeout_s)
     parsed = parse_json_object(raw)
     rec.parsed_body = parsed
     rec.session = session_key(
@@ -42,13 +43,25 @@ async def gated(request: web.Request) -> web.StreamResponse:
         body=parsed,
     )
     supersedable = s.supersede and request.path in s.supersede_routes and not is_warmup(parsed)
-    ticket = st.gate.submit(rec.session, supersedable=supersedable, route=request.path)
+    probe = st.breaker.admit()  # raises UpstreamUnavailable (503) while the breaker is open
     try:
-        async with asyncio.timeout(s.queue_timeout_s):
+        ticket = st.gate.submit(rec.session, supersedable=supersedable, route=request.path)
+        await _wait_for_permit(st, ticket, request)
+    except BaseException:
+        st.breaker.neutral(probe)
+        raise
+    return await _forward(st, ticket, request, raw, probe)
+
+
+async def _wait_for_permit(st: ProxyState, ticket: Ticket, request: web.Request) -> None:
+    rec = request[RECORD]
+    timeout = st.settings.queue_timeout_s
+    try:
+        async with asyncio.timeout(timeout):
             await ticket.wait()
     except TimeoutError:
         st.gate.abandon(ticket)
-        raise QueueTimeout(f"no permit within {s.queue_timeout_s:g}s") from None
+        raise QueueTimeout(f"no permit within {timeout:g}s") from None
     except asyncio.CancelledError:
         st.gate.abandon(ticket)
         rec.client_gone = True
@@ -56,6 +69,11 @@ async def gated(request: web.Request) -> web.StreamResponse:
         raise
     rec.queue_wait_s = time.monotonic() - ticket.created
     st.metrics.queue_wait.observe(rec.queue_wait_s)
+
+
+async def _forward(st: ProxyState, ticket: Ticket, request: web.Request, raw: bytes, probe: bool) -> web.StreamResponse:
+    s = st.settings
+    rec = request[RECORD]
     upstream_req = UpstreamRequest(
         method=request.method,
         path=request.path,
@@ -63,17 +81,23 @@ async def gated(request: web.Request) -> web.StreamResponse:
         headers=request_headers(request.headers, strip=auth_headers_to_strip(s)),
         body=raw,
     )
-    job = UpstreamJob(  # takes the permit (raises Superseded if replaced since the grant)
-        gate=st.gate,
-        ticket=ticket,
-        adapter=st.adapter,
-        request=upstream_req,
-        record=rec,
-        metrics=st.metrics,
-        supersede_policy=st.policy(s.supersede_inflight),
-        disconnect_policy=st.policy(s.on_disconnect),
-        unconfirmed_hold_s=s.unconfirmed_cancel_hold_s,
-    )
+    try:
+        job = UpstreamJob(  # takes the permit (raises Superseded if replaced since the grant)
+            gate=st.gate,
+            ticket=ticket,
+            adapter=st.adapter,
+            request=upstream_req,
+            record=rec,
+            metrics=st.metrics,
+            breaker=st.breaker,
+            breaker_probe=probe,
+            supersede_policy=st.policy(s.supersede_inflight),
+            disconnect_policy=st.policy(s.on_disconnect),
+            unconfirmed_hold_s=s.unconfirmed_cancel_hold_s,
+        )
+    except BaseException:
+        st.breaker.neutral(probe)
+        raise
     rec.slot = job.slot
     rec.add_ref()
     st.jobs.spawn(job.run())

@@ -29,6 +29,7 @@ import structlog
 from multidict import CIMultiDict
 
 from llmproxy.proxy.adapters.base import Adapter
+from llmproxy.proxy.breaker import CircuitBreaker
 from llmproxy.proxy.errors import ProxyError, Superseded, map_client_errors
 from llmproxy.proxy.gate import Gate, Ticket
 from llmproxy.proxy.headers import response_headers
@@ -140,12 +141,15 @@ class UpstreamJob:
         request: UpstreamRequest,
         record: RequestRecord,
         metrics: Metrics,
+        breaker: CircuitBreaker,
+        breaker_probe: bool,
         supersede_policy: str,
         disconnect_policy: str,
         unconfirmed_hold_s: float,
     ) -> None:
         self.gate, self.ticket, self.adapter, self.request = gate, ticket, adapter, request
         self.record, self.metrics = record, metrics
+        self.breaker, self.breaker_probe = breaker, breaker_probe
         self.supersede_policy, self.disconnect_policy = supersede_policy, disconnect_policy
         self.unconfirmed_hold_s = unconfirmed_hold_s
         self.channel = Channel()
@@ -193,12 +197,23 @@ class UpstreamJob:
             if sent and (self._stop_reason is not None or (rec.upstream_error and not self._finished)):
                 await self._confirm()
         finally:
+            self._report_health()
             self.channel.finish(Error(ProxyError("upstream job ended without a response")))
             hold = time.monotonic() - (self.ticket.granted_at or time.monotonic())
             self.gate.release(self.ticket)
             self.metrics.permit_hold.observe(hold)
             rec.permit_hold_s = hold
             rec.end_ref()
+
+    def _report_health(self) -> None:
+        rec = self.record
+        status = rec.upstream_status
+        if rec.upstream_error is not None or (status is not None and status >= 500 and status != 501):
+            self.breaker.failure()
+        elif status is not None:
+            self.breaker.success()
+        else:  # never answered (cancelled before headers): no evidence either way
+            self.breaker.neutral(self.breaker_probe)
 
     async def _confirm(self) -> None:
         start = time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from llmproxy.proxy.breaker import CircuitBreaker
 from llmproxy.proxy.gate import Gate
 
 OUTCOMES = ("completed", "superseded", "cancelled_queued", "cancelled_inflight", "rejected", "error")
@@ -39,6 +40,13 @@ class Metrics:
         self.inflight = Gauge("llmproxy_inflight", "Permits held (requests at the upstream)", registry=r)
         self.permits_free = Gauge("llmproxy_permits_free", "Free permits", registry=r)
         self.permits_total = Gauge("llmproxy_permits_total", "Gate capacity", registry=r)
+        self.breaker_state = Gauge(
+            "llmproxy_breaker_state", "Upstream circuit breaker: 0 closed, 1 open, 2 half-open", registry=r
+        )
+
+    def bind_breaker(self, breaker: CircuitBreaker) -> None:
+        codes = {"closed": 0, "open": 1, "half_open": 2}
+        self.breaker_state.set_function(lambda: codes[breaker.state])
 
     def bind_gate(self, gate: Gate) -> None:
         self.queue_depth.set_function(lambda: gate.queued)

@@ -22,7 +22,7 @@ from llmproxy.proxy.state import STATE
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
-    body = await read_body(request, st.settings.max_body_bytes)
+    body = await read_body(request, st.settings.max_body_bytes, st.settings.body_timeout_s)
     headers = request_headers(request.headers, strip=auth_headers_to_strip(st.settings))
 
     async def events() -> AsyncIterator[Event]:

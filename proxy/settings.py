@@ -50,6 +50,11 @@ class ProxySettings(LayeredSettings):
     queue_timeout_s: float = Field(30.0, gt=0, description="Longest wait for a permit before 503")
     retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with 429")
 
+    breaker_threshold: int = Field(
+        5, ge=0, description="Consecutive upstream failures that open the circuit breaker (0 = never)"
+    )
+    breaker_cooldown_s: float = Field(5.0, gt=0, description="How long the breaker fails fast before one probe")
+
     # sessions and supersede
     supersede: bool = Field(True, description="Drop a queued request when a newer one from the same session arrives")
     supersede_routes: list[str] = Field(
@@ -80,6 +85,7 @@ class ProxySettings(LayeredSettings):
 
     # limits, shutdown, logging
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above)")
+    body_timeout_s: float = Field(30.0, gt=0, description="Longest time to receive a request body (408 above)")
     shutdown_timeout_s: float = Field(20.0, ge=0, description="On SIGTERM, how long in-flight requests may finish")
     log_level: str = Field("info", description="Log level")
     log_json: bool | None = Field(None, description="JSON log lines (default: when stderr is not a TTY)")

@@ -8,6 +8,7 @@ import aiohttp
 from aiohttp import web
 
 from llmproxy.proxy.adapters.base import Adapter
+from llmproxy.proxy.breaker import CircuitBreaker
 from llmproxy.proxy.gate import Gate
 from llmproxy.proxy.jobs import JobRegistry
 from llmproxy.proxy.metrics import Metrics
@@ -23,6 +24,7 @@ class ProxyState:
     gate: Gate
     jobs: JobRegistry
     metrics: Metrics
+    breaker: CircuitBreaker
 
     def policy(self, configured: str) -> str:
         """Resolve 'auto': cancel where the adapter can confirm the stop, else finish."""
