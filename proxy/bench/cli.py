@@ -8,6 +8,7 @@ import importlib
 _BENCHES = (
     "llmproxy.proxy.bench.overhead",
     "llmproxy.backend.bench_engine",
+    "llmproxy.proxy.bench.burst",
 )
 
 
