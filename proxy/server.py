@@ -69,7 +69,11 @@ async def serve(settings: ProxySettings, app: web.Application) -> int:
         loop.add_signal_handler(sig, on_signal, sig)
 
     runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=settings.shutdown_timeout_s
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=settings.shutdown_timeout_s,
+        keepalive_timeout=settings.idle_timeout_s,  # also bounds slow (slowloris) request headers
     )
     setup = asyncio.ensure_future(runner.setup())
     stopper = asyncio.ensure_future(stop.wait())

@@ -85,6 +85,9 @@ class ProxySettings(LayeredSettings):
 
     # limits, shutdown, logging
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above)")
+    idle_timeout_s: float = Field(
+        30.0, gt=0, description="Close a connection idle this long, or still sending its request headers"
+    )
     body_timeout_s: float = Field(30.0, gt=0, description="Longest time to receive a request body (408 above)")
     shutdown_timeout_s: float = Field(20.0, ge=0, description="On SIGTERM, how long in-flight requests may finish")
     log_level: str = Field("info", description="Log level")

@@ -31,7 +31,8 @@ class RunningProxy:
 async def run_proxy(upstream: str, **overrides: Any) -> AsyncIterator[RunningProxy]:
     settings = ProxySettings(upstream=upstream, port=0, detect_timeout_s=0, **overrides)
     app = build_app(settings)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2,
+                           keepalive_timeout=settings.idle_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
