@@ -14,7 +14,7 @@ from aiohttp import web
 from llmproxy.proxy.bodies import read_body
 from llmproxy.proxy.errors import ProxyError, map_client_errors
 from llmproxy.proxy.headers import request_headers, response_headers
-from llmproxy.proxy.jobs import Chunk, End, Error, Event, Headers
+from llmproxy.proxy.channel import Chunk, End, Error, Event, Headers
 from llmproxy.proxy.relay import relay
 from llmproxy.proxy.security import auth_headers_to_strip
 from llmproxy.proxy.state import STATE

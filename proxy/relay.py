@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from llmproxy.proxy.errors import ProxyError
-from llmproxy.proxy.jobs import Chunk, End, Error, Event, Headers
+from llmproxy.proxy.channel import Chunk, End, Error, Event, Headers
 
 
 def stream_error_bytes(content_type: str, error: ProxyError) -> bytes | None:

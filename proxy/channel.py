@@ -1,0 +1,99 @@
+"""Job -> handler events and the bounded channel that carries them.
+
+Events: ``Headers`` (status + filtered headers), ``Chunk`` (body bytes as received), and
+one terminal event, ``End`` or ``Error``. See ``Channel`` for the blocking rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from multidict import CIMultiDict
+
+from llmproxy.proxy.errors import ProxyError
+
+
+@dataclass(frozen=True, slots=True)
+class Headers:
+    status: int
+    headers: CIMultiDict[str]
+    content_length: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    error: ProxyError
+
+
+Event = Headers | Chunk | End | Error
+
+
+class Channel:
+    """Bounded job -> handler event stream with a terminal event and a discard mode.
+
+    ``put`` (Headers/Chunk) blocks while the buffer is full: backpressure from a slow
+    client. ``finish`` (End/Error) never blocks; ``get`` returns buffered events first,
+    then the terminal one. ``detach`` (client gone) drops the buffer and turns every
+    later ``put`` into a no-op, so a job that finishes its generation never waits on a
+    reader that left.
+    """
+
+    def __init__(self, maxsize: int = 64) -> None:
+        self._buf: deque[Event] = deque()
+        self._max = maxsize
+        self._final: Event | None = None
+        self._readable = asyncio.Event()
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self.detached = False
+
+    async def put(self, ev: Event) -> None:
+        while len(self._buf) >= self._max and not self.detached:
+            self._writable.clear()
+            await self._writable.wait()
+        if self.detached or self._final is not None:
+            return
+        self._buf.append(ev)
+        self._readable.set()
+
+    def finish(self, ev: Event) -> None:
+        if self._final is None:
+            self._final = ev
+            self._readable.set()
+
+    async def get(self) -> Event:
+        while True:
+            if self._buf:
+                ev = self._buf.popleft()
+                self._writable.set()
+                return ev
+            if self._final is not None:
+                return self._final
+            self._readable.clear()
+            await self._readable.wait()
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        """Yield events up to and including the terminal one."""
+        while True:
+            ev = await self.get()
+            yield ev
+            if isinstance(ev, (End, Error)):
+                return
+
+    def detach(self) -> None:
+        self.detached = True
+        self._buf.clear()
+        self._writable.set()
