@@ -15,6 +15,7 @@ _COMMANDS = (
     "llmproxy.proxy.serve_cmd",
     "llmproxy.backend.cli",
     "llmproxy.proxy.bench.cli",
+    "llmproxy.proxy.systemd_cmd",
 )
 
 
