@@ -55,7 +55,7 @@ class BurstSettings(LayeredSettings):
     bursts: int = Field(5, ge=1, description="Bursts per editor")
     editors: int = Field(1, ge=1, description="Editors typing at once (each sends its own X-LLMProxy-Session when > 1)")
     n_predict: int = Field(32, ge=1, description="Tokens asked for per completion")
-    model: str = Field("default", description="Model name put in the request body (OpenAI/Ollama shapes)")
+    model: str = Field("", description="Model name for the request body (OpenAI/Ollama shapes); empty = ask /v1/models")
     baseline_runs: int = Field(3, ge=1, description="Uncontended generations measured first (median = baseline)")
     gap_ms: float = Field(200.0, ge=0, description="Pause between bursts once the backend is idle")
     slots_poll_ms: float = Field(5.0, gt=0, description="GET /slots poll interval")
@@ -217,11 +217,26 @@ async def _baseline(url: str, profile: Profile, settings: BurstSettings, poller:
     return statistics.median(times)
 
 
+async def _model_name(http: aiohttp.ClientSession, url: str) -> str:
+    """The target's first model id (``/v1/models``, else Ollama's ``/api/tags``), or "default"."""
+    for path, key, name in (("/v1/models", "data", "id"), ("/api/tags", "models", "name")):
+        try:
+            async with http.get(url + path, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                models = (await resp.json(content_type=None)).get(key) if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
+            models = None
+        if models and isinstance(models[0], dict) and models[0].get(name):
+            return str(models[0][name])
+    return "default"
+
+
 async def run_target(url: str, settings: BurstSettings) -> TargetResult:
     """Baseline, then ``bursts`` bursts per editor against ``url``; see the module docstring."""
     url = url.rstrip("/")
     profile = PROFILES[settings.profile]
     async with aiohttp.ClientSession() as http:
+        if not settings.model:
+            settings = settings.model_copy(update={"model": await _model_name(http, url)})
         poller = SlotsPoller(http, url, settings.slots_poll_ms / 1000)
         await poller.probe()
         baseline = await _baseline(url, profile, settings, poller)
