@@ -134,7 +134,9 @@ def load_model(
 ) -> Loaded:
     """Load (converting and caching a GGUF first if needed) the model onto the placement."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # tqdm bars on a worker's stderr are noise in the logs
     dtype_name = str(placement.dtype).removeprefix("torch.")
     converted = False
     if model_path.is_dir():
