@@ -23,7 +23,7 @@ SCRIPT = lambda _p, _b: Script(tokens=10, token_delay_s=0.02)  # noqa: E731
 
 
 def _settings(**kw: object) -> BurstSettings:
-    base = dict(keystrokes=KEYS, interval_ms=50, bursts=1, baseline_runs=1, gap_ms=0, n_predict=10)
+    base = dict(keystrokes=KEYS, interval_ms=50, bursts=1, baseline_runs=1, gap_ms=0, n_predict=10, slots_poll_ms=5)
     return BurstSettings(**{**base, **kw})
 
 

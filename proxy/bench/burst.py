@@ -58,7 +58,7 @@ class BurstSettings(LayeredSettings):
     model: str = Field("", description="Model name for the request body (OpenAI/Ollama shapes); empty = ask /v1/models")
     baseline_runs: int = Field(3, ge=1, description="Uncontended generations measured first (median = baseline)")
     gap_ms: float = Field(200.0, ge=0, description="Pause between bursts once the backend is idle")
-    slots_poll_ms: float = Field(5.0, gt=0, description="GET /slots poll interval")
+    slots_poll_ms: float = Field(20.0, gt=0, description="GET /slots poll interval")
     idle_timeout_s: float = Field(120.0, gt=0, description="Longest wait for the backend to become idle")
     request_timeout_s: float = Field(300.0, gt=0, description="Read timeout per request")
     compare: str | None = Field(None, description="Second target URL: run the same script against it too")
