@@ -239,14 +239,16 @@ async def run_target(url: str, settings: BurstSettings) -> TargetResult:
             settings = settings.model_copy(update={"model": await _model_name(http, url)})
         poller = SlotsPoller(http, url, settings.slots_poll_ms / 1000)
         await poller.probe()
-        baseline = await _baseline(url, profile, settings, poller)
-        result = TargetResult(url, profile.name, baseline, time.perf_counter())
         clients = [Client(url, profile, settings, e) for e in range(settings.editors)]
         stop = asyncio.Event()
         try:
             async with asyncio.TaskGroup() as tg:
-                if poller.available:
+                if poller.available:  # polling from the start: the baseline pays its cost too
                     tg.create_task(poller.run(stop))
+                baseline = await _baseline(url, profile, settings, poller)
+                await _settle(poller, settings)
+                poller.reset()  # count the bursts only
+                result = TargetResult(url, profile.name, baseline, time.perf_counter())
                 for b in range(settings.bursts):
                     await _settle(poller, settings)
                     async with asyncio.TaskGroup() as editors:

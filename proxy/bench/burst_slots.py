@@ -56,7 +56,6 @@ class SlotsPoller:
         self.decoded.clear()
 
     async def run(self, stop: asyncio.Event) -> None:
-        self.reset()
         while not stop.is_set():
             if await self.poll():
                 self.max_busy = max(self.max_busy, self.busy_now)
