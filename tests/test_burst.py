@@ -33,7 +33,7 @@ async def test_direct_counts_match_the_fake(profile: str) -> None:
     async with FakeUpstream(slots=8, abort_linger_s=0.5, script=SCRIPT) as fake:
         r = await run_target(fake.url, _settings(profile=profile))
         s = r.summary()
-        burst_gens = [g for g in fake.generations if g.path == PROFILES[profile].route][2:]  # after warm-up+baseline
+        burst_gens = [g for g in fake.generations if g.path == PROFILES[profile].route][4:]  # after warm-up + baseline (2 requests each)
         assert len(burst_gens) == KEYS
         assert s["generations"] == KEYS == len(fake.aborted) + 1
         assert s["max_running"] == fake.max_concurrent == KEYS
@@ -49,7 +49,7 @@ async def test_through_proxy_backend_runs_at_most_capacity(tmp_path: Path) -> No
     ) as (_proc, url):
         r = await run_target(url, _settings(bursts=2))
         s = r.summary()
-        gens = len(fake.generations) - 2  # warm-up + baseline
+        gens = len(fake.generations) - 4  # warm-up + baseline (2 requests each)
         assert s["generations"] == gens < 2 * KEYS  # superseded requests never reached the fake
         assert s["max_running"] == fake.max_concurrent == 1
         assert s["failed_bursts"] == 0 and s["completed"] == 2
@@ -60,7 +60,7 @@ async def test_serial_profile_sends_one_at_a_time() -> None:
         r = await run_target(fake.url, _settings(profile="llama-vim"))
         s = r.summary()
         assert fake.max_concurrent == 1 and s["max_running"] == 1
-        assert s["aborted"] == 0 and s["requests"] == s["completed"] == s["generations"] == len(fake.generations) - 2
+        assert s["aborted"] == 0 and s["requests"] == s["completed"] == s["generations"] == len(fake.generations) - 4
         assert r.reqs[-1].keystroke == KEYS - 1  # the final text was asked for
         body = fake.generations[-1].raw
         assert b'"input_prefix":"' in body and b'": ' not in body  # compact JSON, as llama.vim sends
@@ -101,5 +101,5 @@ async def test_cli_compare_json_and_plot(tmp_path: Path) -> None:
         assert a.url in table and b.url in table and "last completion p50 ms" in table
         data = json.loads(out.read_text())
         assert [d["url"] for d in data] == [a.url, b.url]
-        assert data[0]["generations"] == len(a.generations) - 2 and data[1]["generations"] == len(b.generations) - 2
+        assert data[0]["generations"] == len(a.generations) - 4 and data[1]["generations"] == len(b.generations) - 4
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
