@@ -15,6 +15,7 @@ import pytest
 
 from llmproxy.proxy.bench.burst import BurstSettings, run_target, send_times
 from llmproxy.proxy.bench.burst_profiles import PROFILES, delivered_tokens
+from llmproxy.proxy.bench.burst_slots import SlotsPoller
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
 from tests.test_serve_e2e import serve
 
@@ -103,3 +104,12 @@ async def test_cli_compare_json_and_plot(tmp_path: Path) -> None:
         assert [d["url"] for d in data] == [a.url, b.url]
         assert data[0]["generations"] == len(a.generations) - 4 and data[1]["generations"] == len(b.generations) - 4
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_tokens_for_nobody_skips_the_tasks_that_served_a_client() -> None:
+    poller = SlotsPoller(None, "", 0.01)  # type: ignore[arg-type]  # no polling here
+    poller.decoded = {(0, 1): 3, (0, 2): 10, (0, 3): 2, (0, 4): 10}
+    poller.last_seen = {(0, 1): 1.0, (0, 2): 2.0, (0, 3): 2.5, (0, 4): 4.0}
+    # responses read to the end at 2.1 (task 2) and 4.2 (task 4): tasks 1 and 3 were for nobody
+    assert poller.unmatched_tokens([2.1, 4.2]) == 5
+    assert poller.unmatched_tokens([]) == 25

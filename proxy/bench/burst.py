@@ -115,7 +115,7 @@ class TargetResult:
             "ratio_p50": self.pct_ms(50) / (self.baseline_s * 1000) if self.baseline_s else math.nan,
             "generations": slots.get("generations"), "max_running": slots.get("max_running"),
             "tokens_decoded": generated, "tokens_delivered": delivered,
-            "tokens_for_nobody": None if generated is None else max(0, generated - delivered),
+            "tokens_for_nobody": slots.get("tokens_for_nobody"),
         }
 
 
@@ -266,7 +266,8 @@ async def run_target(url: str, settings: BurstSettings) -> TargetResult:
         finally:
             for c in clients:
                 await c.http.close()
-        result.slots = poller.summary() if poller.available else None
+        done = [r.t_done for r in result.reqs if r.outcome == "ok" and r.t_done is not None]
+        result.slots = poller.summary(done) if poller.available else None
     return result
 
 

@@ -3,8 +3,11 @@
 llama-server and llmproxy's backend list their slots with ``is_processing``, ``id_task``
 and ``next_token.n_decoded``; the proxy passes ``/slots`` through ungated, so the same
 poll works on a proxy URL. From frequent polls we count distinct tasks (generations the
-backend ran), the most slots busy at once, and per task the highest ``n_decoded`` seen.
-Polling can miss the last few tokens of a task, so token counts are lower bounds.
+backend ran), the most slots busy at once, and per task the highest ``n_decoded`` seen
+and when it was last seen busy. Polling can miss the last few tokens of a task, so
+token counts are lower bounds. A task is matched to a response a client read to the end
+when it was the latest unmatched task seen busy before that response ended; the tokens
+of unmatched tasks were generated for nobody.
 
 Concurrency contract: ``run(stop)`` polls until ``stop`` is set and is owned by the
 caller's TaskGroup; ``wait_idle`` polls on its own (either may run; state updates are
@@ -27,10 +30,12 @@ class SlotsPoller:
         self.busy_now = 0
         self.max_busy = 0
         self.decoded: dict[tuple[int, int], int] = {}  # (slot, id_task) -> highest n_decoded seen
+        self.last_seen: dict[tuple[int, int], float] = {}  # (slot, id_task) -> perf_counter of the poll
         self._timeout = aiohttp.ClientTimeout(total=5)
 
     async def poll(self) -> bool:
         """One GET /slots; False when the target does not serve it (or not in llama-server shape)."""
+        sent = time.perf_counter()  # the state read is at least as recent as this
         try:
             async with self.http.get(self.url + "/slots", timeout=self._timeout) as resp:
                 if resp.status != 200:
@@ -46,6 +51,7 @@ class SlotsPoller:
             key = (int(s.get("id", -1)), int(s.get("id_task", -1)))
             n = (s.get("next_token") or {}).get("n_decoded", s.get("n_decoded", 0))
             self.decoded[key] = max(self.decoded.get(key, 0), int(n or 0))
+            self.last_seen[key] = sent
         return True
 
     async def probe(self) -> None:
@@ -54,6 +60,7 @@ class SlotsPoller:
     def reset(self) -> None:
         self.max_busy = 0
         self.decoded.clear()
+        self.last_seen.clear()
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -72,6 +79,16 @@ class SlotsPoller:
                 raise TimeoutError(f"{self.url}/slots still busy after {timeout_s}s")
             await asyncio.sleep(self.interval_s)
 
-    def summary(self) -> dict[str, Any]:
+    def unmatched_tokens(self, completions: list[float]) -> int:
+        """Tokens of the tasks not matched to a response read to the end at these times."""
+        unmatched = dict(self.last_seen)
+        for t_done in sorted(completions):
+            before = [k for k, seen in unmatched.items() if seen <= t_done]
+            if before:
+                del unmatched[max(before, key=unmatched.__getitem__)]
+        return sum(self.decoded[k] for k in unmatched)
+
+    def summary(self, completions: list[float]) -> dict[str, Any]:
         return {"generations": len(self.decoded), "max_running": self.max_busy,
-                "tokens_decoded": sum(self.decoded.values())}
+                "tokens_decoded": sum(self.decoded.values()),
+                "tokens_for_nobody": self.unmatched_tokens(completions)}
