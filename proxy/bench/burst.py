@@ -7,8 +7,8 @@ actually waited for: from the burst's last keystroke to the end of the response 
 final text. It is compared with one uncontended generation of the same prompt (measured
 first, on an idle target). A background poller reads ``GET /slots`` (llama-server, the
 embedded backend, also through the proxy) to count the generations the backend really
-ran, how many ran at once and how many tokens it decoded; tokens for nobody = decoded
-minus delivered in responses a client read to the end. ``--compare URL2`` runs the same
+ran, how many ran at once and how many tokens it decoded, and which of those tokens
+went to a generation whose response nobody read (see burst_slots.py). ``--compare URL2`` runs the same
 script against a second target and prints both side by side; ``--plot FILE.png`` draws
 latency over time (needs matplotlib, the ``plot`` extra).
 
