@@ -31,7 +31,9 @@ PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\
 def settings(cache_dir: Path, **kw: Any) -> Any:
     from llmproxy.backend.settings import BackendSettings
 
-    base: dict[str, Any] = dict(engine="torch", cache_dir=cache_dir, n_ctx=512, max_batch_size=4, prefill_chunk=64)
+    base: dict[str, Any] = dict(
+        engine="torch", cache_dir=cache_dir, n_ctx=512, max_batch_size=4, prefill_chunk=64, n_threads=1
+    )
     return BackendSettings(**{**base, **kw})
 
 
