@@ -1,0 +1,102 @@
+"""llama-server native generation routes of the backend: POST /completion(s) and /infill.
+
+Response shapes follow llama-server: a non-streamed request gets one JSON object with
+``content``, ``stop_type``, ``timings`` and the ``generation_settings``; a streamed one
+gets SSE events with one ``content`` piece each and then the same final object (empty
+``content``). A stream that fails before its first token gets a plain JSON error with
+the right status; after the first token, an SSE event ``data: {"error": {...}}``.
+Cancellation is ``Gen``'s (web_gen.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+from llmproxy.backend.protocol import Done, Failed, Prompt, Token
+from llmproxy.backend.web_context import DISPATCHER, alias
+from llmproxy.backend.web_errors import failed_response, json_response
+from llmproxy.backend.web_gen import STOP_TYPE, Gen, gen_settings, sse, sse_error, sse_start, timings
+from llmproxy.backend.web_requests import (
+    check_model,
+    id_slot,
+    infill_prompt,
+    read_body,
+    read_completion,
+    sampling_params,
+)
+
+
+def _final_llama(app: web.Application, g: Gen, content: str) -> dict[str, Any]:
+    d = g.done
+    assert d is not None
+    return {
+        "index": 0,
+        "content": content,
+        "tokens": [],
+        "id_slot": g.slot_id,
+        "stop": True,
+        "model": alias(app),
+        "tokens_predicted": d.n_predicted,
+        "tokens_evaluated": d.n_prompt_tokens,
+        "generation_settings": gen_settings(g.params),
+        "prompt": "",
+        "has_new_line": "\n" in "".join(g.content),
+        "truncated": False,
+        "stop_type": STOP_TYPE[d.stop_reason],
+        "stopping_word": d.stopping_word,
+        "tokens_cached": d.n_prompt_tokens + d.n_predicted,
+        "timings": timings(d),
+    }
+
+
+async def _run_llama(request: web.Request, body: dict[str, Any], prompt: Prompt) -> web.StreamResponse:
+    app = request.app
+    params = sampling_params(body)
+    slot = id_slot(body, app[DISPATCHER])
+    stream = bool(body.get("stream", False))
+    async with Gen(request, prompt, params, slot) as g:
+        if not stream:
+            async for _ in g.events():
+                pass
+            if g.failed:
+                return failed_response(g.failed)
+            return json_response(_final_llama(app, g, "".join(g.content)))
+        resp: web.StreamResponse | None = None
+        async for ev in g.events():
+            if isinstance(ev, Failed):
+                if resp is None:
+                    return failed_response(ev)
+                await sse_error(resp, ev)
+                break
+            if resp is None:
+                resp = await sse_start(request)
+            if isinstance(ev, Token):
+                await sse(
+                    resp,
+                    {
+                        "index": 0,
+                        "content": ev.text,
+                        "tokens": [],
+                        "stop": False,
+                        "id_slot": g.slot_id,
+                        "tokens_predicted": ev.n_decoded,
+                        "tokens_evaluated": 0,
+                    },
+                )
+            elif isinstance(ev, Done):
+                await sse(resp, _final_llama(app, g, ""))
+        assert resp is not None
+        await resp.write_eof()
+        return resp
+
+
+async def completion(request: web.Request) -> web.StreamResponse:
+    body, prompt = await read_completion(request)
+    return await _run_llama(request, body, prompt)
+
+
+async def infill(request: web.Request) -> web.StreamResponse:
+    body = await read_body(request)
+    check_model(request, body)
+    return await _run_llama(request, body, infill_prompt(body))
