@@ -23,6 +23,9 @@ Concurrency contract:
   when someone waits on it); ``wait_for`` waits on it.
 - ``stop()`` wakes the ``hang_*`` fail modes, cancels linger tasks and closes the server.
 
+Wire formats (llama/OpenAI/Ollama JSON, SSE/NDJSON framing) live in fake_shapes.py; the
+command line (``python -m llmproxy.proxy.bench.fake_upstream``) in fake_main.py.
+
 Per-request behaviour comes from ``script(path, body) -> Script``. The number of tokens is
 ``Script.tokens``, capped by the request's own limit (``n_predict``, ``max_tokens``,
 ``options.num_predict``) when that is >= 0, so ``n_predict: 0`` warm-ups answer at once.
@@ -30,24 +33,16 @@ Per-request behaviour comes from ``script(path, body) -> Script``. The number of
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
-import structlog
 from aiohttp import web
-from pydantic import Field
-from pydantic_settings import SettingsConfigDict
 
-from llmproxy.proxy.config import LayeredSettings, add_settings_arguments, settings_from_args
-from llmproxy.proxy.logs import configure_logging
-
+from llmproxy.proxy.bench.fake_shapes import ROUTES, Shape, dumps, error_body, info_routes, json_response, token_count
 
 Kind = Literal["llamacpp", "openai", "ollama"]
 FailMode = Literal[None, "reset_mid_stream", "hang_before_headers", "hang_mid_body", "malformed"]
@@ -97,107 +92,6 @@ class _Slot:
     id_task: int = -1
     n_decoded: int = 0
 
-
-# --------------------------------------------------------------------- wire shapes
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
-
-
-def error_body(message: str, type_: str, code: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "code": code}}
-
-
-def _text(n: int) -> str:
-    return "".join(f"t{i} " for i in range(n))
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One generation route's wire format: llama-server native, OpenAI text/chat, Ollama."""
-
-    fmt: Literal["llama", "oai_text", "oai_chat", "ollama_generate", "ollama_chat"]
-    kinds: frozenset[str]
-
-    @property
-    def ndjson(self) -> bool:
-        return self.fmt.startswith("ollama")
-
-    @property
-    def stream_type(self) -> str:
-        return "application/x-ndjson" if self.ndjson else "text/event-stream"
-
-    def wants_stream(self, body: dict[str, Any]) -> bool:
-        return body.get("stream") is not False if self.ndjson else body.get("stream") is True
-
-    def frame(self, obj: Any) -> bytes:
-        if self.ndjson:
-            return (dumps(obj) + "\n").encode()
-        return f"data: {obj if isinstance(obj, str) else dumps(obj)}\n\n".encode()
-
-    def _piece(self, text: str, rid: int, slot: int, done: bool, n: int) -> dict[str, Any]:
-        if self.fmt == "llama":
-            obj: dict[str, Any] = {"index": 0, "content": text, "id_slot": slot, "stop": done}
-            if done:
-                obj.update(model="fake", tokens_predicted=n, tokens_evaluated=1, stop_type="limit", truncated=False)
-            return obj
-        if self.ndjson:
-            key = "message" if self.fmt == "ollama_chat" else "response"
-            obj = {"model": "fake", "created_at": "2026-01-01T00:00:00Z",
-                   key: {"role": "assistant", "content": text} if key == "message" else text, "done": done}
-            if done:
-                obj.update(done_reason="length", eval_count=n, prompt_eval_count=1)
-            return obj
-        return {}
-
-    def _oai(self, text: str | None, rid: int, finish: str | None, chunk: bool) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-        if self.fmt == "oai_text":
-            choice.update(text=text or "", logprobs=None)
-            obj_type = "text_completion"
-        elif chunk:
-            choice["delta"] = {} if text is None else {"role": "assistant", "content": text}
-            obj_type = "chat.completion.chunk"
-        else:
-            choice["message"] = {"role": "assistant", "content": text}
-            obj_type = "chat.completion"
-        return {"id": f"cmpl-{rid}", "object": obj_type, "created": 1767225600, "model": "fake", "choices": [choice]}
-
-    def chunk(self, i: int, rid: int, slot: int) -> dict[str, Any]:
-        """Stream piece carrying token ``i``."""
-        if self.fmt.startswith("oai"):
-            return self._oai(f"t{i} ", rid, None, chunk=True)
-        return self._piece(f"t{i} ", rid, slot, False, i + 1)
-
-    def final(self, n: int, rid: int, slot: int) -> list[Any]:
-        """The closing stream pieces: a stop/finish_reason/done piece (then [DONE] for OpenAI)."""
-        if self.fmt.startswith("oai"):
-            last = self._oai(None, rid, "length", chunk=True)
-            last["usage"] = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
-            return [last, "[DONE]"]
-        return [self._piece("", rid, slot, True, n)]
-
-    def whole(self, n: int, rid: int, slot: int) -> dict[str, Any]:
-        """Non-streamed body with all ``n`` tokens."""
-        if self.fmt.startswith("oai"):
-            obj = self._oai(_text(n), rid, "length", chunk=False)
-            obj["usage"] = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
-            return obj
-        return self._piece(_text(n), rid, slot, True, n)
-
-
-_LLAMA = frozenset({"llamacpp"})
-_OAI = frozenset({"llamacpp", "openai", "ollama"})
-_OLLAMA = frozenset({"ollama"})
-ROUTES: dict[str, Shape] = {
-    "/completion": Shape("llama", _LLAMA),
-    "/completions": Shape("llama", _LLAMA),
-    "/infill": Shape("llama", _LLAMA),
-    "/v1/completions": Shape("oai_text", _OAI),
-    "/v1/chat/completions": Shape("oai_chat", _OAI),
-    "/chat/completions": Shape("oai_chat", _LLAMA),
-    "/api/generate": Shape("ollama_generate", _OLLAMA),
-    "/api/chat": Shape("ollama_chat", _OLLAMA),
-}
 
 
 class FakeUpstream:
@@ -300,26 +194,15 @@ class FakeUpstream:
 
     # ----------------------------------------------------------------- routing
     def _get_routes(self) -> dict[str, Callable[[], web.Response]]:
-        n = len(self._slots)
-        routes: dict[str, Callable[[], web.Response]] = {
-            "/v1/models": lambda: _json({"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": "llmproxy"}]}),
-        }
+        routes = info_routes(self.kind, len(self._slots))
         if self.kind == "llamacpp":
-            routes["/health"] = lambda: _json({"status": "ok"})
-            routes["/props"] = lambda: _json(
-                {"total_slots": n, "model_path": "fake.gguf", "build_info": "fake",
-                 "default_generation_settings": {"n_ctx": 4096, "n_predict": -1}}
-            )
             routes["/slots"] = self._slots_response
-        elif self.kind == "ollama":
-            routes["/api/version"] = lambda: _json({"version": "0.5.7"})
-            routes["/api/tags"] = lambda: _json({"models": [{"name": "fake:latest", "model": "fake:latest", "size": 1}]})
         return routes
 
     def _slots_response(self) -> web.Response:
         if not self.slots_endpoint:
-            return _json(error_body("This server does not support slots endpoint.", "not_supported_error", 501), 501)
-        return _json([
+            return json_response(error_body("This server does not support slots endpoint.", "not_supported_error", 501), 501)
+        return json_response([
             {"id": i, "id_task": s.id_task, "n_ctx": 4096, "is_processing": s.busy,
              "next_token": {"has_next_token": s.busy, "n_remain": -1, "n_decoded": s.n_decoded}}
             for i, s in enumerate(self._slots)
@@ -338,11 +221,11 @@ class FakeUpstream:
         shape = ROUTES.get(request.path)
         if request.method == "POST" and shape is not None and self.kind in shape.kinds:
             if body is None:
-                return _json(error_body("invalid JSON body", "invalid_request_error", 400), 400)
+                return json_response(error_body("invalid JSON body", "invalid_request_error", 400), 400)
             return await self._generation(request, rec, body, shape)
         handler = self._get_routes().get(request.path) if request.method == "GET" else None
         if handler is None:
-            return _json(error_body(f"not found: {request.method} {request.path}", "not_found_error", 404), 404)
+            return json_response(error_body(f"not found: {request.method} {request.path}", "not_found_error", 404), 404)
         return handler()
 
     # ----------------------------------------------------------------- generations
@@ -351,7 +234,7 @@ class FakeUpstream:
         if not 200 <= script.status < 300:
             self.completed.append(rec.id)
             self._notify()
-            return _json(error_body(f"scripted error {script.status}", "server_error", script.status), script.status)
+            return json_response(error_body(f"scripted error {script.status}", "server_error", script.status), script.status)
         self.concurrent += 1
         self.max_concurrent = max(self.max_concurrent, self.concurrent)
         self._notify()
@@ -433,7 +316,7 @@ class FakeUpstream:
     async def _respond(
         self, request: web.Request, rec: Received, body: dict[str, Any], shape: Shape, script: Script, slot: int
     ) -> web.StreamResponse:
-        n = _token_count(script.tokens, body)
+        n = token_count(script.tokens, body)
         stream = shape.wants_stream(body)
         if script.fail == "hang_before_headers":
             await self._hang()
@@ -485,68 +368,7 @@ class FakeUpstream:
         return resp
 
 
-def _token_count(tokens: int, body: dict[str, Any]) -> int:
-    options = body.get("options")
-    for limit in (body.get("n_predict"), body.get("max_tokens"), options.get("num_predict") if isinstance(options, dict) else None):
-        if isinstance(limit, int) and limit >= 0:
-            return min(tokens, limit)
-    return tokens
-
-
-def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(text=dumps(obj), status=status, content_type="application/json")
-
-
-
-
-# --------------------------------------------------------------------- subprocess entry
-class FakeUpstreamSettings(LayeredSettings):
-    """Options of ``python -m llmproxy.proxy.bench.fake_upstream`` (env ``LLMPROXY_FAKE_*``)."""
-
-    model_config = SettingsConfigDict(env_prefix="LLMPROXY_FAKE_", frozen=True, extra="forbid")
-
-    host: str = Field("127.0.0.1", description="Address to bind")
-    port: int = Field(0, ge=0, le=65535, description="Port to bind; 0 picks a free port")
-    port_file: Path | None = Field(None, description="Write the bound port to this file once listening")
-    kind: Kind = Field("llamacpp", description="Which backend to imitate")
-    slots: int = Field(1, ge=1, description="Parallel generation slots")
-    tokens: int = Field(8, ge=0, description="Tokens generated per request (capped by the request's n_predict)")
-    token_delay_ms: float = Field(5.0, ge=0, description="Delay per generated token")
-    abort_linger_s: float = Field(0.2, ge=0, description="How long a slot stays busy after its client left")
-    slots_endpoint: bool = Field(True, description="Serve GET /slots (off: 501, like llama-server --no-slots)")
-    log_level: str = Field("warning", description="Log level")
-
-
-async def _serve(settings: FakeUpstreamSettings) -> None:
-    """Run until SIGINT/SIGTERM; the port file is written atomically once listening."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    script = Script(tokens=settings.tokens, token_delay_s=settings.token_delay_ms / 1000)
-    async with FakeUpstream(
-        kind=settings.kind, slots=settings.slots, abort_linger_s=settings.abort_linger_s,
-        slots_endpoint=settings.slots_endpoint, script=lambda _p, _b: script,
-        host=settings.host, port=settings.port,
-    ) as upstream:
-        if settings.port_file is not None:
-            tmp = settings.port_file.with_name(settings.port_file.name + ".tmp")
-            tmp.write_text(upstream.url.rsplit(":", 1)[1])
-            tmp.replace(settings.port_file)
-        structlog.get_logger().info("fake_upstream_listening", url=upstream.url, kind=settings.kind)
-        await stop.wait()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m llmproxy.proxy.bench.fake_upstream", description="Fake LLM backend for benchmarks."
-    )
-    add_settings_arguments(parser, FakeUpstreamSettings)
-    settings = settings_from_args(FakeUpstreamSettings, parser.parse_args(argv))
-    configure_logging(settings.log_level)
-    asyncio.run(_serve(settings))
-    return 0
-
-
 if __name__ == "__main__":
+    from llmproxy.proxy.bench.fake_main import main
+
     raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""Wire formats of the fake LLM upstream (fake_upstream.py): llama-server, OpenAI and Ollama JSON.
+
+``Shape`` is one generation route's format: its stream framing (SSE ``data:`` events or
+Ollama's NDJSON lines), when a body asks to stream, and the chunk / closing pieces /
+whole body carrying the deterministic tokens (token i is ``f"t{i} "``). ``ROUTES`` maps
+each generation path to its shape and the kinds that serve it; ``info_routes`` gives the
+fixed GET bodies (/v1/models, /health, /props, Ollama's /api/version and /api/tags).
+Pure functions and frozen data only: no state, no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from aiohttp import web
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def error_body(message: str, type_: str, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "code": code}}
+
+
+def text(n: int) -> str:
+    return "".join(f"t{i} " for i in range(n))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One generation route's wire format: llama-server native, OpenAI text/chat, Ollama."""
+
+    fmt: Literal["llama", "oai_text", "oai_chat", "ollama_generate", "ollama_chat"]
+    kinds: frozenset[str]
+
+    @property
+    def ndjson(self) -> bool:
+        return self.fmt.startswith("ollama")
+
+    @property
+    def stream_type(self) -> str:
+        return "application/x-ndjson" if self.ndjson else "text/event-stream"
+
+    def wants_stream(self, body: dict[str, Any]) -> bool:
+        return body.get("stream") is not False if self.ndjson else body.get("stream") is True
+
+    def frame(self, obj: Any) -> bytes:
+        if self.ndjson:
+            return (dumps(obj) + "\n").encode()
+        return f"data: {obj if isinstance(obj, str) else dumps(obj)}\n\n".encode()
+
+    def _piece(self, text: str, rid: int, slot: int, done: bool, n: int) -> dict[str, Any]:
+        if self.fmt == "llama":
+            obj: dict[str, Any] = {"index": 0, "content": text, "id_slot": slot, "stop": done}
+            if done:
+                obj.update(model="fake", tokens_predicted=n, tokens_evaluated=1, stop_type="limit", truncated=False)
+            return obj
+        if self.ndjson:
+            key = "message" if self.fmt == "ollama_chat" else "response"
+            obj = {"model": "fake", "created_at": "2026-01-01T00:00:00Z",
+                   key: {"role": "assistant", "content": text} if key == "message" else text, "done": done}
+            if done:
+                obj.update(done_reason="length", eval_count=n, prompt_eval_count=1)
+            return obj
+        return {}
+
+    def _oai(self, text: str | None, rid: int, finish: str | None, chunk: bool) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        if self.fmt == "oai_text":
+            choice.update(text=text or "", logprobs=None)
+            obj_type = "text_completion"
+        elif chunk:
+            choice["delta"] = {} if text is None else {"role": "assistant", "content": text}
+            obj_type = "chat.completion.chunk"
+        else:
+            choice["message"] = {"role": "assistant", "content": text}
+            obj_type = "chat.completion"
+        return {"id": f"cmpl-{rid}", "object": obj_type, "created": 1767225600, "model": "fake", "choices": [choice]}
+
+    def chunk(self, i: int, rid: int, slot: int) -> dict[str, Any]:
+        """Stream piece carrying token ``i``."""
+        if self.fmt.startswith("oai"):
+            return self._oai(f"t{i} ", rid, None, chunk=True)
+        return self._piece(f"t{i} ", rid, slot, False, i + 1)
+
+    def final(self, n: int, rid: int, slot: int) -> list[Any]:
+        """The closing stream pieces: a stop/finish_reason/done piece (then [DONE] for OpenAI)."""
+        if self.fmt.startswith("oai"):
+            last = self._oai(None, rid, "length", chunk=True)
+            last["usage"] = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+            return [last, "[DONE]"]
+        return [self._piece("", rid, slot, True, n)]
+
+    def whole(self, n: int, rid: int, slot: int) -> dict[str, Any]:
+        """Non-streamed body with all ``n`` tokens."""
+        if self.fmt.startswith("oai"):
+            obj = self._oai(text(n), rid, "length", chunk=False)
+            obj["usage"] = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+            return obj
+        return self._piece(text(n), rid, slot, True, n)
+
+
+_LLAMA = frozenset({"llamacpp"})
+_OAI = frozenset({"llamacpp", "openai", "ollama"})
+_OLLAMA = frozenset({"ollama"})
+ROUTES: dict[str, Shape] = {
+    "/completion": Shape("llama", _LLAMA),
+    "/completions": Shape("llama", _LLAMA),
+    "/infill": Shape("llama", _LLAMA),
+    "/v1/completions": Shape("oai_text", _OAI),
+    "/v1/chat/completions": Shape("oai_chat", _OAI),
+    "/chat/completions": Shape("oai_chat", _LLAMA),
+    "/api/generate": Shape("ollama_generate", _OLLAMA),
+    "/api/chat": Shape("ollama_chat", _OLLAMA),
+}
+
+
+def token_count(tokens: int, body: dict[str, Any]) -> int:
+    """``tokens``, capped by the request's own limit (n_predict, max_tokens, options.num_predict) if >= 0."""
+    options = body.get("options")
+    for limit in (body.get("n_predict"), body.get("max_tokens"), options.get("num_predict") if isinstance(options, dict) else None):
+        if isinstance(limit, int) and limit >= 0:
+            return min(tokens, limit)
+    return tokens
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(text=dumps(obj), status=status, content_type="application/json")
+
+
+def info_routes(kind: str, n_slots: int) -> dict[str, Callable[[], web.Response]]:
+    """The fixed GET routes of a ``kind`` with ``n_slots`` slots (/slots is the fake's own)."""
+    routes: dict[str, Callable[[], web.Response]] = {
+        "/v1/models": lambda: json_response(
+            {"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": "llmproxy"}]}
+        ),
+    }
+    if kind == "llamacpp":
+        routes["/health"] = lambda: json_response({"status": "ok"})
+        routes["/props"] = lambda: json_response(
+            {"total_slots": n_slots, "model_path": "fake.gguf", "build_info": "fake",
+             "default_generation_settings": {"n_ctx": 4096, "n_predict": -1}}
+        )
+    elif kind == "ollama":
+        routes["/api/version"] = lambda: json_response({"version": "0.5.7"})
+        routes["/api/tags"] = lambda: json_response(
+            {"models": [{"name": "fake:latest", "model": "fake:latest", "size": 1}]}
+        )
+    return routes
