@@ -1,0 +1,89 @@
+"""Results of ``llmproxy bench burst``: what each request and burst saw, the summary, the table."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Req:
+    editor: int
+    burst: int
+    keystroke: int
+    t_sent: float
+    t_done: float | None = None
+    status: int | None = None
+    outcome: str = "pending"  # ok | aborted | error
+    tokens: int = 0
+
+
+@dataclass
+class Burst:
+    editor: int
+    burst: int
+    t_last_key: float
+    latency_s: float | None = None  # None: the final completion failed
+
+
+@dataclass
+class TargetResult:
+    url: str
+    profile: str
+    baseline_s: float
+    t0: float
+    reqs: list[Req] = field(default_factory=list)
+    bursts: list[Burst] = field(default_factory=list)
+    slots: dict[str, Any] | None = None  # SlotsPoller.summary(), None when /slots is unavailable
+
+    def pct_ms(self, q: float) -> float:
+        lat = sorted(b.latency_s for b in self.bursts if b.latency_s is not None)
+        return lat[max(1, math.ceil(q / 100 * len(lat))) - 1] * 1000 if lat else math.nan
+
+    def summary(self) -> dict[str, Any]:
+        delivered = sum(r.tokens for r in self.reqs if r.outcome == "ok")
+        slots = self.slots or {}
+        generated = slots.get("tokens_decoded")
+        return {
+            "url": self.url, "profile": self.profile, "requests": len(self.reqs),
+            "completed": sum(r.outcome == "ok" for r in self.reqs),
+            "aborted": sum(r.outcome == "aborted" for r in self.reqs),
+            "errors": sum(r.outcome == "error" for r in self.reqs),
+            "failed_bursts": sum(b.latency_s is None for b in self.bursts),
+            "baseline_ms": self.baseline_s * 1000, "last_p50_ms": self.pct_ms(50), "last_p95_ms": self.pct_ms(95),
+            "ratio_p50": self.pct_ms(50) / (self.baseline_s * 1000) if self.baseline_s else math.nan,
+            "generations": slots.get("generations"), "max_running": slots.get("max_running"),
+            "tokens_decoded": generated, "tokens_delivered": delivered,
+            "tokens_for_nobody": slots.get("tokens_for_nobody"),
+        }
+
+
+def format_table(results: list[TargetResult]) -> str:
+    """Side-by-side table, one column per target."""
+    sums = [r.summary() for r in results]
+
+    def num(v: Any, fmt: str) -> str:
+        return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+
+    rows = [
+        ("target", lambda s: s["url"]), ("profile", lambda s: s["profile"]),
+        ("requests sent", lambda s: str(s["requests"])),
+        ("  completed / aborted / errors", lambda s: f"{s['completed']} / {s['aborted']} / {s['errors']}"),
+        ("uncontended generation ms", lambda s: num(s["baseline_ms"], ".0f")),
+        ("last completion p50 ms", lambda s: num(s["last_p50_ms"], ".0f")),
+        ("last completion p95 ms", lambda s: num(s["last_p95_ms"], ".0f")),
+        ("p50 / uncontended", lambda s: num(s["ratio_p50"], ".2f") + "x"),
+        ("failed bursts", lambda s: str(s["failed_bursts"])),
+        ("backend generations", lambda s: num(s["generations"], "d")),
+        ("backend max at once", lambda s: num(s["max_running"], "d")),
+        ("tokens decoded (>=)", lambda s: num(s["tokens_decoded"], "d")),
+        ("tokens delivered", lambda s: num(s["tokens_delivered"], "d")),
+        ("tokens for nobody (>=)", lambda s: num(s["tokens_for_nobody"], "d")),
+    ]
+    width = max(28, *(len(s["url"]) + 2 for s in sums))
+    lines = [f"{name:<32}" + "".join(f"{get(s):>{width}}" for s in sums) for name, get in rows]
+    lines.append("")
+    lines.append("last completion = from the burst's last keystroke to the end of the final completion; "
+                 "backend counts from GET /slots polling (n/a: not available)")
+    return "\n".join(lines) + "\n"
