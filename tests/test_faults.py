@@ -38,7 +38,8 @@ def outcome_count(px: Any, outcome: str, route: str = "/completion") -> float:
     return px.state.metrics.requests.labels(outcome=outcome, route=route)._value.get()
 
 
-async def test_hang_mid_body_ends_with_error_event(http: aiohttp.ClientSession) -> None:
+async def hung_mid_body(http: aiohttp.ClientSession) -> dict[str, Any]:
+    """One streamed request whose upstream hangs after the first token (read_timeout_s 0.4)."""
     script = lambda _p, _b: Script(tokens=10, token_delay_s=0.001, fail="hang_mid_body")  # noqa: E731
     async with FakeUpstream(slots=1, script=script, abort_linger_s=0.05) as fake, run_proxy(
         fake.url, read_timeout_s=0.4
@@ -50,16 +51,22 @@ async def test_hang_mid_body_ends_with_error_event(http: aiohttp.ClientSession) 
                 text = (await r.read()).decode()
             elapsed = time.monotonic() - t0
             await quiet(px)
-        events = sse_events(text)
-        assert json.loads(events[0][6:])["content"] == "t0 "  # what the upstream sent got through
-        err = json.loads(events[-1][6:])["error"]
-        assert err["type"] == "upstream_timeout" and err["src"] == "llmproxy" and err["code"] == 504
-        assert 0.4 <= elapsed < 3
-        assert fake.aborted == [g.id for g in fake.generations]  # the proxy closed the hung connection
-        (line,) = canonical(logs)
-        assert line["outcome"] == "error" and line["status"] == 200 and line["upstream_status"] == 200
-        assert any(e["event"] == "upstream request failed" and "timed out" in e["error"] for e in logs)
-        assert outcome_count(px, "error") == 1
+        return {"text": text, "elapsed": elapsed, "logs": logs, "errors": outcome_count(px, "error"),
+                "cut": fake.aborted == [g.id for g in fake.generations]}
+
+
+async def test_hang_mid_body_ends_with_error_event(http: aiohttp.ClientSession) -> None:
+    run = await hung_mid_body(http)
+    events = sse_events(run["text"])
+    assert json.loads(events[0][6:])["content"] == "t0 "  # what the upstream sent got through
+    err = json.loads(events[-1][6:])["error"]
+    assert err["type"] == "upstream_timeout" and err["src"] == "llmproxy" and err["code"] == 504
+    assert 0.4 <= run["elapsed"] < 3
+    assert run["cut"]  # the proxy closed the hung connection
+    (line,) = canonical(run["logs"])
+    assert line["outcome"] == "error" and line["status"] == 200 and line["upstream_status"] == 200
+    assert any(e["event"] == "upstream request failed" and "timed out" in e["error"] for e in run["logs"])
+    assert run["errors"] == 1
 
 
 @pytest.mark.xfail(strict=True, reason=(
@@ -69,16 +76,8 @@ async def test_hang_mid_body_ends_with_error_event(http: aiohttp.ClientSession) 
     "as 'error' when rec.error is None, e.g. in record.py _emit)"))
 async def test_canonical_line_names_a_mid_stream_error(http: aiohttp.ClientSession) -> None:
     """The canonical line of a request whose stream broke after the headers carries the error."""
-    script = lambda _p, _b: Script(tokens=10, token_delay_s=0.001, fail="hang_mid_body")  # noqa: E731
-    async with FakeUpstream(slots=1, script=script, abort_linger_s=0.05) as fake, run_proxy(
-        fake.url, read_timeout_s=0.3
-    ) as px:
-        with structlog.testing.capture_logs() as logs:
-            async with http.post(px.url + "/completion", json={"prompt": "x", "stream": True}) as r:
-                await r.read()
-            await quiet(px)
-        (line,) = canonical(logs)
-        assert "timed out" in line.get("error", "")
+    (line,) = canonical((await hung_mid_body(http))["logs"])
+    assert "timed out" in line.get("error", "")
 
 
 async def test_malformed_upstream_bytes_pass_through(http: aiohttp.ClientSession) -> None:
