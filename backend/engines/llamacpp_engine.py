@@ -21,7 +21,8 @@ Prompts:
 
 Stop words are matched on the generated text; text that could be the start of a stop
 word is held back until it is known not to be one, so a stop word never leaks into a
-stream.
+stream. The prompt, admission and stop-word rules live in ``prompts`` and ``stops``
+(shared with the torch engine).
 """
 
 from __future__ import annotations
@@ -34,17 +35,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmproxy.backend.engines.prompts import CHATML, admit_tokens, chat_messages, infill_tokens
+from llmproxy.backend.engines.stops import done_event, split_held
 from llmproxy.backend.model_path import resolve_model
 from llmproxy.backend.protocol import Done, EngineInfo, Event, Failed, Prompt, Submit, Token
-
-CHATML = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
-    " + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-
-class PromptTooLong(ValueError):
-    pass
 
 
 @dataclass
@@ -148,29 +142,18 @@ class LlamaCppEngine:
         return ids
 
     def admit(self, submit: Submit) -> list[Event]:
-        p = submit.params
-        try:
-            tokens = self._tokens(submit.prompt, p.n_predict)
-        except PromptTooLong as exc:
-            return [Failed(submit.request_id, 400, str(exc), "invalid_request_error")]
-        n = len(tokens)
-        if n == 0:
-            return [Failed(submit.request_id, 400, "empty prompt", "invalid_request_error")]
-        if n >= self.n_ctx:
-            return [Failed(submit.request_id, 400, _too_long(n, self.n_ctx), "exceed_context_size_error")]
-        cap = int(self.settings.n_predict_max)
-        if p.n_predict >= 0:
-            if n + p.n_predict > self.n_ctx:
-                return [
-                    Failed(
-                        submit.request_id,
-                        400,
-                        f"prompt ({n} tokens) + n_predict ({p.n_predict}) exceeds the context size ({self.n_ctx})",
-                        "exceed_context_size_error",
-                    )
-                ]
-            cap = min(cap, p.n_predict)
-        seq = _Seq(submit=submit, tokens=tokens, n_predict=min(cap, self.n_ctx - n))
+        n_predict = submit.params.n_predict
+        admitted = admit_tokens(
+            submit.request_id,
+            lambda: self._tokens(submit.prompt, n_predict),
+            n_predict,
+            self.n_ctx,
+            int(self.settings.n_predict_max),
+        )
+        if isinstance(admitted, Failed):
+            return [admitted]
+        tokens, cap = admitted
+        seq = _Seq(submit=submit, tokens=tokens, n_predict=cap)
         self.pending.append(seq)
         return []
 
@@ -275,20 +258,12 @@ class LlamaCppEngine:
         seq.n_decoded += 1
         text = seq.held + seq.decoder.decode(llm.detokenize([tok]))
         out: list[Event] = []
-        stops = seq.submit.params.stop
-        if stops:
-            hit = _find_stop(text, stops)
-            if hit is not None:
-                idx, word = hit
-                if idx > 0:
-                    out.append(Token(seq.rid, text[:idx], seq.n_decoded))
-                seq.held = ""
-                self.current = None
-                return out + self._finish(seq, "word", emit_held=False, stopping_word=word)
-            keep = _partial_stop_len(text, stops)
-        else:
-            keep = 0
-        emit, seq.held = (text[: len(text) - keep], text[len(text) - keep :]) if keep else (text, "")
+        emit, seq.held, word = split_held(text, seq.submit.params.stop)
+        if word is not None:
+            if emit:
+                out.append(Token(seq.rid, emit, seq.n_decoded))
+            self.current = None
+            return out + self._finish(seq, "word", emit_held=False, stopping_word=word)
         if emit:
             seq.has_new_line = seq.has_new_line or "\n" in emit
             out.append(Token(seq.rid, emit, seq.n_decoded))
@@ -316,21 +291,7 @@ class LlamaCppEngine:
             tail = seq.held + seq.decoder.decode(b"", final=True)
             if tail:
                 out.append(Token(seq.rid, tail, seq.n_decoded))
-        now = time.perf_counter()
-        t_first = seq.t_first or now
-        t_start = seq.t_start or now
-        out.append(
-            Done(
-                request_id=seq.rid,
-                stop_reason=reason,  # type: ignore[arg-type]
-                n_prompt_tokens=len(seq.tokens),
-                n_predicted=seq.n_decoded,
-                prompt_ms=(t_first - t_start) * 1000.0,
-                predicted_ms=(now - t_first) * 1000.0,
-                stopping_word=stopping_word,
-                n_cached=seq.n_cached,
-            )
-        )
+        out.append(done_event(seq, reason, stopping_word, n_cached=seq.n_cached))
         return out
 
     # --- prompts -----------------------------------------------------------------------
@@ -350,71 +311,20 @@ class LlamaCppEngine:
                 return list(prompt.tokens)
             return self._add_bos() + self._tok(prompt.text)
         if prompt.kind == "chat":
-            messages = [{"role": r, "content": c} for r, c in prompt.messages]
-            text = self._chat(messages=messages).prompt
+            text = self._chat(messages=chat_messages(prompt)).prompt
             bos = [] if (self._bos_text and text.startswith(self._bos_text)) else self._add_bos()
             return bos + self._tok(text)
         return self._infill_tokens(prompt, n_predict)
 
     def _infill_tokens(self, prompt: Prompt, n_predict: int) -> list[int]:
-        # room for the prompt: leave space for generation (at least a little)
-        reserve = n_predict if n_predict > 0 else min(self.settings.n_predict_max, self.n_ctx // 4)
-        budget = max(16, self.n_ctx - reserve - 1)
-        bos = self._add_bos()
-        prefix = self._tok(prompt.prefix + prompt.text, special=False)
-        suffix = self._tok(prompt.suffix, special=False)
-        if self._fim is None:
-            # documented fallback: continue extra + prefix (+prompt) as plain text
-            extra = self._tok("".join(t for _, t in prompt.extra), special=False)
-            take = budget - len(bos)
-            body = (extra + prefix)[-take:] if take > 0 else []
-            return bos + body
-        pre, suf, mid = self._fim
-        n_fixed = len(bos) + 3
-        room = budget - n_fixed
-        if room <= 0:
-            raise PromptTooLong(_too_long(n_fixed, self.n_ctx))
-        n_suffix = min(len(suffix), room // 4)
-        n_prefix = min(len(prefix), room - n_suffix)
-        n_suffix = min(len(suffix), room - n_prefix)
-        prefix = prefix[len(prefix) - n_prefix :]
-        suffix = suffix[:n_suffix]
-        room -= n_prefix + n_suffix
-        extra: list[int] = []
-        if prompt.extra and room > 0:
-            if self._fim_rep >= 0 and self._fim_sep >= 0:
-                extra = [self._fim_rep] + self._tok("myproject\n", special=False)
-                for name, text in prompt.extra:
-                    extra += [self._fim_sep] + self._tok(f"{name}\n{text}", special=False)
-                extra += [self._fim_sep] + self._tok("filename\n", special=False)
-            else:
-                extra = self._tok("".join(t for _, t in prompt.extra), special=False)
-            if len(extra) > room:
-                extra = []  # all or nothing: a cut chunk would mislead the model
-        return bos + extra + [pre] + prefix + [suf] + suffix + [mid]
-
-
-def _too_long(n: int, n_ctx: int) -> str:
-    return f"the request exceeds the available context size: the prompt has {n} tokens, the context is {n_ctx}"
-
-
-def _find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
-    best: tuple[int, str] | None = None
-    for word in stops:
-        if not word:
-            continue
-        idx = text.find(word)
-        if idx >= 0 and (best is None or idx < best[0]):
-            best = (idx, word)
-    return best
-
-
-def _partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop word."""
-    keep = 0
-    for word in stops:
-        for k in range(min(len(word) - 1, len(text)), keep, -1):
-            if text.endswith(word[:k]):
-                keep = k
-                break
-    return keep
+        return infill_tokens(
+            prompt,
+            lambda text: self._tok(text, special=False),
+            self._add_bos(),
+            self._fim,
+            self._fim_rep,
+            self._fim_sep,
+            self.n_ctx,
+            n_predict,
+            int(self.settings.n_predict_max),
+        )

@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmproxy.backend.engines.stops import done_event
 from llmproxy.backend.engines.torch_loader import require_torch
-from llmproxy.backend.protocol import Done, EngineInfo, Event, Failed, Submit, Token
+from llmproxy.backend.protocol import EngineInfo, Event, Failed, Submit, Token
 
 
 @dataclass(eq=False)
@@ -147,29 +148,24 @@ class TorchEngine:
         return [s.rid for s in [*rows, *self.prefilling, *self.waiting]]
 
     def admit(self, submit: Submit) -> list[Event]:
-        from llmproxy.backend.engines.llamacpp_engine import PromptTooLong, _too_long
+        from llmproxy.backend.engines.prompts import admit_tokens
         from llmproxy.backend.engines.torch_sampling import Sampler
         from llmproxy.backend.engines.torch_text import Detokenizer
 
         if self.batch is None:  # asleep: reload first
             self.load(lambda _p: None)
-        rid, p = submit.request_id, submit.params
-        try:
-            tokens = self.prompts.tokens(submit.prompt, p.n_predict)
-        except PromptTooLong as exc:
-            return [Failed(rid, 400, str(exc), "invalid_request_error")]
-        n = len(tokens)
-        if n == 0:
-            return [Failed(rid, 400, "empty prompt", "invalid_request_error")]
-        if n >= self.n_ctx:
-            return [Failed(rid, 400, _too_long(n, self.n_ctx), "exceed_context_size_error")]
-        cap = int(self.settings.n_predict_max)
-        if p.n_predict >= 0:
-            if n + p.n_predict > self.n_ctx:
-                msg = f"prompt ({n} tokens) + n_predict ({p.n_predict}) exceeds the context size ({self.n_ctx})"
-                return [Failed(rid, 400, msg, "exceed_context_size_error")]
-            cap = min(cap, p.n_predict)
-        seq = _Seq(submit, tokens, min(cap, self.n_ctx - n), Sampler(p), Detokenizer(self.tokenizer))
+        p = submit.params
+        admitted = admit_tokens(
+            submit.request_id,
+            lambda: self.prompts.tokens(submit.prompt, p.n_predict),
+            p.n_predict,
+            self.n_ctx,
+            int(self.settings.n_predict_max),
+        )
+        if isinstance(admitted, Failed):
+            return [admitted]
+        tokens, cap = admitted
+        seq = _Seq(submit, tokens, cap, Sampler(p), Detokenizer(self.tokenizer))
         if seq.n_predict <= 0:
             return self._finish(seq, "limit")
         self.waiting.append(seq)
@@ -234,17 +230,5 @@ class TorchEngine:
             if tail:
                 out.append(Token(seq.rid, tail, seq.n_decoded))
         seq.cache = None
-        now = time.perf_counter()
-        t_first, t_start = seq.t_first or now, seq.t_start or now
-        out.append(
-            Done(
-                request_id=seq.rid,
-                stop_reason=reason,  # type: ignore[arg-type]
-                n_prompt_tokens=len(seq.tokens),
-                n_predicted=seq.n_decoded,
-                prompt_ms=(t_first - t_start) * 1000.0,
-                predicted_ms=(now - t_first) * 1000.0,
-                stopping_word=stopping_word,
-            )
-        )
+        out.append(done_event(seq, reason, stopping_word))
         return out

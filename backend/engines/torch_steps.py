@@ -11,7 +11,7 @@ worker loop between inbound drains; bounded work per call):
    sequence whose prompt is complete samples its first token and joins the batch;
 3. one decode step for every row of the batch; rows that finish leave at once.
 
-Token handling (``accept``) follows the llama-cpp engine: EOS (unless ``ignore_eos``),
+Token handling (``accept``) follows the llama-cpp engine (``stops``): EOS (unless ``ignore_eos``),
 stop words with held-back partial matches, ``n_predict``/context limit, and
 ``t_max_predict_ms`` once a newline was produced.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from llmproxy.backend.engines.llamacpp_engine import _find_stop, _partial_stop_len
+from llmproxy.backend.engines.stops import split_held
 from llmproxy.backend.protocol import Event, Token
 
 
@@ -106,19 +106,12 @@ def accept(engine: Any, seq: Any, tok: int, out: list[Event]) -> bool:
         return True
     seq.n_decoded += 1
     seq.next_token = tok
-    text = seq.held + seq.detok.push(tok)
-    keep = 0
-    if p.stop:
-        hit = _find_stop(text, p.stop)
-        if hit is not None:
-            idx, word = hit
-            if idx > 0:
-                out.append(Token(seq.rid, text[:idx], seq.n_decoded))
-            seq.held = ""
-            out.extend(engine._finish(seq, "word", emit_held=False, stopping_word=word))
-            return True
-        keep = _partial_stop_len(text, p.stop)
-    emit, seq.held = (text[: len(text) - keep], text[len(text) - keep :]) if keep else (text, "")
+    emit, seq.held, word = split_held(seq.held + seq.detok.push(tok), p.stop)
+    if word is not None:
+        if emit:
+            out.append(Token(seq.rid, emit, seq.n_decoded))
+        out.extend(engine._finish(seq, "word", emit_held=False, stopping_word=word))
+        return True
     if emit:
         seq.has_new_line = seq.has_new_line or "\n" in emit
         out.append(Token(seq.rid, emit, seq.n_decoded))

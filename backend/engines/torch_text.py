@@ -1,6 +1,6 @@
 """Torch engine: prompts -> token ids, and token ids -> streamed text.
 
-Prompt rules are the llama-cpp engine's (see ``llamacpp_engine``), over a Hugging Face
+Prompt rules are the llama-cpp engine's (shared in ``prompts``), over a Hugging Face
 tokenizer: completion text is tokenized with special tokens parsed (BOS as the model's
 ``add_bos`` says), chat uses the tokenizer's chat template (ChatML when it has none),
 infill uses the FIM tokens when the vocabulary has them
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmproxy.backend.engines.llamacpp_engine import CHATML, PromptTooLong, _too_long
+from llmproxy.backend.engines.prompts import CHATML, chat_messages, infill_tokens
 from llmproxy.backend.protocol import Prompt
 
 _FIM_NAMES = {
@@ -71,45 +71,17 @@ class PromptBuilder:
                 return list(prompt.tokens)
             return self.bos + self._tok(prompt.text)
         if prompt.kind == "chat":
-            messages = [{"role": r, "content": c} for r, c in prompt.messages]
             text = self.tok.apply_chat_template(
-                messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
+                chat_messages(prompt), chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
             )
             bos = [] if (self.bos_text and text.startswith(self.bos_text)) else self.bos
             return bos + self._tok(text)
         return self._infill(prompt, n_predict)
 
     def _infill(self, prompt: Prompt, n_predict: int) -> list[int]:
-        reserve = n_predict if n_predict > 0 else min(self.n_predict_max, self.n_ctx // 4)
-        budget = max(16, self.n_ctx - reserve - 1)
-        prefix = self._plain(prompt.prefix + prompt.text)
-        if self.fim is None:
-            extra = self._plain("".join(t for _, t in prompt.extra))
-            take = budget - len(self.bos)
-            return self.bos + ((extra + prefix)[-take:] if take > 0 else [])
-        suffix = self._plain(prompt.suffix)
-        pre, suf, mid = self.fim
-        n_fixed = len(self.bos) + 3
-        room = budget - n_fixed
-        if room <= 0:
-            raise PromptTooLong(_too_long(n_fixed, self.n_ctx))
-        n_suffix = min(len(suffix), room // 4)
-        n_prefix = min(len(prefix), room - n_suffix)
-        n_suffix = min(len(suffix), room - n_prefix)
-        prefix, suffix = prefix[len(prefix) - n_prefix :], suffix[:n_suffix]
-        room -= n_prefix + n_suffix
-        extra: list[int] = []
-        if prompt.extra and room > 0:
-            if self.fim_rep >= 0 and self.fim_sep >= 0:
-                extra = [self.fim_rep] + self._plain("myproject\n")
-                for name, text in prompt.extra:
-                    extra += [self.fim_sep] + self._plain(f"{name}\n{text}")
-                extra += [self.fim_sep] + self._plain("filename\n")
-            else:
-                extra = self._plain("".join(t for _, t in prompt.extra))
-            if len(extra) > room:
-                extra = []  # all or nothing: a cut chunk would mislead the model
-        return self.bos + extra + [pre] + prefix + [suf] + suffix + [mid]
+        return infill_tokens(
+            prompt, self._plain, self.bos, self.fim, self.fim_rep, self.fim_sep, self.n_ctx, n_predict, self.n_predict_max
+        )
 
 
 class Detokenizer:

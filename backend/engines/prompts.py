@@ -1,0 +1,103 @@
+"""Prompt rules shared by the llama-cpp and torch engines (over any tokenizer).
+
+* chat: the model's chat template, else ``CHATML``; ``chat_messages`` gives its input.
+* infill (``infill_tokens``): with FIM tokens ``BOS [FIM_REP "myproject\\n" (FIM_SEP name
+  "\\n" text)* FIM_SEP "filename\\n"] FIM_PRE prefix+prompt FIM_SUF suffix FIM_MID``
+  (llama-server's layout), the prefix truncated on the left and the suffix on the right
+  to fit the context, the extra chunks all or nothing. Without FIM tokens: the documented
+  prefix-only fallback (plain continuation of extra texts + prefix + prompt; the suffix
+  is ignored).
+* admission (``admit_tokens``): empty / too long prompts and the effective ``n_predict``.
+
+Pure functions: the tokenizer comes in as a callable; called on the engine's thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from llmproxy.backend.protocol import Failed, Prompt
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class PromptTooLong(ValueError):
+    """The prompt cannot fit the context at all (a 400 invalid_request_error)."""
+
+
+def too_long(n: int, n_ctx: int) -> str:
+    return f"the request exceeds the available context size: the prompt has {n} tokens, the context is {n_ctx}"
+
+
+def chat_messages(prompt: Prompt) -> list[dict[str, str]]:
+    return [{"role": r, "content": c} for r, c in prompt.messages]
+
+
+def infill_tokens(
+    prompt: Prompt,
+    plain: Callable[[str], list[int]],
+    bos: list[int],
+    fim: tuple[int, int, int] | None,
+    fim_rep: int,
+    fim_sep: int,
+    n_ctx: int,
+    n_predict: int,
+    n_predict_max: int,
+) -> list[int]:
+    """Token ids of an infill prompt; ``plain`` tokenizes without parsing special tokens."""
+    # room for the prompt: leave space for generation (at least a little)
+    reserve = n_predict if n_predict > 0 else min(n_predict_max, n_ctx // 4)
+    budget = max(16, n_ctx - reserve - 1)
+    prefix = plain(prompt.prefix + prompt.text)
+    if fim is None:
+        extra = plain("".join(t for _, t in prompt.extra))
+        take = budget - len(bos)
+        return bos + ((extra + prefix)[-take:] if take > 0 else [])
+    suffix = plain(prompt.suffix)
+    pre, suf, mid = fim
+    n_fixed = len(bos) + 3
+    room = budget - n_fixed
+    if room <= 0:
+        raise PromptTooLong(too_long(n_fixed, n_ctx))
+    n_suffix = min(len(suffix), room // 4)
+    n_prefix = min(len(prefix), room - n_suffix)
+    n_suffix = min(len(suffix), room - n_prefix)
+    prefix, suffix = prefix[len(prefix) - n_prefix :], suffix[:n_suffix]
+    room -= n_prefix + n_suffix
+    extra = []
+    if prompt.extra and room > 0:
+        if fim_rep >= 0 and fim_sep >= 0:
+            extra = [fim_rep] + plain("myproject\n")
+            for name, text in prompt.extra:
+                extra += [fim_sep] + plain(f"{name}\n{text}")
+            extra += [fim_sep] + plain("filename\n")
+        else:
+            extra = plain("".join(t for _, t in prompt.extra))
+        if len(extra) > room:
+            extra = []  # all or nothing: a cut chunk would mislead the model
+    return bos + extra + [pre] + prefix + [suf] + suffix + [mid]
+
+
+def admit_tokens(
+    request_id: str, build: Callable[[], list[int]], n_predict: int, n_ctx: int, n_predict_max: int
+) -> tuple[list[int], int] | Failed:
+    """``(tokens, effective n_predict cap)`` for a request, or the ``Failed`` rejecting it."""
+    try:
+        tokens = build()
+    except PromptTooLong as exc:
+        return Failed(request_id, 400, str(exc), "invalid_request_error")
+    n = len(tokens)
+    if n == 0:
+        return Failed(request_id, 400, "empty prompt", "invalid_request_error")
+    if n >= n_ctx:
+        return Failed(request_id, 400, too_long(n, n_ctx), "exceed_context_size_error")
+    cap = n_predict_max
+    if n_predict >= 0:
+        if n + n_predict > n_ctx:
+            msg = f"prompt ({n} tokens) + n_predict ({n_predict}) exceeds the context size ({n_ctx})"
+            return Failed(request_id, 400, msg, "exceed_context_size_error")
+        cap = min(cap, n_predict)
+    return tokens, min(cap, n_ctx - n)
