@@ -70,6 +70,7 @@ class SoakResult:
     rss_start_kb: int = 0
     rss_end_kb: int = 0
     permits_free: int = -1
+    error_lines: list[str] = field(default_factory=list)  # the proxy's log lines about failed requests
 
     def failures(self) -> list[str]:
         bad = []
@@ -236,7 +237,15 @@ async def run_soak(settings: SoakSettings) -> SoakResult:
             async with http.get(url + "/llmproxy/metrics") as r:
                 result.outcomes = outcomes_from_metrics(await r.text())
             result.rss_end_kb = rss_kb(pid)
+        result.error_lines = error_lines(Path(tmp) / "proxy.log")
     return result
+
+
+def error_lines(log_path: Path, most: int = 10) -> list[str]:
+    """The proxy child's warning/error log lines and canonical lines with outcome error."""
+    keep = [ln for ln in log_path.read_text(errors="replace").splitlines()
+            if '"outcome": "error"' in ln or '"level": "error"' in ln or '"level": "warning"' in ln]
+    return keep[:most]
 
 
 def format_table(r: SoakResult) -> str:
@@ -256,6 +265,8 @@ def format_table(r: SoakResult) -> str:
     bad = r.failures()
     lines.append("")
     lines += [f"FAIL: {b}" for b in bad] or ["all invariants hold"]
+    if r.error_lines:
+        lines += ["", "proxy log (warnings and errors, first 10):", *r.error_lines]
     return "\n".join(lines) + "\n"
 
 
