@@ -13,6 +13,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -44,7 +45,7 @@ def fd_count(pid: int) -> int:
 
 
 @pytest.fixture
-def many_fds() -> None:
+def many_fds() -> Iterator[None]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = min(hard, 8192)
     if soft < want:
