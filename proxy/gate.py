@@ -110,8 +110,10 @@ class Gate:
                 if old.supersedable and old.session == session:
                     self._queue[i] = ticket  # the newcomer takes the old one's position
                     old.state = "done"
-                    old.future.set_exception(Superseded("superseded by a newer request from the same session"))
-                    old.future.exception()  # retrieved: the waiter may already be gone
+                    if not old.future.done():  # done = its waiter was cancelled meanwhile
+                        old.future.set_exception(Superseded("superseded by a newer request from the same session"))
+                        old.future.exception()  # retrieved: the waiter may already be gone
+                    self._idle.clear()
                     return ticket
         if self._free and not self._queue:
             self._grant(ticket)
@@ -159,8 +161,7 @@ class Gate:
         ticket.state = "done"
         ticket.on_supersede = None
         self._free.append(slot)
-        while self._queue and self._free:
-            self._grant(self._queue.pop(0))
+        self._grant_waiters()
         self._check_idle()
 
     def close(self) -> None:
@@ -169,11 +170,26 @@ class Gate:
         queued, self._queue = self._queue, []
         for t in queued:
             t.state = "done"
-            t.future.set_exception(ShuttingDown("llmproxy is shutting down"))
-            t.future.exception()
+            if not t.future.done():
+                t.future.set_exception(ShuttingDown("llmproxy is shutting down"))
+                t.future.exception()
         self._check_idle()
 
     # -- internals ----------------------------------------------------------------------
+    def _grant_waiters(self) -> None:
+        """Hand free permits to waiters in FIFO order.
+
+        Cancelling a task that awaits ``Ticket.wait`` cancels the ticket's future at once,
+        while its ``abandon`` runs only when that task resumes; such tickets are dropped
+        here (state "done", so the later ``abandon`` is a no-op), never granted.
+        """
+        while self._queue and self._free:
+            ticket = self._queue.pop(0)
+            if ticket.future.done():
+                ticket.state = "done"
+                continue
+            self._grant(ticket)
+
     def _grant(self, ticket: Ticket) -> None:
         preferred = self._affinity.get(ticket.session)
         if preferred is not None and preferred in self._free:

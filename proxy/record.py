@@ -87,6 +87,7 @@ class RequestRecord:
         }
         if self.confirm_timed_out:
             fields["confirm_timed_out"] = True
-        if self.error:
-            fields["error"] = self.error
+        error = self.error or (self.upstream_error.message if self.upstream_error is not None else None)
+        if error:
+            fields["error"] = error
         log.info("request", **{k: v for k, v in fields.items() if v is not None})

@@ -89,7 +89,10 @@ async def serve(settings: ProxySettings, app: web.Application) -> int:
         if sock is not None:
             site = web.SockSite(runner, sock)
         else:
-            site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+            # A backlog that holds a full queue's worth of simultaneous connects (the default 128
+            # would drop SYNs and stall new clients, /llmproxy/status probes included, by >= 1 s).
+            backlog = max(1024, settings.max_queue + 64)
+            site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True, backlog=backlog)
         await site.start()
         bound = runner.addresses[0]
         port = bound[1]
