@@ -70,11 +70,6 @@ async def test_hang_mid_body_ends_with_error_event(http: aiohttp.ClientSession) 
     assert run["errors"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: RequestRecord._emit only logs rec.error, which the middleware sets for errors raised before "
-    "the response started; a mid-stream upstream error is stored in rec.upstream_error only, so the "
-    "canonical line says outcome=error status=200 with no reason (fix: log upstream_error.message "
-    "as 'error' when rec.error is None, e.g. in record.py _emit)"))
 async def test_canonical_line_names_a_mid_stream_error(http: aiohttp.ClientSession) -> None:
     """The canonical line of a request whose stream broke after the headers carries the error."""
     (line,) = canonical((await hung_mid_body(http))["logs"])
@@ -216,7 +211,7 @@ async def test_slots_never_answering_hits_confirm_timeout(http: aiohttp.ClientSe
         assert first["confirm_wait_ms"] >= 500
 
 
-# --- client disconnect races in the gate (found by `llmproxy bench soak`) -------------------
+# --- client disconnect races in the gate (found by `llmproxy bench soak`: InvalidStateError -> 500) ---
 async def _waiter(gate: Gate, ticket: Ticket) -> int:
     """What handlers._wait_for_permit does with a ticket."""
     try:
@@ -226,18 +221,6 @@ async def _waiter(gate: Gate, ticket: Ticket) -> int:
         raise
 
 
-_RACE = (
-    "bug in proxy/gate.py: cancelling a task that awaits Ticket.wait() cancels ticket.future at once, but "
-    "the ticket stays queued until that task runs its except clause (abandon). If, in between, another "
-    "handler's abandon()/release() grants it (_grant -> future.set_result) or a newer request of the same "
-    "session supersedes it (submit -> future.set_exception), asyncio raises InvalidStateError: that other "
-    "client gets a 500 'internal proxy error' (seen twice in a 10 s `llmproxy bench soak` against the fake) "
-    "and release() stops granting mid-loop. Fix: skip tickets whose future is done in _grant/submit "
-    "(drop them from the queue), or check future.done() before set_result/set_exception"
-)
-
-
-@pytest.mark.xfail(strict=True, raises=asyncio.InvalidStateError, reason=_RACE)
 async def test_two_clients_leaving_at_once_while_one_is_granted() -> None:
     gate = Gate(capacity=1, max_queue=10)
     running = gate.submit("busy", supersedable=False)
@@ -256,7 +239,6 @@ async def test_two_clients_leaving_at_once_while_one_is_granted() -> None:
     assert gate.free == 1 and gate.queued == 0
 
 
-@pytest.mark.xfail(strict=True, raises=asyncio.InvalidStateError, reason=_RACE)
 async def test_supersede_of_a_queued_request_whose_client_just_left() -> None:
     gate = Gate(capacity=1, max_queue=10)
     gate.take(gate.submit("busy", supersedable=False))

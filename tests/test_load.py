@@ -24,7 +24,8 @@ from llmproxy.proxy.bench.soak import rss_kb
 from tests.test_serve_e2e import serve
 
 # One kept-alive connection (like a monitoring agent): measures the proxy's event loop, not
-# the listen backlog (see test_listen_backlog_holds_a_full_queue for new connections).
+# the listen backlog (test_listen_backlog_holds_a_full_queue covers new connections: with aiohttp's
+# default backlog of 128, fresh-connection probes took 1.3-1.4 s here, SYN retransmits).
 POLLER = """
 import http.client, sys, time, urllib.parse
 u = urllib.parse.urlsplit(sys.argv[1])
@@ -128,12 +129,6 @@ async def test_thousand_connections_queue_limit_status_rss_fds(tmp_path: Path, m
         await asyncio.gather(drain, return_exceptions=True)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "proxy/server.py creates web.TCPSite without backlog=, so the listen backlog is aiohttp's default 128: "
-    "when more clients connect at once than that (1000 in the test above), SYNs are dropped and new "
-    "connections, /llmproxy/status probes included, wait >= 1 s for the kernel's SYN retransmit "
-    "(measured 1.3-1.4 s for a fresh-connection status probe). Fix: TCPSite(..., backlog=max(1024, "
-    "max_queue + capacity)) or a setting"))
 async def test_listen_backlog_holds_a_full_queue(tmp_path: Path, fake: FakeUpstream) -> None:
     async with serve(tmp_path, "--upstream", fake.url, "--capacity", "1", "--max-queue", str(MAX_QUEUE)) as (proc, url):
         port = url.rsplit(":", 1)[1]
