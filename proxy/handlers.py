@@ -103,7 +103,9 @@ async def _forward(st: ProxyState, ticket: Ticket, request: web.Request, raw: by
     st.jobs.spawn(job.run())
     try:
         return await relay(request, aiter(job.channel))
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, ConnectionResetError):
+        # CancelledError: aiohttp noticed the disconnect; ConnectionResetError: we wrote to a
+        # transport that was already closing, before aiohttp cancelled this handler.
         rec.client_gone = True
         job.client_gone()
         raise

@@ -69,6 +69,11 @@ async def proxy_middleware(request: web.Request, handler: web.Handler) -> web.St
     except asyncio.CancelledError:
         rec.client_gone = True
         raise
+    except ConnectionResetError:
+        # The client left while we were writing to it: not an error. aiohttp's own
+        # finish_response drops this placeholder quietly on the closed transport.
+        rec.client_gone = True
+        return web.Response(status=499)
     except Exception as exc:
         log.exception("unhandled error")
         rec.status = 500

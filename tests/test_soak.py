@@ -33,12 +33,6 @@ def test_outcomes_from_metrics() -> None:
     assert outcomes_from_metrics(text) == {"completed": 5.0, "superseded": 4.0}
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "intermittent proxy bug (about 1 run in 2 here): when a client leaves mid-response, relay.py's "
-    "resp.prepare()/resp.write() can run after the transport started closing but before aiohttp cancels the "
-    "handler; aiohttp raises ClientConnectionResetError('Cannot write to closing transport'), which the "
-    "middleware logs as 'unhandled error' and counts as outcome=error (500). Should be client_gone -> "
-    "cancelled_inflight/superseded. Not strict because it is a race; remove with the fix"))
 async def test_soak_short_run_against_fake() -> None:
     script = lambda _p, _b: Script(tokens=16, token_delay_s=0.005)  # noqa: E731
     async with FakeUpstream(kind="llamacpp", slots=2, script=script, abort_linger_s=0.05) as fake:
