@@ -117,7 +117,7 @@ class EngineInfo:
 class WorkerState:
     """Worker-level state change (not tied to a request): drives /health and /props."""
 
-    state: Literal["loading", "ready", "sleeping", "failed"]
+    state: Literal["loading", "ready", "sleeping", "waking", "failed"]  # waking: reloading after sleep
     progress: float = 0.0  # model load progress 0..1 while loading
     info: EngineInfo | None = None  # set once loaded
     message: str = ""

@@ -46,7 +46,7 @@ class WorkerHandle:
     process: Any = None
     inq: Any = None
     outq: Any = None
-    state: str = "starting"  # starting | loading | ready | sleeping | error | stopped
+    state: str = "starting"  # starting | loading | ready | sleeping | waking | error | stopped
     progress: float = 0.0
     info: EngineInfo | None = None
     message: str = ""
@@ -61,7 +61,7 @@ class WorkerHandle:
 
     @property
     def ready(self) -> bool:
-        return self.state in ("ready", "sleeping")
+        return self.state in ("ready", "sleeping", "waking")  # a sleeping worker takes requests
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -20,7 +20,9 @@ async def health(request: web.Request) -> web.Response:
     d = request.app[DISPATCHER]
     workers = d.workers
     if all(w.ready for w in workers):
-        return json_response({"status": "ok"})
+        states = {w.state for w in workers} - {"ready"}
+        # llama-server's shape, plus the model's state while an idle engine unloaded it
+        return json_response({"status": "ok", "model": sorted(states)[0]} if states else {"status": "ok"})
     status = "error" if any(w.state in ("error", "stopped") for w in workers) else "loading"
     progress = min(w.progress if not w.ready else 1.0 for w in workers)
     msg = "Loading model" if status == "loading" else "Model worker failed; restarting"

@@ -130,8 +130,10 @@ def run_worker(index: int, settings: Any, inq: Any, outq: Any, parent_pid: int) 
                         outq.put(out)
                     return 0
                 if isinstance(msg, Submit):
-                    if sleeping:
+                    if sleeping:  # reload now, reporting it, rather than inside admit()
                         sleeping = False
+                        outq.put([WorkerState("waking", progress=0.0, info=info)])
+                        info = engine.load(lambda _p: None)
                         outq.put([WorkerState("ready", progress=1.0, info=info)])
                     out.extend(_guard(msg.request_id, engine.admit, msg))
                 elif isinstance(msg, Cancel):
