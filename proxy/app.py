@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import aiohttp
+import structlog
 from aiohttp import web
 
 from llmproxy.proxy import admin
@@ -20,7 +21,8 @@ from llmproxy.proxy.passthrough import passthrough
 from llmproxy.proxy.routes import is_gated
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import METRICS, SETTINGS, STATE, UPSTREAM_URL, ProxyState
-from llmproxy.proxy.adapters.base import log
+
+log = structlog.get_logger("llmproxy.app")
 
 
 async def dispatch(request: web.Request) -> web.StreamResponse:

@@ -35,7 +35,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not raw.strip():
         raise BadRequest("request body is empty; expected a JSON object")
     try:
-        parsed = json.loads(raw)
+        parsed = json.loads(raw.decode("utf-8"))  # strict UTF-8; a BOM is a JSON error
     except UnicodeDecodeError as exc:
         raise BadRequest(f"request body is not valid UTF-8: {exc.reason}") from exc
     except RecursionError as exc:

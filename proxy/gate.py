@@ -95,36 +95,46 @@ class Gate:
 
     # -- the protocol ---------------------------------------------------------------
     def submit(self, session: str, *, supersedable: bool, route: str = "") -> Ticket:
+        """Admit a new request (never blocks). Admission is decided first; only an admitted
+        newcomer supersedes anything, so a 429 never costs the session its running request."""
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
-        loop = asyncio.get_running_loop()
-        ticket = Ticket(next(self._ids), session, supersedable, route, loop.create_future())
-        if supersedable:
-            for old in list(self._inflight.values()):
-                if old.supersedable and old.session == session:
-                    if old.state == "granted":
-                        old.superseded = True  # take() refuses it: it never reaches upstream
-                    elif old.on_supersede is not None:
-                        old.on_supersede()
-            for i, old in enumerate(self._queue):
-                if old.supersedable and old.session == session:
-                    self._queue[i] = ticket  # the newcomer takes the old one's position
-                    old.state = "done"
-                    if not old.future.done():  # done = its waiter was cancelled meanwhile
-                        old.future.set_exception(Superseded("superseded by a newer request from the same session"))
-                        old.future.exception()  # retrieved: the waiter may already be gone
-                    self._idle.clear()
-                    return ticket
-        if self._free and not self._queue:
-            self._grant(ticket)
-        elif len(self._queue) >= self.max_queue:
+        replaced = self._queued_index(session) if supersedable else None
+        grant_now = replaced is None and bool(self._free) and not self._queue
+        if replaced is None and not grant_now and len(self._queue) >= self.max_queue:
             raise QueueFull(
                 f"queue full ({self.max_queue} waiting)", headers={"Retry-After": str(self.retry_after_s)}
             )
+        ticket = Ticket(next(self._ids), session, supersedable, route, asyncio.get_running_loop().create_future())
+        self._idle.clear()
+        if supersedable:
+            self._supersede_inflight(session)
+        if replaced is not None:
+            old = self._queue[replaced]
+            self._queue[replaced] = ticket  # the newcomer takes the old one's position
+            old.state = "done"
+            if not old.future.done():  # done = its waiter was cancelled meanwhile
+                old.future.set_exception(Superseded("superseded by a newer request from the same session"))
+                old.future.exception()  # retrieved: the waiter may already be gone
+        elif grant_now:
+            self._grant(ticket)
         else:
             self._queue.append(ticket)
-        self._idle.clear()
         return ticket
+
+    def _queued_index(self, session: str) -> int | None:
+        for i, old in enumerate(self._queue):
+            if old.supersedable and old.session == session:
+                return i
+        return None
+
+    def _supersede_inflight(self, session: str) -> None:
+        for old in list(self._inflight.values()):
+            if old.supersedable and old.session == session:
+                if old.state == "granted":
+                    old.superseded = True  # take() refuses it: it never reaches upstream
+                elif old.on_supersede is not None:
+                    old.on_supersede()
 
     def take(self, ticket: Ticket, on_supersede: Callable[[], None] | None = None) -> int:
         """The upstream job takes ownership of a granted permit (Superseded if replaced meanwhile)."""

@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+import structlog
 from aiohttp import web
 
 from llmproxy.proxy.bodies import parse_json_object, read_body
-from llmproxy.proxy.errors import QueueTimeout
+from llmproxy.proxy.errors import ProxyError, QueueTimeout
 from llmproxy.proxy.gate import Ticket
 from llmproxy.proxy.headers import request_headers
 from llmproxy.proxy.jobs import UpstreamJob, UpstreamRequest
@@ -24,6 +25,8 @@ from llmproxy.proxy.relay import relay
 from llmproxy.proxy.security import auth_headers_to_strip
 from llmproxy.proxy.sessions import is_warmup, session_key
 from llmproxy.proxy.state import RECORD, STATE, ProxyState
+
+log = structlog.get_logger("llmproxy.handler")
 
 
 async def gated(request: web.Request) -> web.StreamResponse:
@@ -109,3 +112,14 @@ async def _forward(st: ProxyState, ticket: Ticket, request: web.Request, raw: by
         rec.client_gone = True
         job.client_gone()
         raise
+    except ProxyError:
+        raise  # an error before the response started: the middleware answers with the envelope
+    except Exception as exc:
+        # Our own failure while relaying: the job must not block on a reader that is gone,
+        # and a response that may have started cannot be replaced: drop the connection.
+        job.client_gone()
+        rec.outcome, rec.error = "error", f"relay failed: {exc!r}"
+        log.exception("relay to client failed")
+        if request.transport is not None:
+            request.transport.close()
+        raise ConnectionResetError("relay failed") from exc

@@ -24,7 +24,6 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import structlog
 
 from llmproxy.proxy.adapters.base import Adapter
@@ -96,22 +95,16 @@ class UpstreamJob:
 
     # -- the job ----------------------------------------------------------------------
     async def run(self) -> None:
+        """Own the permit until the upstream is idle for this request, then release it."""
         rec = self.record
         try:
-            self._transfer = asyncio.create_task(self._transfer_body())  # child, awaited below
-            try:
-                await asyncio.wait([self._transfer])
-            except asyncio.CancelledError:
-                self._transfer.cancel()
-                await asyncio.wait([self._transfer])
-                raise
-            if not self._transfer.cancelled() and (exc := self._transfer.exception()) is not None:
-                log.error("upstream job crashed", error=repr(exc), request_id=rec.request_id)
-                self.channel.finish(Error(ProxyError(f"internal error: {exc!r}")))
+            if self._stop_reason is None:  # stopped before its first step: never sent at all
+                self._transfer = asyncio.create_task(self._transfer_body())  # child, awaited here
+                await self._await_transfer(self._transfer)
             if self._stop_reason == "superseded":
+                rec.outcome = "superseded"
                 self.channel.finish(Error(Superseded("superseded by a newer request from the same session")))
-            sent = rec.upstream_started is not None
-            if sent and (self._stop_reason is not None or (rec.upstream_error and not self._finished)):
+            if self._needs_confirmation():
                 await self._confirm()
         finally:
             self._report_health()
@@ -121,6 +114,28 @@ class UpstreamJob:
             self.metrics.permit_hold.observe(hold)
             rec.permit_hold_s = hold
             rec.end_ref()
+
+    async def _await_transfer(self, transfer: asyncio.Task[None]) -> None:
+        try:
+            await asyncio.wait([transfer])
+        except asyncio.CancelledError:  # shutdown: stop the child, wait for it, re-raise
+            transfer.cancel()
+            while not transfer.done():
+                try:
+                    await asyncio.wait([transfer])
+                except asyncio.CancelledError:
+                    transfer.cancel()
+            raise
+        if not transfer.cancelled() and (exc := transfer.exception()) is not None:
+            log.error("upstream job crashed", error=repr(exc), request_id=self.record.request_id)
+            self.channel.finish(Error(ProxyError("internal proxy error")))
+
+    def _needs_confirmation(self) -> bool:
+        """A stop must be confirmed if the request was sent and did not end by itself."""
+        rec = self.record
+        if not rec.sent:
+            return False
+        return self._stop_reason is not None or (rec.upstream_error is not None and not self._finished)
 
     def _report_health(self) -> None:
         rec = self.record
@@ -135,7 +150,8 @@ class UpstreamJob:
     async def _confirm(self) -> None:
         start = time.monotonic()
         if self.adapter.can_confirm:
-            if not await self.adapter.confirm_stopped(self.slot):
+            answered = self.record.upstream_status is not None
+            if not await self.adapter.confirm_stopped(self.slot, answered=answered):
                 self.metrics.confirm_timeouts.inc()
                 self.record.confirm_timed_out = True
         elif self._stop_reason is not None and self.unconfirmed_hold_s > 0:
@@ -174,7 +190,11 @@ class UpstreamJob:
 
 
 class JobRegistry:
-    """Tracks every upstream job; shutdown waits for them, then cancels stragglers."""
+    """Tracks every upstream job; shutdown waits for them, then cancels stragglers.
+
+    ``spawn`` keeps a strong reference until the task is done; ``drain(timeout)`` waits
+    for all jobs, cancels what is still running at the deadline and awaits those too.
+    """
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()

@@ -47,7 +47,7 @@ async def proxy_middleware(request: web.Request, handler: web.Handler) -> web.St
             raise BadRequest("only origin-form request targets without dot segments are accepted")
         if request.method == "CONNECT":
             raise NotAllowed("CONNECT is not supported")
-        if request.path not in _OPEN:
+        if not (request.path in _OPEN and request.method in ("GET", "HEAD")):
             check_api_key(request, app[SETTINGS])
         resp = await handler(request)
         if rec.status is None:

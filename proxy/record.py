@@ -14,7 +14,7 @@ from typing import Any
 
 import structlog
 
-from llmproxy.proxy.errors import ProxyError
+from llmproxy.proxy.errors import ProxyError, UpstreamUnreachable
 
 log = structlog.get_logger("llmproxy.request")
 
@@ -45,6 +45,11 @@ class RequestRecord:
     client_gone: bool = False
     error: str | None = None
 
+    @property
+    def sent(self) -> bool:
+        """Did the request (possibly) reach the upstream? Not if it never left or could not connect."""
+        return self.upstream_started is not None and not isinstance(self.upstream_error, UpstreamUnreachable)
+
     def add_ref(self) -> None:
         self.refs += 1
 
@@ -61,7 +66,7 @@ class RequestRecord:
         if self.superseded_inflight and (self.client_gone or self.status == 499):
             return "superseded"
         if self.client_gone:  # left before anything was sent: it never reached the upstream
-            return "cancelled_inflight" if self.upstream_started is not None else "cancelled_queued"
+            return "cancelled_inflight" if self.sent else "cancelled_queued"
         return "completed" if self.status is not None and self.status < 500 else "error"
 
     def _emit(self) -> None:
@@ -77,7 +82,7 @@ class RequestRecord:
             "outcome": self.outcome,
             "session": self.session,
             "slot": self.slot,
-            "reached_upstream": self.upstream_started is not None,
+            "reached_upstream": self.sent,
             "queue_wait_ms": ms(self.queue_wait_s),
             "upstream_ms": ms(self.upstream_s),
             "upstream_status": self.upstream_status,

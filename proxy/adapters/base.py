@@ -39,8 +39,10 @@ class Adapter:
         """Body to send upstream for a gated request holding permit ``slot``."""
         return raw
 
-    async def confirm_stopped(self, slot: int) -> bool:
-        """Wait until the backend shows ``slot`` idle. Adapters without a view return True."""
+    async def confirm_stopped(self, slot: int, *, answered: bool = True) -> bool:
+        """Wait until the backend shows ``slot`` idle. Adapters without a view return True.
+
+        ``answered``: the upstream had sent response headers, so its task had surely started."""
         return True
 
     def describe(self) -> dict[str, Any]:

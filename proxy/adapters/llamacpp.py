@@ -50,28 +50,44 @@ class LlamaCppAdapter(Adapter):
             log.warning("upstream /slots unavailable: cannot confirm stops, in-flight policy falls back to finish")
         return ok
 
-    async def _slot_busy(self, slot: int) -> bool | None:
+    async def _slot_state(self, slot: int) -> str:
+        """'busy' | 'idle' | 'down' (connection refused: nothing can run) | 'unknown'."""
         try:
             async with self.session.get(self.base_url / "slots", timeout=_POLL_TIMEOUT) as resp:
                 if resp.status != 200:
-                    return None
+                    return "unknown"
                 data = await resp.json(content_type=None)
+        except aiohttp.ClientConnectorError:
+            return "down"
         except (aiohttp.ClientError, ValueError, TimeoutError):
-            return None
+            return "unknown"
         for entry in data if isinstance(data, list) else ():
             if isinstance(entry, dict) and entry.get("id") == slot:
-                return slot_busy(entry)
-        return None
+                return "busy" if slot_busy(entry) else "idle"
+        return "unknown"
 
-    async def confirm_stopped(self, slot: int) -> bool:
+    async def confirm_stopped(self, slot: int, *, answered: bool = True) -> bool:
+        """Poll /slots until slot ``slot`` is idle (backing off), bounded by confirm_timeout_s.
+
+        Before the upstream answered, its task may not have reached the slot yet, so an idle
+        slot must then be seen twice, one poll interval apart. A refused connection means
+        the server is down and runs nothing: confirmed.
+        """
         s = self.settings
         interval = s.confirm_poll_min_s
+        idle_needed = 1 if answered else 2
+        idle_seen = 0
         try:
             async with asyncio.timeout(s.confirm_timeout_s):
-                while await self._slot_busy(slot) is not False:
+                while True:
+                    state = await self._slot_state(slot)
+                    if state == "down":
+                        return True
+                    idle_seen = idle_seen + 1 if state == "idle" else 0
+                    if idle_seen >= idle_needed:
+                        return True
                     await asyncio.sleep(interval)
                     interval = min(interval * 2, s.confirm_poll_max_s)
-            return True
         except TimeoutError:
             log.error(
                 "stop confirmation timed out: releasing the permit although the slot may still be busy",

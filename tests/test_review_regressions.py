@@ -1,0 +1,112 @@
+"""Regressions for defects found in review (each reproduced before its fix)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import structlog
+from multidict import CIMultiDict
+
+from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
+from llmproxy.proxy.jobs import UpstreamJob, UpstreamRequest
+from llmproxy.proxy.record import RequestRecord
+from tests.conftest import run_proxy
+from tests.helpers import wait_until
+
+
+async def test_unreachable_upstream_does_not_hold_the_permit(http: aiohttp.ClientSession) -> None:
+    fake = FakeUpstream(slots=1)
+    await fake.start()
+    async with run_proxy(fake.url, confirm_timeout_s=5, queue_timeout_s=10) as px:
+        assert px.state.adapter.can_confirm
+        await fake.stop()  # the llama-server went away
+        with structlog.testing.capture_logs() as logs:
+            async with http.post(px.url + "/infill", json={"prompt": "a"}, headers={"X-Request-Id": "a"}) as r:
+                assert r.status == 502
+            t0 = time.monotonic()
+            async with http.post(px.url + "/infill", json={"prompt": "b"}, headers={"X-LLMProxy-Session": "z"}) as r:
+                assert r.status == 502
+            assert time.monotonic() - t0 < 2  # not confirm_timeout_s behind a held permit
+            await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
+        first = next(e for e in logs if e.get("event") == "request" and e["request_id"] == "a")
+        assert first["reached_upstream"] is False and "confirm_timed_out" not in first
+
+
+async def test_rejected_newcomer_does_not_kill_the_running_request(http: aiohttp.ClientSession) -> None:
+    script = lambda _p, _b: Script(tokens=30, token_delay_s=0.01)  # noqa: E731
+    async with FakeUpstream(slots=1, abort_linger_s=0, script=script) as fake, run_proxy(fake.url, max_queue=1) as px:
+        a = asyncio.create_task(http.post(px.url + "/infill", json={"prompt": "a"}, headers={"X-LLMProxy-Session": "S"}))
+        await fake.wait_for(lambda f: f.concurrent == 1)
+        c = asyncio.create_task(http.post(px.url + "/infill", json={"prompt": "c"}, headers={"X-LLMProxy-Session": "T"}))
+        await wait_until(lambda: px.state.gate.queued == 1, what="queue full")
+        async with http.post(px.url + "/infill", json={"prompt": "b"}, headers={"X-LLMProxy-Session": "S"}) as rb:
+            assert rb.status == 429
+        ra, rc = await a, await c
+        assert ra.status == 200 and rc.status == 200  # A was not superseded by a rejected B
+        assert fake.aborted == []
+
+
+async def test_stop_before_the_job_starts_never_sends() -> None:
+    script = lambda _p, _b: Script(tokens=20, token_delay_s=0.01)  # noqa: E731
+    async with FakeUpstream(slots=1, abort_linger_s=0, script=script) as fake, run_proxy(fake.url) as px:
+        st = px.state
+        before = len(fake.received)
+        ticket = st.gate.submit("S", supersedable=True, route="/infill")
+        await ticket.wait()
+        rec = RequestRecord("r1", "POST", "/infill")
+        rec.parsed_body = {"prompt": "a"}
+        job = UpstreamJob(
+            gate=st.gate, ticket=ticket, adapter=st.adapter,
+            request=UpstreamRequest("POST", "/infill", "/infill", CIMultiDict({"Content-Type": "application/json"}),
+                                    b'{"prompt":"a"}'),
+            record=rec, metrics=st.metrics, breaker=st.breaker, breaker_probe=False,
+            supersede_policy="cancel", disconnect_policy="cancel", unconfirmed_hold_s=0,
+        )
+        rec.add_ref()
+        task = st.jobs.spawn(job.run())
+        newer = st.gate.submit("S", supersedable=True, route="/infill")  # same step as the spawn
+        await task
+        assert len(fake.received) == before  # the superseded request never left the proxy
+        assert rec.outcome == "superseded" and not rec.sent
+        assert await newer.wait() == 0
+        st.gate.abandon(newer)
+
+
+async def test_superseded_mid_stream_is_counted_superseded(http: aiohttp.ClientSession) -> None:
+    script = lambda _p, _b: Script(tokens=100, token_delay_s=0.01)  # noqa: E731
+    async with FakeUpstream(slots=1, abort_linger_s=0, script=script) as fake, run_proxy(fake.url) as px:
+        with structlog.testing.capture_logs() as logs:
+            ra = await http.post(px.url + "/completion", json={"prompt": "a", "stream": True},
+                                 headers={"X-LLMProxy-Session": "S", "X-Request-Id": "A"})
+            await ra.content.readline()
+            tb = asyncio.create_task(http.post(px.url + "/completion", json={"prompt": "b"},
+                                               headers={"X-LLMProxy-Session": "S", "X-Request-Id": "B"}))
+            body_a = await ra.read()
+            (await tb).release()
+            await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+            await wait_until(lambda: sum(e.get("event") == "request" for e in logs) == 2, what="two log lines")
+        assert b'"type":"superseded"' in body_a  # the stream ended with our error event
+        outcome = {e["request_id"]: e["outcome"] for e in logs if e.get("event") == "request"}
+        assert outcome == {"A": "superseded", "B": "completed"}
+        assert len(fake.aborted) == 1
+
+
+async def test_bom_and_utf16_bodies_are_400(fake: FakeUpstream, http: aiohttp.ClientSession) -> None:
+    async with run_proxy(fake.url) as px:
+        for body in (b'\xef\xbb\xbf{"prompt":"a"}', '{"prompt":"a"}'.encode("utf-16")):
+            async with http.post(px.url + "/infill", data=body) as r:
+                assert r.status == 400
+                assert (await r.json())["error"]["src"] == "llmproxy"
+        assert not fake.generations
+
+
+async def test_health_exemption_is_get_only(fake: FakeUpstream, http: aiohttp.ClientSession) -> None:
+    async with run_proxy(fake.url, api_key="k3y") as px:
+        before = len(fake.received)
+        async with http.post(px.url + "/llmproxy/health", data=b"x") as r:
+            assert r.status == 401
+        async with http.get(px.url + "/llmproxy/health") as r:
+            assert r.status == 200
+        assert len(fake.received) == before
