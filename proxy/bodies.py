@@ -20,11 +20,15 @@ async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
     size = 0
     try:
         async with asyncio.timeout(timeout):
+            if request.content_length is not None:  # known size, within the limit: one read
+                return await request.content.readexactly(request.content_length)
             async for chunk in request.content.iter_any():
                 size += len(chunk)
                 if size > limit:
                     raise BodyTooLarge(f"request body exceeds the limit of {limit} bytes")
                 parts.append(chunk)
+    except asyncio.IncompleteReadError as exc:
+        raise BadRequest("request body shorter than its Content-Length") from exc
     except TimeoutError:
         raise RequestTimeout(f"request body not received within {timeout:g}s") from None
     return b"".join(parts)

@@ -46,7 +46,7 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
         else [*shared, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=False,
+        cache_logger_on_first_use=True,
     )
     # aiohttp and asyncio log through stdlib: route warnings and above to stderr plainly.
     logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")

@@ -8,6 +8,7 @@ is logged once, with the job's final numbers.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +74,8 @@ class RequestRecord:
         self.outcome = self._resolve_outcome()
         if self.on_done is not None:
             self.on_done(self)
+        if not log.is_enabled_for(logging.INFO):
+            return
         ms = lambda v: None if v is None else round(v * 1000, 2)  # noqa: E731
         fields = {
             "request_id": self.request_id,

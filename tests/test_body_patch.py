@@ -28,3 +28,12 @@ def test_other_bytes_untouched() -> None:
     assert set_top_level(raw, "id_slot", 3) == raw.replace(b'"id_slot":0', b'"id_slot":3')
     raw2 = b'{ "prompt" : "x",  "top_p":0.90 }'
     assert set_top_level(raw2, "id_slot", 1) == b'{"id_slot":1, "prompt" : "x",  "top_p":0.90 }'
+
+
+def test_escaped_key_is_replaced_not_duplicated() -> None:
+    raw = b'{"\\u0069d_slot":0,"prompt":"x"}'
+    assert json.loads(raw)["id_slot"] == 0
+    for present in (None, True):
+        out = set_top_level(raw, "id_slot", 2, present=present)
+        assert json.loads(out) == {"id_slot": 2, "prompt": "x"}
+        assert out.count(b"slot") == 1

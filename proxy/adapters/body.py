@@ -46,8 +46,18 @@ def top_level_spans(text: str) -> dict[str, tuple[int, int]] | None:
         return None
 
 
-def set_top_level(raw: bytes, key: str, value: object) -> bytes:
-    """Return ``raw`` with top-level ``key`` set to ``value``, everything else untouched."""
+def set_top_level(raw: bytes, key: str, value: object, *, present: bool | None = None) -> bytes:
+    """Return ``raw`` with top-level ``key`` set to ``value``, everything else untouched.
+
+    ``raw`` must be a JSON object (the proxy parsed it already). ``present``: whether the
+    parsed object has ``key`` (None: unknown). When it certainly does not, the key is simply
+    inserted after the opening brace, without scanning the body."""
+    encoded_key = json.dumps(key).encode()
+    if present is False or (present is None and encoded_key not in raw and b"\\u" not in raw):
+        brace = raw.index(b"{")
+        rest = raw[brace + 1 :]
+        sep = b"," if rest.strip()[:1] not in (b"}", b"") else b""
+        return raw[: brace + 1] + encoded_key + b":" + json.dumps(value, separators=(",", ":")).encode() + sep + rest
     text = raw.decode("utf-8")
     spans = top_level_spans(text)
     if spans is None:

@@ -35,7 +35,7 @@ class LlamaCppAdapter(Adapter):
 
     def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
         if path in SLOT_ROUTES and isinstance(parsed, dict):
-            return set_top_level(raw, "id_slot", slot)
+            return set_top_level(raw, "id_slot", slot, present="id_slot" in parsed)
         return raw
 
     async def probe_slots(self) -> bool:
