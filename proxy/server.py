@@ -19,6 +19,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
+from llmproxy.proxy import parse_errors
 from llmproxy.proxy.settings import ProxySettings
 
 log = structlog.get_logger("llmproxy.server")
@@ -84,6 +85,7 @@ async def serve(settings: ProxySettings, app: web.Application) -> int:
             await asyncio.wait([setup])
             return 0
         setup.result()
+        parse_errors.install(runner)
         sock = inherited_socket()
         site: web.BaseSite
         if sock is not None:

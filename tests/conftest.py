@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from llmproxy.proxy import parse_errors
 from llmproxy.proxy.app import build_app
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream
 from llmproxy.proxy.settings import ProxySettings
@@ -34,6 +35,7 @@ async def run_proxy(upstream: str, **overrides: Any) -> AsyncIterator[RunningPro
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2,
                            keepalive_timeout=settings.idle_timeout_s)
     await runner.setup()
+    parse_errors.install(runner)
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = runner.addresses[0][1]

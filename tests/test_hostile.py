@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import aiohttp
 
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream
 from tests.conftest import run_proxy
+
+
+def assert_envelope_body(raw: bytes, status: int) -> None:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert b"application/json" in head.lower(), head
+    err = json.loads(body)["error"]
+    assert err["code"] == status and err["src"] == "llmproxy" and err["type"] == "invalid_request_error", err
 
 
 async def _connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -46,9 +54,9 @@ async def test_conflicting_framing_rejected(fake: FakeUpstream) -> None:
         writer.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
                      b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
         await writer.drain()
-        head = await asyncio.wait_for(reader.read(200), 5)
-        # answered by aiohttp's HTTP parser, before any handler (plain text, not our envelope)
-        assert head.split(b" ", 2)[1] == b"400"
+        resp = await asyncio.wait_for(reader.read(), 5)
+        assert resp.split(b" ", 2)[1] == b"400"  # answered by the HTTP parser, in our envelope
+        assert_envelope_body(resp, 400)
         writer.close()
         assert not fake.generations
 
@@ -63,6 +71,7 @@ async def test_crlf_in_header_value_does_not_reach_upstream(fake: FakeUpstream) 
         resp = await asyncio.wait_for(reader.read(), 5)
         writer.close()
         assert resp.split(b" ", 2)[1] == b"400"  # a bare CR in a header value is a parse error
+        assert_envelope_body(resp, 400)
         assert all("injected" not in {k.lower() for k in g.headers} for g in fake.received)
 
 
@@ -70,4 +79,5 @@ async def test_huge_headers_rejected(fake: FakeUpstream) -> None:
     async with run_proxy(fake.url) as px, aiohttp.ClientSession() as http:
         async with http.post(px.url + "/completion", json={"prompt": "x"}, headers={"X-Big": "a" * 20000}) as r:
             assert r.status in (400, 431)
+            assert (await r.json(content_type=None))["error"]["src"] == "llmproxy"
         assert not fake.generations

@@ -1,0 +1,50 @@
+"""The error envelope for requests aiohttp's HTTP parser rejects before any middleware.
+
+Malformed framing (Content-Length with Transfer-Encoding, a bare CR in a header, headers
+too large, a bad request line) never reaches the middleware: aiohttp's protocol answers it
+through ``RequestHandler.handle_error`` with plain text. ``install(runner)`` makes the
+runner's server build handlers whose ``handle_error`` answers with the proxy's JSON
+envelope instead (same status, connection still closed). aiohttp offers no public hook for
+the handler class, so this swaps the class of the runner's server instance once, after
+``runner.setup()`` and before any site starts; both subclasses add no state.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+
+from llmproxy.proxy.errors import HTTPStatusError
+
+
+class _EnvelopeRequestHandler(RequestHandler):
+    __slots__ = ()
+
+    def handle_error(
+        self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; raises if output already started
+        phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
+        detail = (message or "").strip().splitlines()[0][:200] if status < 500 and message else ""
+        err = HTTPStatusError(status, f"{phrase}: {detail}" if detail else phrase)
+        resp = web.Response(status=status, body=err.body(), content_type="application/json")
+        resp.force_close()
+        return resp
+
+
+class _EnvelopeServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        handler = super().__call__()
+        handler.__class__ = _EnvelopeRequestHandler
+        return handler
+
+
+def install(runner: web.BaseRunner) -> None:
+    """Call after ``runner.setup()``, before starting any site."""
+    server = runner.server
+    if server is None:
+        raise RuntimeError("install() needs a runner that has been set up")
+    server.__class__ = _EnvelopeServer
