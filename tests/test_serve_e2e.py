@@ -103,3 +103,39 @@ async def test_second_signal_forces_exit(tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 5) == 1
         await asyncio.gather(hung, return_exceptions=True)
+
+
+async def test_request_id_on_every_log_line_of_a_request(tmp_path: Path) -> None:
+    """The adapter's confirmation-timeout error is logged deep inside the job, without an
+    explicit request id: it must still carry the request's id (bound contextvars)."""
+    script = lambda _p, _b: Script(tokens=500, token_delay_s=0.01)  # noqa: E731
+    async with FakeUpstream(slots=1, script=script, abort_linger_s=30) as fake, serve(
+        tmp_path, "--upstream", fake.url, "--confirm-timeout-s", "0.3"
+    ) as (proc, url), aiohttp.ClientSession() as http:
+        task = asyncio.create_task(http.post(url + "/completion", json={"prompt": "a"},
+                                             headers={"X-Request-Id": "req-abc"}))
+        await fake.wait_for(lambda f: len(f.generations) == 1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        lines: list[dict] = []
+        async with asyncio.timeout(10):
+            while not any(ln.get("event") == "request" for ln in lines):
+                raw = await proc.stderr.readline()
+                if raw.startswith(b"{"):
+                    lines.append(json.loads(raw))
+        during = [ln for ln in lines if ln.get("request_id") == "req-abc" or ln.get("level") in ("warning", "error")]
+        assert any("confirmation timed out" in ln["event"] for ln in during)
+        assert all(ln.get("request_id") == "req-abc" for ln in during), during
+
+
+async def test_loud_warning_when_exposed_without_api_key(tmp_path: Path) -> None:
+    async with FakeUpstream(slots=1) as fake:
+        for extra, warned in (((), True), (("--api-key", "k"), False)):
+            async with serve(tmp_path, "--upstream", fake.url, "--host", "0.0.0.0", *extra) as (proc, _url):
+                proc.send_signal(signal.SIGTERM)
+                assert await asyncio.wait_for(proc.wait(), 10) == 0
+                out = (await proc.stderr.read()).decode()
+                lines = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+                warnings = [ln for ln in lines if ln["level"] == "warning" and "API key" in ln["event"]]
+                assert bool(warnings) is warned, out[-2000:]
+            (tmp_path / "port").unlink()
