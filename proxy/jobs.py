@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Coroutine
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,11 +30,11 @@ import structlog
 from llmproxy.proxy.adapters.base import Adapter
 from llmproxy.proxy.breaker import CircuitBreaker
 from llmproxy.proxy.channel import Channel, Chunk, End, Error, Headers
-from llmproxy.proxy.errors import ProxyError, Superseded, map_client_errors
+from llmproxy.proxy.errors import ProxyError, Superseded
 from llmproxy.proxy.gate import Gate, Ticket
-from llmproxy.proxy.headers import response_headers
 from llmproxy.proxy.metrics import Metrics
 from llmproxy.proxy.record import RequestRecord
+from llmproxy.proxy.upstream import upstream_events
 
 log = structlog.get_logger("llmproxy.job")
 
@@ -165,21 +166,20 @@ class UpstreamJob:
         body = self.adapter.prepare_body(req.path, req.body, rec.parsed_body, self.slot)
         start = time.monotonic()
         rec.upstream_started = start
+        url = self.adapter.url(req.raw_path)
         try:
-            with map_client_errors():
-                async with self.adapter.session.request(
-                    req.method, self.adapter.url(req.raw_path), headers=req.headers, data=body
-                ) as resp:
-                    rec.upstream_status = resp.status
-                    await self.channel.put(Headers(resp.status, response_headers(resp.headers), resp.content_length))
-                    first = True
-                    async for data in resp.content.iter_any():
-                        if first:
-                            self.metrics.upstream_ttfb.observe(time.monotonic() - start)
-                            first = False
-                        await self.channel.put(Chunk(data))
-            self._finished = True
-            self.channel.finish(End())
+            async with aclosing(upstream_events(self.adapter.session, req.method, url, req.headers, body)) as events:
+                async for ev in events:
+                    if isinstance(ev, Headers):
+                        rec.upstream_status = ev.status
+                    elif isinstance(ev, Chunk) and rec.upstream_ttfb_s is None:
+                        rec.upstream_ttfb_s = time.monotonic() - start
+                        self.metrics.upstream_ttfb.observe(rec.upstream_ttfb_s)
+                    elif isinstance(ev, End):
+                        self._finished = True
+                        self.channel.finish(ev)
+                        break
+                    await self.channel.put(ev)
         except ProxyError as exc:
             rec.upstream_error = exc
             log.warning("upstream request failed", error=exc.message, request_id=rec.request_id)

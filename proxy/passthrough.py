@@ -8,16 +8,18 @@ which closes the upstream request.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from aiohttp import web
 
 from llmproxy.proxy.bodies import read_body
-from llmproxy.proxy.errors import ProxyError, map_client_errors
-from llmproxy.proxy.headers import request_headers, response_headers
-from llmproxy.proxy.channel import Chunk, End, Error, Event, Headers
+from llmproxy.proxy.errors import ProxyError
+from llmproxy.proxy.headers import request_headers
+from llmproxy.proxy.channel import Error, Event, Headers
 from llmproxy.proxy.relay import relay
 from llmproxy.proxy.security import auth_headers_to_strip
 from llmproxy.proxy.state import STATE
+from llmproxy.proxy.upstream import upstream_events
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
@@ -28,18 +30,16 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     async def events() -> AsyncIterator[Event]:
         started = False
         try:
-            with map_client_errors():
-                async with st.session.request(
-                    request.method, st.adapter.url(request.raw_path), headers=headers, data=body or None
-                ) as up:
-                    yield Headers(up.status, response_headers(up.headers), up.content_length)
-                    started = True
-                    async for data in up.content.iter_any():
-                        yield Chunk(data)
-            yield End()
+            async with aclosing(
+                upstream_events(st.session, request.method, st.adapter.url(request.raw_path), headers, body or None)
+            ) as upstream:
+                async for ev in upstream:
+                    started = started or isinstance(ev, Headers)
+                    yield ev
         except ProxyError as exc:
             if not started:
                 raise
             yield Error(exc)
 
-    return await relay(request, events())
+    async with aclosing(events()) as stream:  # a client that leaves closes the upstream at once
+        return await relay(request, stream)

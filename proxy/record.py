@@ -37,6 +37,7 @@ class RequestRecord:
     queue_wait_s: float | None = None
     upstream_started: float | None = None
     upstream_s: float | None = None
+    upstream_ttfb_s: float | None = None
     upstream_status: int | None = None
     upstream_error: ProxyError | None = None
     permit_hold_s: float | None = None

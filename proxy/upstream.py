@@ -1,0 +1,32 @@
+"""One HTTP exchange with the upstream, as the event stream the relay understands.
+
+``upstream_events`` sends the request and yields ``Headers``, then one ``Chunk`` per piece
+of body as it arrives (no buffering), then ``End``. aiohttp client exceptions are mapped
+to ProxyErrors here (``map_client_errors``) and raised, not yielded: the caller decides
+whether they become an HTTP error or an in-stream error event. Close it with
+``contextlib.aclosing`` so that a consumer that stops early closes the upstream connection
+at once (that close is how a generation is cancelled).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+from multidict import CIMultiDict
+from yarl import URL
+
+from llmproxy.proxy.channel import Chunk, End, Event, Headers
+from llmproxy.proxy.errors import map_client_errors
+from llmproxy.proxy.headers import response_headers
+
+
+async def upstream_events(
+    session: aiohttp.ClientSession, method: str, url: URL, headers: CIMultiDict[str], body: bytes | None
+) -> AsyncIterator[Event]:
+    with map_client_errors():
+        async with session.request(method, url, headers=headers, data=body) as resp:
+            yield Headers(resp.status, response_headers(resp.headers), resp.content_length)
+            async for data in resp.content.iter_any():
+                yield Chunk(data)
+    yield End()
