@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from aiohttp import web
+from multidict import CIMultiDict
 
 from llmproxy.proxy.bench.fake_shapes import ROUTES, Shape, dumps, error_body, info_routes, json_response, token_count
 
@@ -58,22 +59,6 @@ class Script:
     fail: FailMode = None
 
 
-class Headers(dict[str, str]):
-    """Request headers with lower-cased keys and case-insensitive lookups."""
-
-    def __init__(self, items: Any = ()) -> None:
-        super().__init__((k.lower(), v) for k, v in dict(items).items())
-
-    def __getitem__(self, key: str) -> str:
-        return super().__getitem__(key.lower())
-
-    def __contains__(self, key: object) -> bool:
-        return super().__contains__(key.lower() if isinstance(key, str) else key)
-
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
-        return super().get(key.lower(), default)
-
-
 @dataclass(frozen=True)
 class Received:
     """One request as it reached the fake (``t`` is ``time.monotonic()`` at receipt)."""
@@ -81,7 +66,7 @@ class Received:
     path: str
     body: dict[str, Any] | None
     raw: bytes
-    headers: Headers  # a dict with lower-cased keys; lookups ignore case
+    headers: CIMultiDict[str]  # as received; lookups ignore case
     t: float
     id: int
 
@@ -215,7 +200,7 @@ class FakeUpstream:
         except ValueError:
             parsed = None
         body = parsed if isinstance(parsed, dict) else None
-        rec = Received(request.path, body, raw, Headers(request.headers), time.monotonic(), len(self.received))
+        rec = Received(request.path, body, raw, CIMultiDict(request.headers), time.monotonic(), len(self.received))
         self.received.append(rec)
         self._notify()
         shape = ROUTES.get(request.path)

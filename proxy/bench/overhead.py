@@ -8,7 +8,7 @@ at each concurrency. Prints one table row per case with p50/p99 latency, the lat
 proxy adds, throughput and the goals: added p50 <= 1 ms, added p99 <= 3 ms, proxied
 throughput >= 50% of direct.
 
-Concurrency contract: children are owned by ``_child`` (an async context manager) which
+Concurrency contract: children are owned by ``child.child`` (an async context manager) which
 terminates them (then kills after 10 s) on exit, including on error or Ctrl-C. Each worker
 of the load generator sends its own ``X-LLMProxy-Session`` so that the proxy's supersede
 rule never cancels one worker's request on behalf of another.
@@ -22,14 +22,13 @@ import contextlib
 import json
 import sys
 import tempfile
-import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from llmproxy.proxy.bench.child import child
 from llmproxy.proxy.bench.loadgen import LoadResult, run_load
 from llmproxy.proxy.config import LayeredSettings, add_settings_arguments, settings_from_args
 from llmproxy.proxy.logs import configure_logging
@@ -67,34 +66,6 @@ class Case:
     proxied: LoadResult | None
 
 
-@contextlib.asynccontextmanager
-async def _child(name: str, argv: list[str], workdir: Path, timeout_s: float) -> AsyncIterator[str]:
-    """Run ``argv + --port-file F`` until exit of the block; yield its base URL."""
-    port_file = workdir / f"{name}.port"
-    log_path = workdir / f"{name}.log"
-    with log_path.open("wb") as log:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, "--port-file", str(port_file), stdout=log, stderr=asyncio.subprocess.STDOUT
-        )
-        try:
-            deadline = time.monotonic() + timeout_s
-            while not port_file.exists():
-                if proc.returncode is not None or time.monotonic() > deadline:
-                    tail = log_path.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"{name} did not start (rc={proc.returncode}); its output:\n{tail}")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(proc.wait(), 0.02)
-            yield f"http://127.0.0.1:{int(port_file.read_text())}"
-        finally:
-            if proc.returncode is None:
-                proc.terminate()
-                try:
-                    await asyncio.wait_for(proc.wait(), 10)
-                except TimeoutError:
-                    proc.kill()
-                    await proc.wait()
-
-
 def _body(settings: OverheadSettings, stream: bool) -> bytes:
     obj = {"prompt": "def fib(n):", "n_predict": settings.tokens, "stream": stream, "cache_prompt": True}
     return json.dumps(obj, separators=(",", ":")).encode()
@@ -109,7 +80,7 @@ async def _load(url: str, settings: OverheadSettings, stream: bool, concurrency:
 
 
 def proxy_command(settings: OverheadSettings, upstream_url: str) -> list[str]:
-    """The proxy child's command line (``--port-file`` is appended by ``_child``)."""
+    """The proxy child's command line (``--port-file`` is appended by ``child``)."""
     return [
         sys.executable, "-m", "llmproxy.proxy", "serve", "--port", "0", "--upstream", upstream_url,
         "--capacity", str(settings.slots), "--max-queue", str(settings.max_queue), "--log-level", settings.log_level,
@@ -127,11 +98,11 @@ async def _bench(settings: OverheadSettings) -> list[Case]:
     with tempfile.TemporaryDirectory(prefix="llmproxy-bench-") as tmp:
         workdir = Path(tmp)
         async with contextlib.AsyncExitStack() as stack:
-            fake_url = await stack.enter_async_context(_child("fake_upstream", fake_argv, workdir, settings.startup_timeout_s))
+            _, fake_url = await stack.enter_async_context(child("fake_upstream", fake_argv, workdir, settings.startup_timeout_s))
             proxy_url = None
             if settings.proxy:
                 proxy_argv = proxy_command(settings, fake_url)
-                proxy_url = await stack.enter_async_context(_child("proxy", proxy_argv, workdir, settings.startup_timeout_s))
+                _, proxy_url = await stack.enter_async_context(child("proxy", proxy_argv, workdir, settings.startup_timeout_s))
             for mode in settings.modes:
                 stream = mode == "stream"
                 for c in settings.concurrency:

@@ -25,20 +25,20 @@ import argparse
 import asyncio
 import contextlib
 import random
-import re
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from llmproxy.proxy.bench.child import child
 from llmproxy.proxy.bench.burst_slots import SlotsPoller
 from llmproxy.proxy.config import LayeredSettings, add_settings_arguments, settings_from_args
 from llmproxy.proxy.logs import configure_logging
@@ -95,45 +95,22 @@ def rss_kb(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-_SAMPLE = re.compile(r'^llmproxy_requests_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$', re.M)
-
-
 def outcomes_from_metrics(text: str) -> dict[str, float]:
     """Sum ``llmproxy_requests_total`` over routes, by outcome."""
     out: dict[str, float] = {}
-    for m in _SAMPLE.finditer(text):
-        outcome = re.search(r'outcome="([^"]*)"', m["labels"])
-        if outcome:
-            out[outcome[1]] = out.get(outcome[1], 0) + float(m["value"])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "llmproxy_requests_total":
+                outcome = sample.labels["outcome"]
+                out[outcome] = out.get(outcome, 0) + sample.value
     return out
 
 
-@contextlib.asynccontextmanager
-async def proxy_child(settings: SoakSettings, workdir: Path) -> AsyncIterator[tuple[int, str]]:
-    """``llmproxy serve`` as a child; yields (pid, base URL) once /llmproxy/health answers."""
-    port_file = workdir / "proxy.port"
-    argv = [sys.executable, "-m", "llmproxy.proxy", "serve", "--port", "0", "--port-file", str(port_file),
+def proxy_argv(settings: SoakSettings) -> list[str]:
+    """``llmproxy serve`` for the soak (``--port-file`` is appended by ``child``)."""
+    argv = [sys.executable, "-m", "llmproxy.proxy", "serve", "--port", "0",
             "--capacity", str(settings.capacity), "--log-level", settings.log_level, "--log-json"]
-    argv += ["--upstream", settings.upstream] if settings.upstream else ["--parallel", str(settings.capacity)]
-    log_path = workdir / "proxy.log"
-    with log_path.open("wb") as log:
-        proc = await asyncio.create_subprocess_exec(*argv, stdout=log, stderr=asyncio.subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + settings.start_timeout_s
-            while not port_file.exists():
-                if proc.returncode is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"proxy did not start (rc={proc.returncode}):\n{log_path.read_text()[-3000:]}")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(proc.wait(), 0.05)
-            yield proc.pid, f"http://127.0.0.1:{int(port_file.read_text())}"
-        finally:
-            if proc.returncode is None:
-                proc.terminate()
-                try:
-                    await asyncio.wait_for(proc.wait(), 30)
-                except TimeoutError:
-                    proc.kill()
-                    await proc.wait()
+    return argv + (["--upstream", settings.upstream] if settings.upstream else ["--parallel", str(settings.capacity)])
 
 
 class Editor:
@@ -201,7 +178,7 @@ async def _quiet(http: aiohttp.ClientSession, url: str, timeout_s: float) -> dic
 async def run_soak(settings: SoakSettings) -> SoakResult:
     result = SoakResult(capacity=settings.capacity)
     with tempfile.TemporaryDirectory(prefix="llmproxy-soak-") as tmp:
-        async with proxy_child(settings, Path(tmp)) as (pid, url), aiohttp.ClientSession(
+        async with child("proxy", proxy_argv(settings), Path(tmp), settings.start_timeout_s, 30) as (pid, url), aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=120)
         ) as http:
             deadline = time.monotonic() + settings.start_timeout_s

@@ -1,0 +1,44 @@
+"""A benchmark's child server process (fake upstream, proxy): start, learn its port, stop.
+
+``child(name, argv, workdir, start_timeout_s)`` runs ``argv --port-file F`` with its output
+in ``workdir/NAME.log``, waits for the port file (failing with the log's tail if the child
+exits or the timeout passes) and yields ``(pid, base URL)``. On exit of the block it
+terminates the child, then kills it after ``stop_timeout_s``: never an orphan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+
+@contextlib.asynccontextmanager
+async def child(
+    name: str, argv: list[str], workdir: Path, start_timeout_s: float, stop_timeout_s: float = 10.0
+) -> AsyncIterator[tuple[int, str]]:
+    port_file = workdir / f"{name}.port"
+    log_path = workdir / f"{name}.log"
+    with log_path.open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, "--port-file", str(port_file), stdout=log, stderr=asyncio.subprocess.STDOUT
+        )
+        try:
+            deadline = time.monotonic() + start_timeout_s
+            while not port_file.exists():
+                if proc.returncode is not None or time.monotonic() > deadline:
+                    tail = log_path.read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"{name} did not start (rc={proc.returncode}); its output:\n{tail}")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(proc.wait(), 0.02)
+            yield proc.pid, f"http://127.0.0.1:{int(port_file.read_text())}"
+        finally:
+            if proc.returncode is None:
+                proc.terminate()
+                try:
+                    await asyncio.wait_for(proc.wait(), stop_timeout_s)
+                except TimeoutError:
+                    proc.kill()
+                    await proc.wait()
