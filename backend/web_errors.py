@@ -36,15 +36,25 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(text=dumps(obj), status=status, content_type="application/json")
 
 
+def error_body(code: int, message: str, type_: str | None = None) -> dict[str, Any]:
+    """The error envelope (llama-server's shape); ``type_`` defaults from the status."""
+    return {"error": {"code": code, "message": message, "type": type_ or ERROR_TYPES.get(code, "server_error")}}
+
+
+def failed_body(f: Failed) -> dict[str, Any]:
+    """The envelope for a failed generation (a generic worker type maps from its status)."""
+    return error_body(f.status, f.message, f.type if f.type != "server_error" else None)
+
+
 def error_response(code: int, message: str, type_: str | None = None, **extra: Any) -> web.Response:
-    body = {"error": {"code": code, "message": message, "type": type_ or ERROR_TYPES.get(code, "server_error")}}
+    body = error_body(code, message, type_)
     body.update(extra)
     return json_response(body, code)
 
 
 def failed_response(f: Failed) -> web.Response:
     """The plain JSON error for a generation that failed before its first token."""
-    return error_response(f.status, f.message, f.type if f.type != "server_error" else None)
+    return json_response(failed_body(f), f.status)
 
 
 class BadRequest(Exception):

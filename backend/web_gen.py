@@ -17,13 +17,14 @@ SSE: ``sse_start`` prepares the stream, ``sse`` writes one ``data:`` event and
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp import web
 from llmproxy.backend.dispatch import Request
 from llmproxy.backend.protocol import Done, Failed, Prompt, SamplingParams, Token
 from llmproxy.backend.web_context import DISPATCHER
-from llmproxy.backend.web_errors import ERROR_TYPES, dumps
+from llmproxy.backend.web_errors import dumps, failed_body, failed_response
 
 STOP_TYPE = {"eos": "eos", "limit": "limit", "time": "limit", "word": "word", "cancelled": "none"}
 FINISH = {"eos": "stop", "word": "stop", "limit": "length", "time": "length", "cancelled": "stop"}
@@ -117,5 +118,43 @@ async def sse(resp: web.StreamResponse, obj: Any) -> None:
 
 
 async def sse_error(resp: web.StreamResponse, f: Failed) -> None:
-    t = f.type if f.type != "server_error" else ERROR_TYPES.get(f.status, "server_error")
-    await sse(resp, {"error": {"code": f.status, "message": f.message, "type": t}})
+    await sse(resp, failed_body(f))
+
+
+async def collect(g: Gen) -> Failed | None:
+    """Run a non-streamed generation to its end (text in ``g.content``); its failure, if any."""
+    async for _ in g.events():
+        pass
+    return g.failed
+
+
+async def stream_sse(
+    request: web.Request, g: Gen, render: Callable[[Token | Done], list[Any]], prelude: Sequence[Any] = ()
+) -> web.StreamResponse:
+    """Stream a generation as SSE; ``render`` gives each event's frames (dicts become
+    ``data:`` lines, bytes are written as they are). The response starts with the first
+    event, after the ``prelude`` frames; a failure before it answers with plain JSON, a
+    later one ends the stream with an error event."""
+    resp: web.StreamResponse | None = None
+    async for ev in g.events():
+        if isinstance(ev, Failed):
+            if resp is None:
+                return failed_response(ev)
+            await sse_error(resp, ev)
+            break
+        if resp is None:
+            resp = await sse_start(request)
+            for frame in prelude:
+                await _write_frame(resp, frame)
+        for frame in render(ev):
+            await _write_frame(resp, frame)
+    assert resp is not None
+    await resp.write_eof()
+    return resp
+
+
+async def _write_frame(resp: web.StreamResponse, frame: Any) -> None:
+    if isinstance(frame, bytes):
+        await resp.write(frame)
+    else:
+        await sse(resp, frame)

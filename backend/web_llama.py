@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from aiohttp import web
-from llmproxy.backend.protocol import Done, Failed, Prompt, Token
+from llmproxy.backend.protocol import Done, Prompt, Token
 from llmproxy.backend.web_context import DISPATCHER, alias
 from llmproxy.backend.web_errors import failed_response, json_response
-from llmproxy.backend.web_gen import STOP_TYPE, Gen, gen_settings, sse, sse_error, sse_start, timings
+from llmproxy.backend.web_gen import STOP_TYPE, Gen, collect, gen_settings, stream_sse, timings
 from llmproxy.backend.web_requests import (
     check_model,
     id_slot,
@@ -57,38 +57,25 @@ async def _run_llama(request: web.Request, body: dict[str, Any], prompt: Prompt)
     stream = bool(body.get("stream", False))
     async with Gen(request, prompt, params, slot) as g:
         if not stream:
-            async for _ in g.events():
-                pass
-            if g.failed:
-                return failed_response(g.failed)
-            return json_response(_final_llama(app, g, "".join(g.content)))
-        resp: web.StreamResponse | None = None
-        async for ev in g.events():
-            if isinstance(ev, Failed):
-                if resp is None:
-                    return failed_response(ev)
-                await sse_error(resp, ev)
-                break
-            if resp is None:
-                resp = await sse_start(request)
-            if isinstance(ev, Token):
-                await sse(
-                    resp,
-                    {
-                        "index": 0,
-                        "content": ev.text,
-                        "tokens": [],
-                        "stop": False,
-                        "id_slot": g.slot_id,
-                        "tokens_predicted": ev.n_decoded,
-                        "tokens_evaluated": 0,
-                    },
-                )
-            elif isinstance(ev, Done):
-                await sse(resp, _final_llama(app, g, ""))
-        assert resp is not None
-        await resp.write_eof()
-        return resp
+            failed = await collect(g)
+            return failed_response(failed) if failed else json_response(_final_llama(app, g, "".join(g.content)))
+
+        def render(ev: Token | Done) -> list[Any]:
+            if isinstance(ev, Done):
+                return [_final_llama(app, g, "")]
+            return [
+                {
+                    "index": 0,
+                    "content": ev.text,
+                    "tokens": [],
+                    "stop": False,
+                    "id_slot": g.slot_id,
+                    "tokens_predicted": ev.n_decoded,
+                    "tokens_evaluated": 0,
+                }
+            ]
+
+        return await stream_sse(request, g, render)
 
 
 async def completion(request: web.Request) -> web.StreamResponse:

@@ -14,10 +14,10 @@ import uuid
 from typing import Any
 
 from aiohttp import web
-from llmproxy.backend.protocol import Done, Failed, Prompt, Token
+from llmproxy.backend.protocol import Done, Prompt, Token
 from llmproxy.backend.web_context import DISPATCHER, alias
 from llmproxy.backend.web_errors import BadRequest, failed_response, json_response
-from llmproxy.backend.web_gen import FINISH, Gen, sse, sse_error, sse_start, timings
+from llmproxy.backend.web_gen import FINISH, Gen, collect, stream_sse, timings
 from llmproxy.backend.web_requests import (
     chat_prompt,
     check_model,
@@ -68,10 +68,8 @@ async def _run_openai(request: web.Request, body: dict[str, Any], prompt: Prompt
 
     async with Gen(request, prompt, params, slot) as g:
         if not stream:
-            async for _ in g.events():
-                pass
-            if g.failed:
-                return failed_response(g.failed)
+            if failed := await collect(g):
+                return failed_response(failed)
             d = g.done
             assert d is not None
             text = "".join(g.content)
@@ -94,28 +92,16 @@ async def _run_openai(request: web.Request, body: dict[str, Any], prompt: Prompt
                     "timings": timings(d),
                 }
             )
-        resp: web.StreamResponse | None = None
-        async for ev in g.events():
-            if isinstance(ev, Failed):
-                if resp is None:
-                    return failed_response(ev)
-                await sse_error(resp, ev)
-                break
-            if resp is None:
-                resp = await sse_start(request)
-                if chat:
-                    await sse(resp, chunk(None, None, first=True))
+
+        def render(ev: Token | Done) -> list[Any]:
             if isinstance(ev, Token):
-                await sse(resp, chunk(ev.text, None))
-            elif isinstance(ev, Done):
-                last = chunk(None if chat else "", FINISH[ev.stop_reason])
-                last["usage"] = _usage(ev)
-                last["timings"] = timings(ev)
-                await sse(resp, last)
-                await resp.write(b"data: [DONE]\n\n")
-        assert resp is not None
-        await resp.write_eof()
-        return resp
+                return [chunk(ev.text, None)]
+            last = chunk(None if chat else "", FINISH[ev.stop_reason])
+            last["usage"] = _usage(ev)
+            last["timings"] = timings(ev)
+            return [last, b"data: [DONE]\n\n"]
+
+        return await stream_sse(request, g, render, prelude=[chunk(None, None, first=True)] if chat else [])
 
 
 async def v1_completions(request: web.Request) -> web.StreamResponse:
