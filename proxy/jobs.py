@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+from multidict import CIMultiDict
 
 from llmproxy.proxy.adapters.base import Adapter
 from llmproxy.proxy.breaker import CircuitBreaker
