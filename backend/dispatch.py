@@ -99,8 +99,7 @@ class Dispatcher:
                 self.slots.append(Slot(id=w.slot_base + local, worker=w, local=local))
         self.requests: dict[str, Request] = {}
         self._task_ids = itertools.count()
-        self._changed: asyncio.Condition | None = None
-        self._wakers: set[asyncio.Task[None]] = set()
+        self._changed: asyncio.Event | None = None  # set (and replaced) at every slot/worker change
         self.started_at = time.time()
 
     @property
@@ -111,7 +110,7 @@ class Dispatcher:
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self._changed = asyncio.Condition()
+        self._changed = asyncio.Event()
         await self.supervisor.start_all()
 
     async def stop(self, timeout_s: float = 5.0) -> None:
@@ -208,18 +207,12 @@ class Dispatcher:
         self._notify()
 
     def _notify(self) -> None:
-        cond = self._changed
-        if cond is None:
+        """Wake every ``acquire`` waiting for a change (on the loop thread; no task needed)."""
+        changed = self._changed
+        if changed is None:
             return
-
-        async def _wake() -> None:
-            async with cond:
-                cond.notify_all()
-
-        assert self.loop is not None
-        task = self.loop.create_task(_wake())
-        self._wakers.add(task)
-        task.add_done_callback(self._wakers.discard)
+        self._changed = asyncio.Event()
+        changed.set()
 
     # --- requests ---------------------------------------------------------------------
 
@@ -237,18 +230,17 @@ class Dispatcher:
         """A free slot (``id_slot`` or any); waits while all candidates are busy."""
         if id_slot >= len(self.slots):
             raise ValueError(f"id_slot {id_slot} out of range (total_slots={len(self.slots)})")
-        cond = self._changed
-        assert cond is not None
-        async with cond:
-            while True:
-                if id_slot >= 0 and not self.slots[id_slot].worker.ready:
-                    raise Unavailable(self._unavailable_message())
-                if id_slot < 0 and not self.any_ready():
-                    raise Unavailable(self._unavailable_message())
-                slot = self._pick(id_slot)
-                if slot is not None:
-                    return slot
-                await cond.wait()
+        while True:
+            if id_slot >= 0 and not self.slots[id_slot].worker.ready:
+                raise Unavailable(self._unavailable_message())
+            if id_slot < 0 and not self.any_ready():
+                raise Unavailable(self._unavailable_message())
+            slot = self._pick(id_slot)
+            if slot is not None:
+                return slot
+            changed = self._changed
+            assert changed is not None
+            await changed.wait()
 
     def _unavailable_message(self) -> str:
         if any(w.state == "error" for w in self.workers):
