@@ -211,12 +211,8 @@ class LlamaCppEngine:
     def _start(self, seq: _Seq) -> None:
         llm = self.llm
         seq.t_start = time.perf_counter()
-        cached = llm._input_ids
-        toks = seq.tokens
-        lcp = 0
-        limit = min(len(cached), len(toks) - 1)
-        while lcp < limit and cached[lcp] == toks[lcp]:
-            lcp += 1
+        # Prompt-cache reuse; generate() finds this same prefix again and evaluates the rest.
+        lcp = llm.longest_token_prefix(llm._input_ids, seq.tokens[:-1])
         if lcp > 0 and not llm._ctx.kv_cache_seq_rm(-1, lcp, -1):
             lcp = 0
         if lcp == 0:
