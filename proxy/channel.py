@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from multidict import CIMultiDict
@@ -59,6 +58,7 @@ class Channel:
         self._writable = asyncio.Event()
         self._writable.set()
         self.detached = False
+        self._drained = False  # the terminal event was handed out
 
     async def put(self, ev: Event) -> None:
         while len(self._buf) >= self._max and not self.detached:
@@ -85,13 +85,22 @@ class Channel:
             self._readable.clear()
             await self._readable.wait()
 
-    async def __aiter__(self) -> AsyncIterator[Event]:
-        """Yield events up to and including the terminal one."""
-        while True:
-            ev = await self.get()
-            yield ev
-            if isinstance(ev, (End, Error)):
-                return
+    def __aiter__(self) -> Channel:
+        """Iterate events up to and including the terminal one (single consumer).
+
+        A plain iterator, not an async generator: a reader that stops at the terminal
+        event leaves no suspended generator for the event loop's finalizer hook (which
+        costs a self-pipe write and an extra loop wake-up per request).
+        """
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._drained:
+            raise StopAsyncIteration
+        ev = await self.get()
+        if isinstance(ev, (End, Error)):
+            self._drained = True
+        return ev
 
     def detach(self) -> None:
         self.detached = True

@@ -60,8 +60,11 @@ async def _wait_for_permit(st: ProxyState, ticket: Ticket, request: web.Request)
     rec = request[RECORD]
     timeout = st.settings.queue_timeout_s
     try:
-        async with asyncio.timeout(timeout):
-            await ticket.wait()
+        if ticket.future.done():  # granted at submit (the common case): no timer to arm
+            ticket.future.result()
+        else:
+            async with asyncio.timeout(timeout):
+                await ticket.wait()
     except TimeoutError:
         st.gate.abandon(ticket)
         raise QueueTimeout(f"no permit within {timeout:g}s") from None

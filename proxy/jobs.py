@@ -118,17 +118,17 @@ class UpstreamJob:
             rec.end_ref()
 
     async def _await_transfer(self, transfer: asyncio.Task[None]) -> None:
+        """Wait for the transfer child. ``stop()`` cancelling it is expected; shutdown
+        cancelling this job propagates into the awaited child (asyncio cancels the future a
+        task waits on), so the child has finished when the CancelledError reaches us here."""
         try:
-            await asyncio.wait([transfer])
-        except asyncio.CancelledError:  # shutdown: stop the child, wait for it, re-raise
-            transfer.cancel()
-            while not transfer.done():
-                try:
-                    await asyncio.wait([transfer])
-                except asyncio.CancelledError:
-                    transfer.cancel()
-            raise
-        if not transfer.cancelled() and (exc := transfer.exception()) is not None:
+            await transfer
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # this job was cancelled (shutdown)
+                raise
+            # the transfer was cancelled by stop(): expected, go on to confirmation
+        except Exception as exc:
             log.error("upstream job crashed", error=repr(exc), request_id=self.record.request_id)
             self.channel.finish(Error(ProxyError("internal proxy error")))
 

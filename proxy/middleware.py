@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-import uuid
+import secrets
 
 import structlog
 from aiohttp import web
@@ -38,7 +38,7 @@ def error_response(exc: ProxyError) -> web.Response:
 async def proxy_middleware(request: web.Request, handler: web.Handler) -> web.StreamResponse:
     app = request.app
     supplied = request.headers.get("X-Request-Id", "")
-    request_id = supplied if _REQUEST_ID.match(supplied) else uuid.uuid4().hex[:16]
+    request_id = supplied if _REQUEST_ID.match(supplied) else secrets.token_hex(8)
     structlog.contextvars.bind_contextvars(request_id=request_id)
     rec = RequestRecord(request_id, request.method, request.path, on_done=lambda r: _count(r, app))
     request[RECORD] = rec
