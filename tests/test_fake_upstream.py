@@ -322,9 +322,13 @@ def test_overhead_bench_direct_half() -> None:
     """The overhead bench's own plumbing: fake upstream child, load, table (no proxy)."""
     from llmproxy.proxy.bench.overhead import OverheadSettings, _bench, format_table
 
-    settings = OverheadSettings(requests=20, warmup=2, concurrency=[1, 3], proxy=False, tokens=4)
+    settings = OverheadSettings(requests=20, warmup=2, concurrency=[1, 3], proxy=False, tokens=4, token_delay_ms=[1.0, 0.0])
     cases = asyncio.run(_bench(settings))
-    assert [(c.mode, c.concurrency) for c in cases] == [("nonstream", 1), ("nonstream", 3), ("stream", 1), ("stream", 3)]
+    shapes = [(m, c) for m in ("nonstream", "stream") for c in (1, 3)]
+    assert [(c.token_delay_ms, c.mode, c.concurrency) for c in cases] == [(d, *mc) for d in (1.0, 0.0) for mc in shapes]
     assert all(c.direct.ok == 20 and c.direct.errors == 0 and c.proxied is None for c in cases)
+    assert all(c.direct.cpu_us_per_request(0) > 0 for c in cases)  # the fake's CPU was really read
+    assert all(c.direct.percentile_ms(50) >= 4 for c in cases if c.token_delay_ms == 1.0)  # 4 tokens x 1 ms
     table = format_table(cases)
-    assert "stream c=3" in table and "overall: n/a (direct only)" in table
+    assert "1ms/tok stream c=3" in table and "instant nonstream c=1" in table
+    assert "overall (paced upstream rows): n/a" in table

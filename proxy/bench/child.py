@@ -4,12 +4,15 @@
 in ``workdir/NAME.log``, waits for the port file (failing with the log's tail if the child
 exits or the timeout passes) and yields ``(pid, base URL)``. On exit of the block it
 terminates the child, then kills it after ``stop_timeout_s``: never an orphan.
+``cpu_seconds(pid)`` reads a process's user + system CPU time (Linux /proc; NaN elsewhere).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -42,3 +45,13 @@ async def child(
                 except TimeoutError:
                     proc.kill()
                     await proc.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds used so far by process ``pid`` (NaN where /proc is missing)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return math.nan
+    fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state is fields[0]
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -32,6 +32,13 @@ class LoadResult:
     errors: int
     elapsed_s: float
     capped: bool  # the duration cap ended the run before the request budget was spent
+    cpu_s: tuple[float, ...] = ()  # the ``probe`` readings' change over the measured phase
+
+    def cpu_us_per_request(self, index: int) -> float:
+        """CPU microseconds per successful request of probed process ``index``; NaN if not probed."""
+        if index >= len(self.cpu_s) or not self.ok:
+            return math.nan
+        return self.cpu_s[index] * 1e6 / self.ok
 
     @property
     def ok(self) -> int:
@@ -94,11 +101,13 @@ async def _run_phase(
 async def run_load(
     url: str, body: bytes, *, requests: int, warmup: int, concurrency: int, duration_s: float,
     stream: bool, headers: Callable[[int], dict[str, str]] = lambda _w: {},
+    probe: Callable[[], tuple[float, ...]] | None = None,
 ) -> LoadResult:
     """Send ``warmup`` then ``requests`` POSTs of ``body`` to ``url`` with ``concurrency`` workers.
 
     ``headers(worker_index)`` gives each worker its own headers (e.g. a session id).
-    ``duration_s`` caps each phase.
+    ``duration_s`` caps each phase. ``probe()`` (e.g. CPU seconds of the server processes)
+    is read right before and after the measured phase; the result carries the difference.
     """
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60)
@@ -111,7 +120,10 @@ async def run_load(
         if warmup:
             await _run_phase(session, url, body, requests=warmup, concurrency=concurrency,
                              duration_s=duration_s, stream=stream, headers=all_headers)
+        before = probe() if probe is not None else ()
         phase, elapsed = await _run_phase(session, url, body, requests=requests, concurrency=concurrency,
                                           duration_s=duration_s, stream=stream, headers=all_headers)
+        after = probe() if probe is not None else ()
     done = len(phase.latencies) + phase.errors
-    return LoadResult(sorted(phase.latencies), phase.errors, elapsed, capped=done < requests)
+    cpu = tuple(b - a for a, b in zip(before, after, strict=True))
+    return LoadResult(sorted(phase.latencies), phase.errors, elapsed, capped=done < requests, cpu_s=cpu)
