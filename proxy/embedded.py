@@ -28,7 +28,8 @@ from llmproxy.proxy.state import SETTINGS, UPSTREAM_URL
 log = structlog.get_logger("llmproxy.embedded")
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def die_with_parent() -> None:
+    """``preexec_fn``: the child gets SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
@@ -92,7 +93,7 @@ async def embedded_backend(app: web.Application) -> AsyncIterator[None]:
         port_file = Path(tmp) / "backend.port"
         cmd = backend_command(s, port_file)
         log.info("starting embedded backend", engine=s.engine, model=str(s.model or "default"), parallel=s.parallel)
-        proc = await asyncio.create_subprocess_exec(*cmd, preexec_fn=_die_with_parent)
+        proc = await asyncio.create_subprocess_exec(*cmd, preexec_fn=die_with_parent)
         try:
             app[UPSTREAM_URL] = await _wait_ready(proc, port_file, s.backend_start_timeout_s)
             log.info("embedded backend ready", url=app[UPSTREAM_URL], pid=proc.pid)

@@ -4,10 +4,13 @@ Concurrency contract:
 - A job is spawned in the app's ``JobRegistry`` (tracked; never a bare fire-and-forget
   task) as soon as its handler has a permit, and is independent of that handler: client
   disconnects cancel the handler, never the job.
-- The job's upstream transfer runs as a child task. ``stop(reason)`` (supersede, or the
-  client left under policy ``cancel``) cancels only that child, which closes the upstream
-  connection; the job then waits for the adapter to confirm the stop (or, for adapters
-  that cannot, holds the permit ``unconfirmed_cancel_hold_s``).
+- The job's upstream transfer runs inside the job task, in a cancel scope (the pattern of
+  ``asyncio.timeout``): ``stop(reason)`` (supersede, or the client left under policy
+  ``cancel``) cancels the job task only while it is in that scope; the scope absorbs that
+  one cancellation (``Task.uncancel``) after the upstream connection was closed, and the
+  job then waits for the adapter to confirm the stop (or, for adapters that cannot, holds
+  the permit ``unconfirmed_cancel_hold_s``). Any other cancellation (shutdown) leaves
+  ``uncancel()`` above zero and propagates. No child task: one task per request.
 - The permit is released in the job's ``finally``, i.e. after the upstream body was read
   to its end or the stop was confirmed. Only app shutdown cancels the job itself
   (``JobRegistry.drain``), and then the permit is released as the job unwinds.
@@ -72,7 +75,8 @@ class UpstreamJob:
         self.unconfirmed_hold_s = unconfirmed_hold_s
         self.channel = Channel()
         self.slot = gate.take(ticket, on_supersede=self._superseded)
-        self._transfer: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[Any] | None = None  # set while in the transfer scope
+        self._stop_cancelled = False  # stop() cancelled the task in the transfer scope
         self._stop_reason: str | None = None
         self._finished = False  # upstream body read to its end
 
@@ -92,8 +96,9 @@ class UpstreamJob:
             return
         self._stop_reason = reason
         self.gate.mark_stopping(self.ticket)
-        if self._transfer is not None and not self._transfer.done():
-            self._transfer.cancel()
+        if self._task is not None and not self._stop_cancelled:
+            self._stop_cancelled = True
+            self._task.cancel()
 
     # -- the job ----------------------------------------------------------------------
     async def run(self) -> None:
@@ -101,8 +106,7 @@ class UpstreamJob:
         rec = self.record
         try:
             if self._stop_reason is None:  # stopped before its first step: never sent at all
-                self._transfer = asyncio.create_task(self._transfer_body())  # child, awaited here
-                await self._await_transfer(self._transfer)
+                await self._transfer_scope()
             if self._stop_reason == "superseded":
                 rec.outcome = "superseded"
                 self.channel.finish(Error(Superseded("superseded by a newer request from the same session")))
@@ -117,20 +121,22 @@ class UpstreamJob:
             rec.permit_hold_s = hold
             rec.end_ref()
 
-    async def _await_transfer(self, transfer: asyncio.Task[None]) -> None:
-        """Wait for the transfer child. ``stop()`` cancelling it is expected; shutdown
-        cancelling this job propagates into the awaited child (asyncio cancels the future a
-        task waits on), so the child has finished when the CancelledError reaches us here."""
+    async def _transfer_scope(self) -> None:
+        """Run the transfer where ``stop()`` may cancel it (see the module's contract)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
         try:
-            await transfer
+            await self._transfer_body()
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():  # this job was cancelled (shutdown)
-                raise
-            # the transfer was cancelled by stop(): expected, go on to confirmation
+            if self._stop_cancelled and task.uncancel() == 0:
+                return  # our own stop: the upstream connection is closed, go on to confirmation
+            raise
         except Exception as exc:
             log.error("upstream job crashed", error=repr(exc), request_id=self.record.request_id)
             self.channel.finish(Error(ProxyError("internal proxy error")))
+        finally:
+            self._task = None
 
     def _needs_confirmation(self) -> bool:
         """A stop must be confirmed if the request was sent and did not end by itself."""

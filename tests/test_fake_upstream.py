@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -320,6 +321,7 @@ def test_subprocess_entry(tmp_path: Path) -> None:
 
 def test_overhead_bench_direct_half() -> None:
     """The overhead bench's own plumbing: fake upstream child, load, table (no proxy)."""
+    from llmproxy.proxy.bench.child import cpu_seconds
     from llmproxy.proxy.bench.overhead import OverheadSettings, _bench, format_table
 
     settings = OverheadSettings(requests=20, warmup=2, concurrency=[1, 3], proxy=False, tokens=4, token_delay_ms=[1.0, 0.0])
@@ -327,8 +329,43 @@ def test_overhead_bench_direct_half() -> None:
     shapes = [(m, c) for m in ("nonstream", "stream") for c in (1, 3)]
     assert [(c.token_delay_ms, c.mode, c.concurrency) for c in cases] == [(d, *mc) for d in (1.0, 0.0) for mc in shapes]
     assert all(c.direct.ok == 20 and c.direct.errors == 0 and c.proxied is None for c in cases)
-    assert all(c.direct.cpu_us_per_request(0) > 0 for c in cases)  # the fake's CPU was really read
+    # CPU was read (clock ticks are 10 ms, so a short case may show 0, never NaN or < 0)
+    assert all(c.direct.cpu_us_per_request(0) >= 0 for c in cases)
+    assert cpu_seconds(os.getpid()) > 0
     assert all(c.direct.percentile_ms(50) >= 4 for c in cases if c.token_delay_ms == 1.0)  # 4 tokens x 1 ms
     table = format_table(cases)
     assert "1ms/tok stream c=3" in table and "instant nonstream c=1" in table
     assert "overall (paced upstream rows): n/a" in table
+
+
+_PARENT = """
+import asyncio, sys
+from pathlib import Path
+from llmproxy.proxy.bench.child import child
+
+async def main():
+    argv = [sys.executable, "-m", "llmproxy.proxy.bench.fake_upstream", "--port", "0", "--log-level", "warning"]
+    async with child("fake", argv, Path(sys.argv[1]), 60) as (pid, _url):
+        print(pid, flush=True)
+        await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def test_bench_child_dies_with_its_parent(tmp_path: Path) -> None:
+    """A bench killed without cleanup (SIGKILL) leaves no orphan server behind."""
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        pid = int(parent.stdout.readline())
+        os.kill(pid, 0)  # the child runs
+    finally:
+        parent.kill()
+        parent.wait()
+        if parent.stdout is not None:
+            parent.stdout.close()
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2:3]:
+        assert time.monotonic() < deadline, "bench child outlived its parent"
+        time.sleep(0.05)

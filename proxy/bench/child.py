@@ -3,7 +3,8 @@
 ``child(name, argv, workdir, start_timeout_s)`` runs ``argv --port-file F`` with its output
 in ``workdir/NAME.log``, waits for the port file (failing with the log's tail if the child
 exits or the timeout passes) and yields ``(pid, base URL)``. On exit of the block it
-terminates the child, then kills it after ``stop_timeout_s``: never an orphan.
+terminates the child, then kills it after ``stop_timeout_s``; the child also gets SIGTERM
+if this process dies without cleaning up (PR_SET_PDEATHSIG): never an orphan.
 ``cpu_seconds(pid)`` reads a process's user + system CPU time (Linux /proc; NaN elsewhere).
 """
 
@@ -17,6 +18,8 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from llmproxy.proxy.embedded import die_with_parent
+
 
 @contextlib.asynccontextmanager
 async def child(
@@ -26,7 +29,8 @@ async def child(
     log_path = workdir / f"{name}.log"
     with log_path.open("wb") as log:
         proc = await asyncio.create_subprocess_exec(
-            *argv, "--port-file", str(port_file), stdout=log, stderr=asyncio.subprocess.STDOUT
+            *argv, "--port-file", str(port_file), stdout=log, stderr=asyncio.subprocess.STDOUT,
+            preexec_fn=die_with_parent,
         )
         try:
             deadline = time.monotonic() + start_timeout_s
