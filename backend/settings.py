@@ -37,7 +37,8 @@ class BackendSettings(LayeredSettings):
         16,
         ge=8,
         description="llama-cpp: prompt tokens per step, i.e. how soon a cancel lands during a long prompt "
-        "(on a 2-core CPU prefill speed is the same from 16 to 512; raise it on fast hardware)",
+        "(on a 2-core CPU long-prompt prefill runs as fast at 16 as at 512, but each extra chunk of a "
+        "short prompt costs about one decode step of first-token time; raise it on fast hardware)",
     )
     n_threads: int | None = Field(None, ge=1, description="CPU threads per worker (default: cores / workers)")
     n_predict_max: int = Field(4096, ge=1, description="Cap on tokens generated per request (n_predict=-1 included)")
