@@ -1,19 +1,23 @@
-"""Torch engine: the running batch's shared KV cache and the model forward passes.
+"""Torch engine: the running batch, its KV slots and the model forward passes.
 
-Layout: one ``DynamicCache`` for the whole running batch, shape ``(B, heads, L, dim)``
-per layer, every row *right-aligned* (left-padded): row ``i`` holds its ``lens[i]``
-tokens in columns ``L - lens[i] .. L-1`` and zeros before them, masked out by the
-attention mask. Position ids are each row's real positions, so a sequence computes the
-same thing batched as alone (up to float rounding of different matmul shapes).
+Every sequence that is prefilling or decoding owns one slot of the pre-allocated KV
+store (``torch_kv.SlotCache``), tokens left-aligned. The *decode rows* are always slots
+``0 .. B-1`` (row i in slot i), so a decode step's attention reads a view of the store;
+a prefilling sequence takes the highest free slot. Position ids are each row's real
+positions and the 4-D attention mask hides every column past a row's own position, so a
+sequence computes the same thing batched as alone (up to float rounding of different
+matmul shapes).
 
-* ``prefill_chunk`` runs one prompt chunk of a *single* sequence on its private cache
-  (``logits_to_keep=1``: only the last position's logits are computed).
-* ``join`` pads the prefilled private cache (or the batch) on the left to the common
-  length and concatenates it as a new row: a copy once per join, not per step.
-* ``leave`` drops rows (index_select) and trims columns that became padding for all.
-* ``decode`` runs one token for every row: inputs come from pre-allocated buffers
-  (``Buffers``; pinned host staging + device tensors on CUDA), the mask is computed into
-  a pre-allocated buffer.
+* ``prefill`` runs one prompt chunk for each of several sequences in *one* forward
+  (inputs left-padded to the longest chunk so that the last input is every row's last
+  real token; ``logits_to_keep=1``). Padding tokens are written past their row's end,
+  where nothing reads them before real tokens overwrite them.
+* ``join`` moves a prefilled sequence's slot to slot ``B`` (one row copy; swapped with a
+  prefilling sequence that sat there) and makes it a decode row.
+* ``leave`` drops rows; the last row moves into each gap (one row copy).
+* ``decode`` runs one token for every row: inputs and the mask come from pre-allocated
+  buffers (``Buffers``; pinned host staging + device tensors on CUDA); the new keys and
+  values are written in place (no per-step copy of the cache).
 
 Single-threaded: owned by the engine, used only from the worker loop's thread.
 """
@@ -23,7 +27,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import DynamicCache
+
+from llmproxy.backend.engines.torch_kv import SlotCache
+
+INITIAL_COLUMNS = 256  # KV columns per slot before the first growth
 
 
 class Buffers:
@@ -44,90 +51,105 @@ class Buffers:
         self.dev[:, :b].copy_(self.host[:, :b], non_blocking=True)
         ids, pos = self.dev[0, :b].unsqueeze(1), self.dev[1, :b].unsqueeze(1)
         mask = self.mask[: b * width].view(b, width)
-        # row i attends to its last lens[i] + 1 columns (its cache plus the new token)
-        torch.ge(self.arange[:width].unsqueeze(0), width - 1 - pos, out=mask)
-        return ids, pos, mask
-
-
-def _kv(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def _pad_left(t: torch.Tensor, n: int) -> torch.Tensor:
-    if n == 0:
-        return t
-    pad = torch.zeros((*t.shape[:2], n, t.shape[3]), dtype=t.dtype, device=t.device)
-    return torch.cat([pad, t], dim=2)
+        # row i attends to its columns 0 .. lens[i] (its cache plus the new token)
+        torch.le(self.arange[:width].unsqueeze(0), pos, out=mask)
+        return ids, pos, mask.view(b, 1, 1, width)
 
 
 class Batch:
-    """The running decode batch: rows (sequence objects), their cache lengths, one cache."""
+    """The running decode batch (``rows``, their cache lengths ``lens``) and all KV slots."""
 
     def __init__(self, model: Any, device: torch.device, max_batch: int, n_ctx: int) -> None:
         self.model = model
         self.device = device
         self.buffers = Buffers(max_batch, n_ctx, device)
+        dtype = next(model.parameters()).dtype
+        self.kv = SlotCache(model, max_batch, device, dtype, cap=min(INITIAL_COLUMNS, n_ctx + 1))
+        self.slots = torch.arange(max_batch, dtype=torch.long, device=device)
+        self.owner: list[Any] = [None] * max_batch  # slot -> sequence (row or prefilling)
+        self.fill = [0] * max_batch  # slot -> columns holding that sequence's tokens
         self.rows: list[Any] = []
         self.lens: list[int] = []
-        self.cache: DynamicCache | None = None
-        self.width = 0  # L: columns in the shared cache
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    @torch.inference_mode()
-    def prefill_chunk(self, cache: DynamicCache, ids: list[int], start: int) -> torch.Tensor:
-        """Feed ``ids`` (positions ``start..``) into a single sequence's ``cache``; last logits."""
-        x = torch.as_tensor([ids], dtype=torch.long, device=self.device)
-        pos = torch.arange(start, start + len(ids), device=self.device).unsqueeze(0)
-        out = self.model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1].float().cpu()
+    def reserve(self, seq: Any) -> None:
+        """Give a sequence that starts prefilling the highest free slot (``seq.slot``)."""
+        s = max(i for i, o in enumerate(self.owner) if o is None)
+        self.owner[s], self.fill[s], seq.slot = seq, 0, s
 
-    def join(self, row: Any, cache: DynamicCache, length: int) -> None:
-        """Add a prefilled sequence (its private cache holds ``length`` tokens) as a row."""
-        new = _kv(cache)
-        if self.cache is None or not self.rows:
-            self.cache, self.width = DynamicCache(ddp_cache_data=new), length
-        else:
-            width = max(self.width, length)
-            merged = []
-            for (bk, bv), (k, v) in zip(_kv(self.cache), new, strict=True):
-                dk, dn = width - self.width, width - length
-                merged.append(
-                    (torch.cat([_pad_left(bk, dk), _pad_left(k, dn)]), torch.cat([_pad_left(bv, dk), _pad_left(v, dn)]))
-                )
-            self.cache, self.width = DynamicCache(ddp_cache_data=merged), width
-        self.rows.append(row)
-        self.lens.append(length)
+    def release(self, seq: Any) -> None:
+        """A prefilling sequence is gone (cancelled): free its slot."""
+        if 0 <= seq.slot < len(self.owner) and self.owner[seq.slot] is seq:
+            self.owner[seq.slot] = None
+        seq.slot = -1
+
+    @torch.inference_mode()
+    def prefill(self, parts: list[tuple[Any, list[int]]]) -> torch.Tensor:
+        """Feed each ``(seq, ids)`` chunk after its ``fill`` columns, all in one forward; (n, vocab) last logits."""
+        n, t = len(parts), max(len(ids) for _, ids in parts)
+        ids_rows, cols, slots = [], [], []
+        for seq, ids in parts:
+            start, k = self.fill[seq.slot], len(ids)
+            pad = t - k  # left padding: written past the row's end (start + k ..), never read
+            ids_rows.append([0] * pad + ids)
+            cols.append([start + k + j for j in range(pad)] + list(range(start, start + k)))
+            slots.append(seq.slot)
+            self.fill[seq.slot] = start + k
+        width = max(max(c) for c in cols) + 1
+        dev = self.device
+        x = torch.as_tensor(ids_rows, dtype=torch.long, device=dev)
+        pos = torch.as_tensor(cols, dtype=torch.long, device=dev)
+        mask = (self.buffers.arange[:width].view(1, 1, width) <= pos.unsqueeze(2)).unsqueeze(1)
+        slot_t = torch.as_tensor(slots, dtype=torch.long, device=dev)
+        self.kv.plan(slot_t, pos, width, contiguous=slots == list(range(n)))
+        out = self.model(
+            input_ids=x, position_ids=pos, attention_mask=mask, past_key_values=self.kv, use_cache=True,
+            logits_to_keep=1,
+        )  # fmt: skip
+        return out.logits[:, -1].float().cpu()
+
+    def join(self, seq: Any) -> None:
+        """Make a fully prefilled sequence a decode row (moved to slot ``len(rows)``)."""
+        b, s = len(self.rows), seq.slot
+        if s != b:
+            other = self.owner[b]
+            if other is not None:  # a prefilling sequence sits there: exchange the slots
+                self.kv.swap(b, s, max(self.fill[b], self.fill[s]))
+                other.slot = s
+            else:
+                self.kv.move(b, s, self.fill[s])
+            self.owner[s], self.owner[b] = other, seq
+            self.fill[s], self.fill[b] = (self.fill[b] if other is not None else 0), self.fill[s]
+        seq.slot = b
+        self.rows.append(seq)
+        self.lens.append(self.fill[b])
 
     def leave(self, rows: list[Any]) -> None:
         """Remove ``rows`` from the batch (finished or cancelled), keeping the others."""
         gone = {id(r) for r in rows}
-        keep = [i for i, r in enumerate(self.rows) if id(r) not in gone]
-        if len(keep) == len(self.rows):
-            return
-        self.rows = [self.rows[i] for i in keep]
-        self.lens = [self.lens[i] for i in keep]
-        if not keep:
-            self.cache, self.width = None, 0
-            return
-        width = max(self.lens)
-        cut = self.width - width
-        index = torch.as_tensor(keep, dtype=torch.long, device=self.device)
-        for layer in self.cache.layers:  # type: ignore[union-attr]
-            layer.keys = layer.keys.index_select(0, index)[:, :, cut:]
-            layer.values = layer.values.index_select(0, index)[:, :, cut:]
-        self.width = width
+        for i in reversed([i for i, r in enumerate(self.rows) if id(r) in gone]):
+            last = len(self.rows) - 1
+            if i != last:
+                self.kv.move(i, last, self.lens[last])
+                self.rows[i], self.lens[i] = self.rows[last], self.lens[last]
+                self.rows[i].slot, self.owner[i], self.fill[i] = i, self.rows[i], self.lens[last]
+            self.rows.pop()
+            self.lens.pop()
+            self.owner[last], self.fill[last] = None, 0
 
     @torch.inference_mode()
     def decode(self, tokens: list[int]) -> torch.Tensor:
         """One step for every row (``tokens[i]`` is row i's next input); (B, vocab) CPU logits."""
-        width = self.width + 1
+        b = len(tokens)
+        width = max(self.lens) + 1
         ids, pos, mask = self.buffers.inputs(tokens, self.lens, width)
+        self.kv.plan(self.slots[:b], pos, width, contiguous=True)
         out = self.model(
-            input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=self.cache, use_cache=True,
+            input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=self.kv, use_cache=True,
             logits_to_keep=1,
         )  # fmt: skip
-        self.width = width
         self.lens = [n + 1 for n in self.lens]
+        self.fill[:b] = self.lens
         return out.logits[:, -1].float().cpu()

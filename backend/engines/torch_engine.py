@@ -7,7 +7,7 @@ decode token for every running sequence. Nothing here blocks except the model it
 (and, in static mode, a wait of at most ``max_batch_wait_ms`` for a batch to fill).
 
 Request life: ``admit`` tokenizes and validates (too long -> ``Failed(400)``) and queues
-the request (*waiting*). The scheduler moves it to *prefilling* (private KV cache, one
+the request (*waiting*). The scheduler moves it to *prefilling* (its own KV slot, one
 chunk per step, interleaved with the batch's decode steps: stall-free) and, once its
 prompt is in, samples its first token and joins it to the running *batch*
 (``torch_batch.Batch``). A finished or cancelled sequence leaves the batch at once.
@@ -44,7 +44,7 @@ class _Seq:
     n_predict: int  # effective cap
     sampler: Any
     detok: Any
-    cache: Any = None  # private KV cache while prefilling
+    slot: int = -1  # KV slot (torch_batch.Batch) while prefilling or decoding
     pos: int = 0  # prompt tokens already prefilled
     next_token: int = -1
     n_decoded: int = 0
@@ -176,6 +176,8 @@ class TorchEngine:
             for seq in list(group):
                 if seq.rid == request_id:
                     group.remove(seq)
+                    if group is self.prefilling:
+                        self.batch.release(seq)
                     return self._finish(seq, "cancelled", emit_held=False)
         if self.batch is not None:
             for seq in list(self.batch.rows):
@@ -229,6 +231,5 @@ class TorchEngine:
             tail = seq.held + seq.detok.flush()
             if tail:
                 out.append(Token(seq.rid, tail, seq.n_decoded))
-        seq.cache = None
         out.append(done_event(seq, reason, stopping_word))
         return out

@@ -4,7 +4,8 @@ Each request has its own ``Sampler`` (its own seeded ``torch.Generator``), so re
 one batch never share randomness and a seeded request reproduces alone or batched.
 Order as llama.cpp: top_k -> top_p -> min_p -> temperature -> draw. ``temperature <= 0``
 is greedy (argmax). Runs on CPU float32 logits of one row (the batch's logits are copied
-to the host once per step).
+to the host once per step); ``sample_rows`` picks the greedy rows of a batch with one
+argmax over all of them.
 """
 
 from __future__ import annotations
@@ -44,3 +45,17 @@ class Sampler:
         probs = torch.softmax(vals / p.temperature, dim=-1)
         choice = torch.multinomial(probs, 1, generator=self.gen)
         return int(idx[choice])
+
+
+def sample_rows(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
+    """Next token of every row of (B, vocab) ``logits``, row i drawn by ``samplers[i]``."""
+    greedy = [i for i, s in enumerate(samplers) if s.greedy]
+    out = [0] * len(samplers)
+    if greedy:
+        picked = (logits if len(greedy) == len(samplers) else logits[greedy]).argmax(dim=-1).tolist()
+        for i, tok in zip(greedy, picked, strict=True):
+            out[i] = tok
+    for i, s in enumerate(samplers):
+        if not s.greedy:
+            out[i] = s(logits[i])
+    return out

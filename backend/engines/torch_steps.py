@@ -7,9 +7,12 @@ worker loop between inbound drains; bounded work per call):
    free row and the KV budget allows; static: flush a group of up to ``max_batch_size``
    once the batch is empty and the group is full or its oldest member waited
    ``max_batch_wait_ms``);
-2. prefill at most ``prefill_chunk`` prompt tokens (FIFO over prefilling sequences); a
-   sequence whose prompt is complete samples its first token and joins the batch;
-3. one decode step for every row of the batch; rows that finish leave at once.
+2. prefill at most ``prefill_chunk`` prompt tokens (FIFO over prefilling sequences), the
+   chunks of several sequences in one forward when padding them to one length wastes
+   little (``_groups``); a sequence whose prompt is complete samples its first token and
+   joins the batch;
+3. one decode step for every row of the batch (greedy rows sampled with one argmax);
+   rows that finish leave at once.
 
 Token handling (``accept``) follows the llama-cpp engine (``stops``): EOS (unless ``ignore_eos``),
 stop words with held-back partial matches, ``n_predict``/context limit, and
@@ -22,7 +25,10 @@ import time
 from typing import Any
 
 from llmproxy.backend.engines.stops import split_held
+from llmproxy.backend.engines.torch_sampling import sample_rows
 from llmproxy.backend.protocol import Event, Token
+
+PAD_SLACK = 1.5  # prefill chunks share one forward while padded tokens <= 1.5 x real tokens
 
 
 def _reserve(seq: Any) -> int:
@@ -41,9 +47,7 @@ def _kv_fits(engine: Any, seq: Any) -> bool:
 
 
 def _start(engine: Any, seq: Any) -> None:
-    from transformers import DynamicCache
-
-    seq.cache = DynamicCache()
+    engine.batch.reserve(seq)
     seq.t_start = time.perf_counter()
     engine.prefilling.append(seq)
 
@@ -74,25 +78,48 @@ def run_step(engine: Any) -> list[Event]:
             due = engine.waiting[0].t_admit + engine.wait_s - time.perf_counter()
             time.sleep(min(max(due, 0.0), engine.wait_s))
         return out
+    parts: list[tuple[Any, list[int]]] = []
     budget = engine.chunk
-    for seq in list(engine.prefilling):
+    for seq in engine.prefilling:
         if budget <= 0:
             break
         n = min(budget, len(seq.tokens) - seq.pos)
-        logits = batch.prefill_chunk(seq.cache, seq.tokens[seq.pos : seq.pos + n], seq.pos)
-        seq.pos += n
+        parts.append((seq, seq.tokens[seq.pos : seq.pos + n]))
         budget -= n
-        if seq.pos < len(seq.tokens):
-            continue
-        engine.prefilling.remove(seq)
-        if not accept(engine, seq, seq.sampler(logits), out):
-            batch.join(seq, seq.cache, len(seq.tokens))
-        seq.cache = None
+    for group in _groups(parts):
+        logits = batch.prefill(group)
+        for (seq, ids), first in zip(group, sample_rows([s.sampler for s, _ in group], logits), strict=True):
+            seq.pos += len(ids)
+            if seq.pos < len(seq.tokens):
+                continue
+            engine.prefilling.remove(seq)
+            if accept(engine, seq, first, out):
+                batch.release(seq)
+            else:
+                batch.join(seq)
     if len(batch):
         logits = batch.decode([s.next_token for s in batch.rows])
-        done = [s for i, s in enumerate(batch.rows) if accept(engine, s, s.sampler(logits[i]), out)]
+        toks = sample_rows([s.sampler for s in batch.rows], logits)
+        done = [s for s, tok in zip(batch.rows, toks, strict=True) if accept(engine, s, tok, out)]
         batch.leave(done)
     return out
+
+
+def _groups(parts: list[tuple[Any, list[int]]]) -> list[list[tuple[Any, list[int]]]]:
+    """Split this step's prefill chunks (FIFO) into forwards whose left padding stays small."""
+    groups: list[list[tuple[Any, list[int]]]] = []
+    cur: list[tuple[Any, list[int]]] = []
+    longest = real = 0
+    for part in parts:
+        k = len(part[1])
+        if cur and (len(cur) + 1) * max(longest, k) > PAD_SLACK * (real + k):
+            groups.append(cur)
+            cur, longest, real = [], 0, 0
+        cur.append(part)
+        longest, real = max(longest, k), real + k
+    if cur:
+        groups.append(cur)
+    return groups
 
 
 def accept(engine: Any, seq: Any, tok: int, out: list[Event]) -> bool:

@@ -136,7 +136,7 @@ def test_long_prompt_prefill_is_chunked_and_stall_free(eng: Any) -> None:
     n_prompt = len(eng.prompts.tokens(Prompt(kind="completion", text=long_prompt), 4))
     assert n_prompt > 3 * eng.chunk
     r = Run()
-    r.admit(eng, "a", PROMPTS[0], SamplingParams(n_predict=40, temperature=0, ignore_eos=True))
+    r.admit(eng, "a", PROMPTS[0], SamplingParams(n_predict=24, temperature=0, ignore_eos=True))
     r.step(eng)
     r.admit(eng, "b", long_prompt, SamplingParams(n_predict=4, temperature=0))
     start = r.steps
@@ -164,6 +164,43 @@ def test_cancel_mid_batch(eng: Any) -> None:
     r.finish(eng)
     assert len(r.text.get("a", "")) == n_a, "no token after cancel"
     assert r.text["b"] == solo_b
+
+
+def test_slot_shuffles_keep_every_sequence_exact(eng: Any) -> None:
+    """Rows leaving mid-batch, two chunked prefills where the first joins while the second
+    (partly prefilled) holds the slot it moves to (a slot swap), KV growth past the
+    initial columns and a cancelled prefill: every survivor's text == alone."""
+    texts = {
+        "l1": "def g(y):\n    return y * 2\n" * 24,  # ~290 tokens: 5 chunks of 64
+        "l2": "Paris is in France, Rome is in Italy, Madrid is in Spain. " * 6 + "Berlin is in",
+    }
+    params = SamplingParams(n_predict=12, temperature=0, ignore_eos=True)
+    solo = {k: alone(eng, t, params) for k, t in texts.items()}
+    r = Run()
+    r.admit(eng, "a", PROMPTS[0], SamplingParams(n_predict=24, temperature=0, ignore_eos=True))
+    r.admit(eng, "b", PROMPTS[1], SamplingParams(n_predict=60, temperature=0, ignore_eos=True))
+    r.step(eng)
+    for rid, text in texts.items():
+        r.admit(eng, rid, text, params)
+    swapped_with_data = False
+    while "l1" not in r.first_step:
+        before = {s.rid: (s.slot, s.pos) for s in eng.prefilling}
+        r.step(eng)
+        row_of_l1 = next((i for i, s in enumerate(eng.batch.rows) if s.rid == "l1"), None)
+        swapped_with_data = row_of_l1 is not None and before["l2"][0] == row_of_l1 and eng.prefilling[0].pos > 0
+    assert swapped_with_data, "l1 joined into the slot of l2, which already held prompt tokens"
+    while not {"l1", "l2", "a"} <= r.done.keys():
+        r.step(eng)
+    assert "b" not in r.done
+    r.admit(eng, "z", texts["l1"], params)
+    r.step(eng)
+    assert [s.rid for s in eng.prefilling] == ["z"]
+    events = eng.cancel("z")
+    assert [type(ev) for ev in events] == [Done]
+    r.finish(eng)
+    assert {k: r.text[k] for k in solo} == solo
+    assert r.done["a"].n_predicted == 24 and r.done["b"].n_predicted == 60
+    assert all(o is None for o in eng.batch.owner), "every KV slot is free again"
 
 
 def test_cancel_waiting_and_unknown(eng: Any) -> None:
