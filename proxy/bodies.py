@@ -1,4 +1,10 @@
-"""Reading request bodies within the size limit and parsing the JSON the gate needs."""
+"""Reading request bodies within the size limit and parsing the JSON the gate needs.
+
+Request bodies are forwarded byte for byte, so a compressed one (``Content-Encoding``
+other than identity; no editor sends one) is refused with 400: aiohttp would hand us the
+decoded bytes while the header still says gzip. A body whose framing breaks mid-way
+(aiohttp's payload errors) is a 400 too, never a 500.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import json
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from llmproxy.proxy.errors import BadRequest, BodyTooLarge, RequestTimeout
 
@@ -14,8 +21,18 @@ from llmproxy.proxy.errors import BadRequest, BodyTooLarge, RequestTimeout
 async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
     """Read the whole body within ``timeout`` (slow-body clients get 408), at most ``limit``
     bytes (413, refused before reading when Content-Length already says too much)."""
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise BadRequest(f"compressed request bodies are not supported (Content-Encoding: {encoding}); send it uncompressed")
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
+    try:
+        return await _read(request, limit, timeout)
+    except HttpProcessingError as exc:
+        raise BadRequest(f"malformed request body: {exc.message}") from exc
+
+
+async def _read(request: web.Request, limit: int, timeout: float) -> bytes:
     if request.content_length is not None and request.content.is_eof():  # already buffered: no timer
         body = request.content.read_nowait()
         if len(body) != request.content_length:

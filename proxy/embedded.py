@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import os
 import signal
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiohttp
@@ -28,12 +29,24 @@ from llmproxy.proxy.state import SETTINGS, UPSTREAM_URL
 log = structlog.get_logger("llmproxy.embedded")
 
 
-def die_with_parent() -> None:
-    """``preexec_fn``: the child gets SIGTERM when its parent dies (Linux PR_SET_PDEATHSIG)."""
+def die_with_parent() -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets SIGTERM when this process dies (Linux PR_SET_PDEATHSIG).
+
+    libc is resolved here, in the parent, so the child does no dynamic loading between fork
+    and exec; if the parent died before ``prctl`` took effect, the child exits at once.
+    """
+    parent = os.getpid()
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except OSError:  # not glibc/Linux: no parent-death signal available
+        return lambda: None
+
+    def preexec() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
 
 
 def backend_command(s: ProxySettings, port_file: Path) -> list[str]:
@@ -93,7 +106,7 @@ async def embedded_backend(app: web.Application) -> AsyncIterator[None]:
         port_file = Path(tmp) / "backend.port"
         cmd = backend_command(s, port_file)
         log.info("starting embedded backend", engine=s.engine, model=str(s.model or "default"), parallel=s.parallel)
-        proc = await asyncio.create_subprocess_exec(*cmd, preexec_fn=die_with_parent)
+        proc = await asyncio.create_subprocess_exec(*cmd, preexec_fn=die_with_parent())
         try:
             app[UPSTREAM_URL] = await _wait_ready(proc, port_file, s.backend_start_timeout_s)
             log.info("embedded backend ready", url=app[UPSTREAM_URL], pid=proc.pid)

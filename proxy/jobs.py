@@ -77,6 +77,7 @@ class UpstreamJob:
         self.slot = gate.take(ticket, on_supersede=self._superseded)
         self._task: asyncio.Task[Any] | None = None  # set while in the transfer scope
         self._stop_cancelled = False  # stop() cancelled the task in the transfer scope
+        self._crashed = False  # our own code failed during the transfer
         self._stop_reason: str | None = None
         self._finished = False  # upstream body read to its end
 
@@ -133,17 +134,23 @@ class UpstreamJob:
                 return  # our own stop: the upstream connection is closed, go on to confirmation
             raise
         except Exception as exc:
+            self._crashed = True  # confirmed like an upstream error: the request may still run
             log.error("upstream job crashed", error=repr(exc), request_id=self.record.request_id)
             self.channel.finish(Error(ProxyError("internal proxy error")))
         finally:
             self._task = None
+        if self._stop_cancelled and task.cancelling() > 0:
+            # the stop's CancelledError was turned into another exception inside the transfer:
+            # drop its count so that it cannot cancel the confirmation that follows
+            task.uncancel()
 
     def _needs_confirmation(self) -> bool:
         """A stop must be confirmed if the request was sent and did not end by itself."""
         rec = self.record
         if not rec.sent:
             return False
-        return self._stop_reason is not None or (rec.upstream_error is not None and not self._finished)
+        failed = rec.upstream_error is not None or self._crashed
+        return self._stop_reason is not None or (failed and not self._finished)
 
     def _report_health(self) -> None:
         rec = self.record

@@ -81,3 +81,38 @@ async def test_huge_headers_rejected(fake: FakeUpstream) -> None:
             assert r.status in (400, 431)
             assert (await r.json(content_type=None))["error"]["src"] == "llmproxy"
         assert not fake.generations
+
+
+async def test_compressed_request_body_refused(fake: FakeUpstream) -> None:
+    """Bodies are forwarded byte for byte: a gzip body (decoded by aiohttp, still labelled
+    gzip) or a corrupt one gets 400 in the envelope, never a 500 and never the upstream."""
+    import gzip
+
+    good = gzip.compress(b'{"prompt":"x","n_predict":4}')
+    async with run_proxy(fake.url) as px:
+        for body in (good, b"this is not gzip"):
+            reader, writer = await _connect(px.url)
+            writer.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
+                         b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+            resp = await asyncio.wait_for(reader.read(), 5)
+            assert resp.split(b" ", 2)[1] == b"400", resp[:200]
+            assert_envelope_body(resp, 400)
+            assert b"compressed request bodies are not supported" in resp
+            writer.close()
+        assert not fake.generations
+        await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
+
+
+async def test_broken_chunked_framing_mid_body_is_400(fake: FakeUpstream) -> None:
+    async with run_proxy(fake.url) as px:
+        reader, writer = await _connect(px.url)
+        writer.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"5\r\n{\"pro\r\nZZ-not-a-size\r\n\r\n")
+        await writer.drain()
+        resp = await asyncio.wait_for(reader.read(), 5)
+        assert resp.split(b" ", 2)[1] == b"400", resp[:300]
+        assert_envelope_body(resp, 400)
+        writer.close()
+        assert not fake.generations
+        await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)

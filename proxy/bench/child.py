@@ -30,7 +30,7 @@ async def child(
     with log_path.open("wb") as log:
         proc = await asyncio.create_subprocess_exec(
             *argv, "--port-file", str(port_file), stdout=log, stderr=asyncio.subprocess.STDOUT,
-            preexec_fn=die_with_parent,
+            preexec_fn=die_with_parent(),
         )
         try:
             deadline = time.monotonic() + start_timeout_s
