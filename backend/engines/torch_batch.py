@@ -64,7 +64,7 @@ class Batch:
         self.device = device
         self.buffers = Buffers(max_batch, n_ctx, device)
         dtype = next(model.parameters()).dtype
-        self.kv = SlotCache(model, max_batch, device, dtype, cap=min(INITIAL_COLUMNS, n_ctx + 1))
+        self.kv = SlotCache(model, max_batch, device, dtype, cap=min(INITIAL_COLUMNS, n_ctx + 1), max_cap=n_ctx + 1)
         self.slots = torch.arange(max_batch, dtype=torch.long, device=device)
         self.owner: list[Any] = [None] * max_batch  # slot -> sequence (row or prefilling)
         self.fill = [0] * max_batch  # slot -> columns holding that sequence's tokens

@@ -53,7 +53,9 @@ class SlotLayer(CacheLayerMixin):
 class SlotCache(Cache):
     """KV store of ``slots`` sequences; see the module docstring for the layout."""
 
-    def __init__(self, model: Any, slots: int, device: torch.device, dtype: torch.dtype, cap: int = 256) -> None:
+    def __init__(
+        self, model: Any, slots: int, device: torch.device, dtype: torch.dtype, cap: int = 256, max_cap: int | None = None
+    ) -> None:
         cfg = model.config.get_text_config(decoder=True)
         heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -62,6 +64,7 @@ class SlotCache(Cache):
         with torch.inference_mode():  # an inference tensor: every in-place write runs in inference mode
             self.store = torch.zeros((n_layers, 2, slots, heads, cap, head_dim), dtype=dtype, device=device)
         self.width = 0  # columns attention reads in the planned forward
+        self.max_cap = max_cap  # growth stops here (the context size) unless a forward needs more
         self._rows: slice | torch.Tensor = slice(0, 0)
         self._index: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -71,10 +74,13 @@ class SlotCache(Cache):
 
     @torch.inference_mode()
     def reserve(self, columns: int) -> None:
-        """Make room for ``columns`` columns per slot (grows by doubling, copying once)."""
+        """Make room for ``columns`` columns per slot (grows by doubling up to ``max_cap``,
+        copying once; while it copies, old and new stores coexist: at most 1.5x the new size)."""
         if columns <= self.cap:
             return
         cap = max(columns, 2 * self.cap)
+        if self.max_cap is not None:
+            cap = max(columns, min(cap, self.max_cap))
         grown = torch.zeros((*self.store.shape[:4], cap, self.store.shape[5]), dtype=self.store.dtype, device=self.store.device)
         grown[:, :, :, :, : self.cap].copy_(self.store)
         self.store = grown

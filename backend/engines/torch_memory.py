@@ -4,9 +4,9 @@ On CUDA, after the weights are loaded: run the largest forward passes the schedu
 ever issue (one prompt chunk of ``prefill_chunk`` tokens, one decode step of
 ``max_batch_size`` rows over a full-context cache) and record the activation peak; what
 is left of the free memory (minus a safety margin) is the KV budget, expressed in
-tokens. ``DynamicCache`` grows by concatenation, so an update briefly holds two copies
-of a layer; the budget counts that (factor 2). On CPU there is no budget (``None``): the
-batch size alone bounds memory.
+tokens (columns x slots of the store in torch_kv.py). The store grows by doubling, and
+while it copies the old and the new store coexist (1.5x the new size); the budget counts
+that. On CPU there is no budget (``None``): the batch size alone bounds memory.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 MIB = 1024 * 1024
 SAFETY = 0.90  # use at most this share of the free memory
+GROWTH_PEAK = 1.5  # KV store doubling: old (n) + new (2n) = 1.5x the new size at once
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def plan_memory(model: Any, device: torch.device, dtype: torch.dtype, max_batch:
     activations = max(prefill_peak, decode_peak + scores)
     torch.cuda.empty_cache()
     budget_bytes = max(0, int(free_before * SAFETY) - activations)
-    tokens = budget_bytes // (2 * per_tok)
+    tokens = int(budget_bytes / (GROWTH_PEAK * per_tok))
     facts = (
         ("gpu_total_mib", f"{total / MIB:.0f}"),
         ("gpu_free_after_weights_mib", f"{free_before / MIB:.0f}"),

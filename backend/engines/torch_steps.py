@@ -36,14 +36,17 @@ def _reserve(seq: Any) -> int:
 
 
 def _kv_fits(engine: Any, seq: Any) -> bool:
-    """Padded layout: (rows after admission) x (longest reserved row) must fit the budget."""
+    """The KV store (torch_kv.py) always has ``max_batch`` slots of equal width: admitting
+    ``seq`` may widen it to its longest reservation, by doubling; that must fit the budget."""
     if engine.kv_budget is None:
         return True
     running = [*engine.batch.rows, *engine.prefilling]
     if not running:
         return True  # always let one sequence run
-    longest = max(_reserve(s) for s in [*running, seq])
-    return (len(running) + 1) * longest <= engine.kv_budget
+    kv = engine.batch.kv
+    longest = max(_reserve(s) for s in [*running, seq]) + 1
+    width = kv.cap if longest <= kv.cap else max(longest, min(2 * kv.cap, kv.max_cap or longest))
+    return engine.max_batch * width <= engine.kv_budget
 
 
 def _start(engine: Any, seq: Any) -> None:
