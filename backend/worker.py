@@ -18,6 +18,7 @@ supervisor restarts it).
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import signal
@@ -96,6 +97,7 @@ def run_worker(index: int, settings: Any, inq: Any, outq: Any, parent_pid: int) 
 
     outq.put([WorkerState("loading", progress=0.0)])
     info = engine.load(progress)
+    gc.freeze()  # the loaded engine's objects out of full collections: no multi-ms pause mid-generation
     outq.put([WorkerState("ready", progress=1.0, info=info)])
 
     idle_unload_s = float(getattr(settings, "idle_unload_s", 0) or 0)

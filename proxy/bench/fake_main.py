@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import signal
 from pathlib import Path
 
@@ -55,6 +56,7 @@ async def _serve(settings: FakeUpstreamSettings) -> None:
             tmp = settings.port_file.with_name(settings.port_file.name + ".tmp")
             tmp.write_text(upstream.url.rsplit(":", 1)[1])
             tmp.replace(settings.port_file)
+        gc.freeze()  # like the proxy (server.py): no startup objects in full collections
         structlog.get_logger().info("fake_upstream_listening", url=upstream.url, kind=settings.kind)
         await stop.wait()
 
