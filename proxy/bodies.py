@@ -2,8 +2,7 @@
 
 Request bodies are forwarded byte for byte, so a compressed one (``Content-Encoding``
 other than identity; no editor sends one) is refused with 400: aiohttp would hand us the
-decoded bytes while the header still says gzip. A body whose framing breaks mid-way
-(aiohttp's payload errors) is a 400 too, never a 500.
+decoded bytes while the header still says gzip.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import json
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 from llmproxy.proxy.errors import BadRequest, BodyTooLarge, RequestTimeout
 
@@ -26,13 +24,6 @@ async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
         raise BadRequest(f"compressed request bodies are not supported (Content-Encoding: {encoding}); send it uncompressed")
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
-    try:
-        return await _read(request, limit, timeout)
-    except HttpProcessingError as exc:
-        raise BadRequest(f"malformed request body: {exc.message}") from exc
-
-
-async def _read(request: web.Request, limit: int, timeout: float) -> bytes:
     if request.content_length is not None and request.content.is_eof():  # already buffered: no timer
         body = request.content.read_nowait()
         if len(body) != request.content_length:

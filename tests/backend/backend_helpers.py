@@ -13,6 +13,24 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+LONG = {"prompt": "Once upon a time", "n_predict": 500, "ignore_eos": True, "stream": True}
+
+
+async def kill_worker_mid_stream(session: Any, url: str, pid: int, sig: int) -> tuple[Any, float]:
+    """Start a long streamed completion, kill worker ``pid`` with ``sig`` after its first
+    event, read the stream to its end; returns (last SSE event, seconds from kill to end)."""
+    async with session.post(url + "/completion", json=LONG) as r:
+        assert r.status == 200
+        await r.content.readline()
+        os.kill(pid, sig)
+        t0 = time.perf_counter()
+        last = None
+        async for line in r.content:
+            if line.startswith(b"data: "):
+                last = json.loads(line[6:])
+        return last, time.perf_counter() - t0
+
+
 START_TIMEOUT_S = float(os.environ.get("LLMPROXY_TEST_START_TIMEOUT_S", "180"))
 
 

@@ -11,19 +11,13 @@ from typing import Any
 
 import aiohttp
 import pytest
-from backend_helpers import parallel_flags, wait_until
+from backend_helpers import kill_worker_mid_stream, parallel_flags, wait_until
 
-LONG = {"prompt": "Once upon a time", "n_predict": 500, "ignore_eos": True, "stream": True}
-
+from llmproxy.proxy.bench.child import cpu_seconds
 
 def log_events(backend: Any, event: str) -> list[dict[str, Any]]:
     lines = backend.log_path.read_text(errors="replace").splitlines()
     return [e for e in (json.loads(ln) for ln in lines if ln.startswith("{")) if e.get("event") == event]
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 @pytest.mark.slow
@@ -32,16 +26,8 @@ async def test_worker_sigsegv_fails_stream_and_recovers(engine: str, start_backe
         pytest.skip("the supervisor's path is engine-independent (SIGKILL is covered for both); torch reloads are slow")
     b = start_backend(engine, *parallel_flags(engine, 1))
     old_pid = b.worker_pids()[0]
-    async with aiohttp.ClientSession() as s, s.post(b.url + "/completion", json=LONG) as r:
-        assert r.status == 200
-        await r.content.readline()
-        os.kill(old_pid, signal.SIGSEGV)
-        t0 = time.perf_counter()
-        last = None
-        async for line in r.content:
-            if line.startswith(b"data: "):
-                last = json.loads(line[6:])
-        elapsed = time.perf_counter() - t0
+    async with aiohttp.ClientSession() as s:
+        last, elapsed = await kill_worker_mid_stream(s, b.url, old_pid, signal.SIGSEGV)
     assert last is not None and last["error"]["code"] == 502, last
     assert elapsed < 2.0, elapsed
     assert wait_until(lambda: b.get("/health")[0] == 200, 120, 0.1), b.log_tail()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -11,9 +10,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from backend_helpers import parallel_flags, wait_until
+from backend_helpers import LONG, kill_worker_mid_stream, parallel_flags, wait_until
 
-LONG = {"prompt": "Once upon a time", "n_predict": 500, "ignore_eos": True, "stream": True}
 
 
 @pytest.fixture(scope="module")
@@ -25,16 +23,7 @@ def crashy(engine: str, start_backend: Any) -> Any:
 async def test_worker_sigkill_stream_fails_fast_and_recovers(crashy: Any) -> None:
     old_pid = crashy.worker_pids()[0]
     async with aiohttp.ClientSession() as s:
-        async with s.post(crashy.url + "/completion", json=LONG) as r:
-            assert r.status == 200
-            await r.content.readline()
-            os.kill(old_pid, signal.SIGKILL)
-            t0 = time.perf_counter()
-            last = None
-            async for line in r.content:
-                if line.startswith(b"data: "):
-                    last = json.loads(line[6:])
-            elapsed = time.perf_counter() - t0
+        last, elapsed = await kill_worker_mid_stream(s, crashy.url, old_pid, signal.SIGKILL)
         assert last is not None and "error" in last, last
         assert last["error"]["code"] == 502
         assert elapsed < 1.0, elapsed
