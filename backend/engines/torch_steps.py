@@ -91,10 +91,16 @@ def run_step(engine: Any) -> list[Event]:
         budget -= n
     for group in _groups(parts):
         logits = batch.prefill(group)
-        for (seq, ids), first in zip(group, sample_rows([s.sampler for s, _ in group], logits), strict=True):
+        done_rows = []
+        for i, (seq, ids) in enumerate(group):
             seq.pos += len(ids)
-            if seq.pos < len(seq.tokens):
-                continue
+            if seq.pos == len(seq.tokens):
+                done_rows.append(i)
+        # only sequences whose prompt is complete draw a token (a seeded sampler's stream
+        # must not depend on how its prompt was chunked)
+        firsts = sample_rows([group[i][0].sampler for i in done_rows], logits[done_rows]) if done_rows else []
+        for i, first in zip(done_rows, firsts, strict=True):
+            seq = group[i][0]
             engine.prefilling.remove(seq)
             if accept(engine, seq, first, out):
                 batch.release(seq)
