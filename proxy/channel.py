@@ -102,6 +102,24 @@ class Channel:
             self._drained = True
         return ev
 
+    def take_complete_body(self) -> bytes | None:
+        """Hand out the whole rest of the body at once if it is already here, else None.
+
+        Only when the terminal event is ``End`` and every buffered event is a ``Chunk`` (at
+        least one): they are taken together with the terminal event (the channel is then
+        drained). Otherwise nothing is taken. This lets the relay send a non-streamed
+        response as one write instead of headers, body and terminator separately.
+        """
+        if not isinstance(self._final, End) or not self._buf:
+            return None
+        if not all(isinstance(ev, Chunk) for ev in self._buf):
+            return None
+        body = b"".join(ev.data for ev in self._buf)  # type: ignore[union-attr]
+        self._buf.clear()
+        self._writable.set()
+        self._drained = True
+        return body
+
     def detach(self) -> None:
         self.detached = True
         self._buf.clear()

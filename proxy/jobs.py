@@ -192,6 +192,9 @@ class UpstreamJob:
                     elif isinstance(ev, End):
                         self._finished = True
                         self.channel.finish(ev)
+                        # Let the relay (woken by finish) answer the client before this job's
+                        # teardown: closing the upstream response, metrics, permit release.
+                        await asyncio.sleep(0)
                         break
                     await self.channel.put(ev)
         except ProxyError as exc:

@@ -14,8 +14,9 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from llmproxy.proxy.channel import Channel, Chunk, End, Error, Event, Headers
 from llmproxy.proxy.errors import ProxyError
-from llmproxy.proxy.channel import Chunk, End, Error, Event, Headers
+from llmproxy.proxy.state import RECORD
 
 
 def stream_error_bytes(content_type: str, error: ProxyError) -> bytes | None:
@@ -28,10 +29,20 @@ def stream_error_bytes(content_type: str, error: ProxyError) -> bytes | None:
 
 
 async def relay(request: web.Request, events: AsyncIterator[Event]) -> web.StreamResponse:
-    """Write ``events`` (Headers, Chunk*, End|Error) as the response to ``request``."""
+    """Write ``events`` (Headers, Chunk*, End|Error) as the response to ``request``.
+
+    When ``events`` is a ``Channel`` that already holds the whole body behind the headers
+    (a non-streamed response that arrived at once), the result is a plain ``web.Response``
+    that aiohttp writes as one piece (status line, headers and body in one send); the body
+    bytes are the same. Otherwise headers go out at once and each chunk as it comes.
+    """
     resp: web.StreamResponse | None = None
     async for ev in events:
         if isinstance(ev, Headers):
+            whole = events.take_complete_body() if isinstance(events, Channel) else None
+            if whole is not None:
+                return web.Response(status=ev.status, headers=ev.headers, body=whole)
+            ev.headers.setdefault("X-Request-Id", request[RECORD].request_id)  # as the middleware does for others
             resp = web.StreamResponse(status=ev.status, headers=ev.headers)
             if ev.content_length is not None:
                 resp.content_length = ev.content_length

@@ -92,6 +92,23 @@ async def test_streams_relayed_chunk_by_chunk(http: aiohttp.ClientSession, kind:
         assert norm(first + rest) == norm(await direct.read())
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_response_body_exact_and_request_id_echoed(http: aiohttp.ClientSession, stream: bool) -> None:
+    # non-streamed: the whole body arrives at once and goes out as one response (relay.py)
+    async with FakeUpstream(slots=1) as fake, run_proxy(fake.url) as px:
+        body = {"prompt": "x", "stream": stream}
+        async with http.post(px.url + "/completion", json=body, headers={"X-Request-Id": "rid-7"}) as r:
+            got = await r.read()
+            assert r.status == 200 and r.headers["X-Request-Id"] == "rid-7"
+            if not stream:
+                assert r.headers["Content-Length"] == str(len(got))
+        async with http.post(fake.url + "/completion", json=body) as d:
+            direct = await d.read()
+            assert r.headers["Content-Type"] == d.headers["Content-Type"]
+        norm = lambda b: re.sub(rb'"(id|id_slot|created)":("[^"]*"|\d+)', b"", b)  # noqa: E731
+        assert norm(got) == norm(direct) and got
+
+
 async def test_error_after_stream_start_is_an_event(http: aiohttp.ClientSession) -> None:
     script = lambda _p, _b: Script(tokens=10, token_delay_s=0.01, fail="reset_mid_stream")  # noqa: E731
     async with FakeUpstream(slots=1, script=script) as fake, run_proxy(fake.url) as px:
