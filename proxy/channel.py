@@ -120,6 +120,16 @@ class Channel:
         self._drained = True
         return body
 
+    def take_end_if_next(self) -> bool:
+        """True (and the channel is drained) if the next event would be a clean ``End``.
+
+        Lets the relay write a stream's last chunk and its terminator in one piece.
+        """
+        if self._buf or not isinstance(self._final, End):
+            return False
+        self._drained = True
+        return True
+
     def detach(self) -> None:
         self.detached = True
         self._buf.clear()

@@ -34,7 +34,8 @@ async def relay(request: web.Request, events: AsyncIterator[Event]) -> web.Strea
     When ``events`` is a ``Channel`` that already holds the whole body behind the headers
     (a non-streamed response that arrived at once), the result is a plain ``web.Response``
     that aiohttp writes as one piece (status line, headers and body in one send); the body
-    bytes are the same. Otherwise headers go out at once and each chunk as it comes.
+    bytes are the same. Otherwise headers go out at once and each chunk as it comes; a
+    last chunk whose clean end is already here goes out with the stream's terminator.
     """
     resp: web.StreamResponse | None = None
     async for ev in events:
@@ -49,6 +50,9 @@ async def relay(request: web.Request, events: AsyncIterator[Event]) -> web.Strea
             await resp.prepare(request)
         elif isinstance(ev, Chunk):
             assert resp is not None
+            if isinstance(events, Channel) and events.take_end_if_next():
+                await resp.write_eof(ev.data)  # the last chunk and the terminator in one write
+                return resp
             await resp.write(ev.data)
         elif isinstance(ev, End):
             if resp is None:

@@ -61,3 +61,16 @@ async def test_relay_answers_a_whole_body_as_one_response() -> None:
     assert type(resp) is web.Response and not resp.prepared  # aiohttp writes it in one piece
     assert resp.status == 200 and resp.body == b'{"a":1}'
     assert resp.headers["X-Upstream"] == "1" and resp.content_type == "application/json"
+
+
+async def test_end_is_taken_only_when_it_is_next() -> None:
+    ch = Channel()
+    await ch.put(Chunk(b"a"))
+    ch.finish(End())
+    assert not ch.take_end_if_next()  # a chunk is still buffered
+    assert await ch.__anext__() == Chunk(b"a")
+    assert ch.take_end_if_next()
+    assert [ev async for ev in ch] == []
+    failed = Channel()
+    failed.finish(Error(ProxyError("x")))
+    assert not failed.take_end_if_next()  # an error is not a clean end: the relay must see it
