@@ -6,6 +6,14 @@
 shared request budget is spent or the time cap passes. A warm-up phase of the same shape
 runs first and is not measured.
 
+Arrivals are staggered: in the measured phase worker ``w`` sends its first request
+``w / concurrency`` of a warm-up median latency after the phase starts. Started together,
+closed-loop workers against a fixed-time upstream stay in lockstep for the whole run (all
+``concurrency`` requests arrive and complete in the same millisecond, every round): a
+harness artefact, not the traffic of independent editors, and it turns every tail
+percentile into "the time to drain a burst of ``concurrency``". ``stagger=False`` keeps the
+lockstep start (a burst stress).
+
 Concurrency contract: everything runs in the caller's event loop inside one TaskGroup;
 ``run_load`` returns only after every worker has finished (or the group was cancelled by
 the caller, which closes the session). Latency is wall time from sending a request to the
@@ -17,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,8 +75,11 @@ class _Phase:
 
 
 async def _worker(
-    session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str], stream: bool, phase: _Phase
+    session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str], stream: bool, phase: _Phase,
+    start_delay_s: float,
 ) -> None:
+    if start_delay_s > 0:
+        await asyncio.sleep(start_delay_s)  # pacing of the load, not synchronisation
     while next(phase.counter) < phase.budget and time.perf_counter() < phase.deadline:
         t0 = time.perf_counter()
         try:
@@ -88,26 +100,28 @@ async def _worker(
 
 async def _run_phase(
     session: aiohttp.ClientSession, url: str, body: bytes, *, requests: int, concurrency: int,
-    duration_s: float, stream: bool, headers: Callable[[int], dict[str, str]],
+    duration_s: float, stream: bool, headers: Callable[[int], dict[str, str]], spread_s: float = 0.0,
 ) -> tuple[_Phase, float]:
     start = time.perf_counter()
     phase = _Phase(requests, start + duration_s, itertools.count(), [])
     async with asyncio.TaskGroup() as tg:
         for w in range(concurrency):
-            tg.create_task(_worker(session, url, body, headers(w), stream, phase))
+            tg.create_task(_worker(session, url, body, headers(w), stream, phase, spread_s * w / concurrency))
     return phase, time.perf_counter() - start
 
 
 async def run_load(
     url: str, body: bytes, *, requests: int, warmup: int, concurrency: int, duration_s: float,
     stream: bool, headers: Callable[[int], dict[str, str]] = lambda _w: {},
-    probe: Callable[[], tuple[float, ...]] | None = None,
+    probe: Callable[[], tuple[float, ...]] | None = None, stagger: bool = True,
 ) -> LoadResult:
     """Send ``warmup`` then ``requests`` POSTs of ``body`` to ``url`` with ``concurrency`` workers.
 
     ``headers(worker_index)`` gives each worker its own headers (e.g. a session id).
     ``duration_s`` caps each phase. ``probe()`` (e.g. CPU seconds of the server processes)
     is read right before and after the measured phase; the result carries the difference.
+    ``stagger`` spreads the measured phase's first requests over the warm-up's median
+    latency (see the module docstring); it needs ``warmup > 0``.
     """
     connector = aiohttp.TCPConnector(limit=concurrency, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60)
@@ -117,12 +131,16 @@ async def run_load(
         return {**base, **headers(w)}
 
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        spread_s = 0.0
         if warmup:
-            await _run_phase(session, url, body, requests=warmup, concurrency=concurrency,
-                             duration_s=duration_s, stream=stream, headers=all_headers)
+            warm, _ = await _run_phase(session, url, body, requests=warmup, concurrency=concurrency,
+                                       duration_s=duration_s, stream=stream, headers=all_headers)
+            if stagger and warm.latencies:
+                spread_s = statistics.median(warm.latencies)
         before = probe() if probe is not None else ()
         phase, elapsed = await _run_phase(session, url, body, requests=requests, concurrency=concurrency,
-                                          duration_s=duration_s, stream=stream, headers=all_headers)
+                                          duration_s=duration_s, stream=stream, headers=all_headers,
+                                          spread_s=spread_s)
         after = probe() if probe is not None else ()
     done = len(phase.latencies) + phase.errors
     cpu = tuple(b - a for a, b in zip(before, after, strict=True))
