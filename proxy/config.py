@@ -69,7 +69,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettin
         if isinstance(default, SecretStr):
             default = "***"
         env = f"{env_prefix}{name}".upper()
-        help_text = f"{field.description or ''} [env {env}; default: {default!r}]"
+        shown = "required" if field.is_required() else f"default: {default!r}"
+        help_text = f"{field.description or ''} [env {env}; {shown}]"
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         if tp is bool:
             parser.add_argument(_flag(name), action=argparse.BooleanOptionalAction, **kwargs)

@@ -9,6 +9,11 @@ proxy adds, throughput, the CPU time per request of the proxy and of the fake (f
 /proc, over the measured phase) and the goals: added p50 <= 1 ms, added p99 <= 3 ms,
 proxied throughput >= 50% of direct.
 
+The same load also goes through a featureless aiohttp forwarder (``forwarder.py``; off with
+``--no-floor``): the "floor" columns show what one extra hop through an aiohttp server and
+client costs on this machine before any of the proxy's work, so a goal the floor itself
+misses is visible as such. Closed-loop workers start staggered (see loadgen.py).
+
 Upstream profiles (``--token-delay-ms``, one pair of children per value):
 
 * paced (default 5 ms per token, 16 tokens: an 80 ms generation, faster than any local
@@ -69,6 +74,9 @@ class OverheadSettings(LayeredSettings):
     slots: int = Field(64, ge=1, description="Fake upstream slots (and proxy capacity)")
     max_queue: int = Field(1000, ge=0, description="Proxy --max-queue")
     proxy: bool = Field(True, description="Also measure through the proxy (--no-proxy: direct only)")
+    floor: bool = Field(
+        True, description="Also measure a featureless aiohttp forwarder (forwarder.py): the stack's own cost"
+    )
     startup_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a child to write its port file")
     log_level: str = Field("warning", description="Log level (this process and its children)")
 
@@ -80,6 +88,7 @@ class Case:
     direct: LoadResult
     proxied: LoadResult | None
     token_delay_ms: float = 0.0
+    floor: LoadResult | None = None  # the featureless aiohttp forwarder, same load
 
     @property
     def judged(self) -> bool:
@@ -126,16 +135,20 @@ async def _profile(settings: OverheadSettings, delay_ms: float, workdir: Path) -
     cases: list[Case] = []
     async with contextlib.AsyncExitStack() as stack:
         fake_pid, fake_url = await stack.enter_async_context(child("fake_upstream", fake_argv, workdir, settings.startup_timeout_s))
-        proxy_url, proxy_pid = None, 0
+        proxy_url, proxy_pid, floor_url, floor_pid = None, 0, None, 0
         if settings.proxy:
             proxy_argv = proxy_command(settings, fake_url)
             proxy_pid, proxy_url = await stack.enter_async_context(child("proxy", proxy_argv, workdir, settings.startup_timeout_s))
+        if settings.proxy and settings.floor:
+            floor_argv = [sys.executable, "-m", "llmproxy.proxy.bench.forwarder", "--upstream", fake_url]
+            floor_pid, floor_url = await stack.enter_async_context(child("forwarder", floor_argv, workdir, settings.startup_timeout_s))
         for mode in settings.modes:
             stream = mode == "stream"
             for c in settings.concurrency:
                 direct = await _load(fake_url, settings, stream, c, (fake_pid,))
+                floor = await _load(floor_url, settings, stream, c, (fake_pid, floor_pid)) if floor_url else None
                 proxied = await _load(proxy_url, settings, stream, c, (fake_pid, proxy_pid)) if proxy_url else None
-                cases.append(Case(mode, c, direct, proxied, delay_ms))
+                cases.append(Case(mode, c, direct, proxied, delay_ms, floor))
     return cases
 
 
@@ -171,7 +184,7 @@ def format_table(cases: list[Case]) -> str:
     head = (
         f"{'case':<26}{'n':>6}{'direct p50':>11}{'p99':>8}{'proxied p50':>12}{'p99':>8}"
         f"{'added p50':>10}{'p99':>8}{'rps direct':>11}{'proxied':>9}{'ratio':>7}"
-        f"{'CPU us/req proxy':>17}{'fake':>6}  goals"
+        f"{'CPU us/req proxy':>17}{'fake':>6}{'floor +p50':>11}{'+p99':>7}{'CPU':>6}  goals"
     )
     lines = [head, "-" * len(head)]
     all_pass = True
@@ -184,12 +197,17 @@ def format_table(cases: list[Case]) -> str:
         d, p = case.direct, case.proxied
         n = f"{d.ok}" + ("*" if d.capped or (p is not None and p.capped) else "")
         proxy_cpu = p.cpu_us_per_request(1) if p else float("nan")
+        f = case.floor
+        floor50 = f.percentile_ms(50) - d.percentile_ms(50) if f else float("nan")
+        floor99 = f.percentile_ms(99) - d.percentile_ms(99) if f else float("nan")
+        floor_cpu = f.cpu_us_per_request(1) if f else float("nan")
         lines.append(
             f"{case.name:<26}{n:>6}"
             f"{d.percentile_ms(50):>11.2f}{d.percentile_ms(99):>8.2f}"
             f"{(p.percentile_ms(50) if p else float('nan')):>12.2f}{(p.percentile_ms(99) if p else float('nan')):>8.2f}"
             f"{add50:>10.2f}{add99:>8.2f}{d.rps:>11.0f}{(p.rps if p else float('nan')):>9.0f}{ratio:>7.2f}"
-            f"{proxy_cpu:>17.0f}{d.cpu_us_per_request(0):>6.0f}  " + ", ".join(marks)
+            f"{proxy_cpu:>17.0f}{d.cpu_us_per_request(0):>6.0f}{floor50:>11.2f}{floor99:>7.2f}{floor_cpu:>6.0f}  "
+            + ", ".join(marks)
         )
     lines.append("")
     lines.append(
@@ -199,6 +217,10 @@ def format_table(cases: list[Case]) -> str:
     lines.append(
         "CPU us/req: user+system CPU per request of the proxy (proxied run) and of the fake (direct run); "
         "instant-upstream rows are a CPU stress, not judged (see `llmproxy bench overhead --help`)"
+    )
+    lines.append(
+        "floor: the same load through a featureless aiohttp forwarder (bench/forwarder.py): the latency it adds "
+        "over direct and its CPU us/req, i.e. what the aiohttp server + client hop costs here before any proxy logic"
     )
     judged = [c for c in cases if c.judged and c.proxied is not None]
     verdict = ("PASS" if all_pass else "FAIL") if judged else "n/a (no paced rows measured through the proxy)"

@@ -1,0 +1,109 @@
+"""The floor for ``llmproxy bench overhead``: a featureless aiohttp forwarder.
+
+``python -m llmproxy.proxy.bench.forwarder --upstream URL`` forwards every request to the
+upstream with the same aiohttp server and client settings the proxy uses, and relays the
+response chunk by chunk, with none of the proxy's work: no gate, no permits, no sessions,
+no job task, no metrics, no logging, no header filtering beyond the bare minimum. The bench
+measures it next to the proxy in the same run, so the table shows how much of the added
+latency is the proxy's and how much is the stack's (two more loopback hops through an
+aiohttp server and client) on this machine. A reference to measure against, not a
+product path: it never runs outside the bench.
+
+Concurrency contract: one handler task per request, which owns its upstream response
+(closed when the handler ends or is cancelled by a client disconnect). The event loop
+owns the server and the one ClientSession; SIGINT/SIGTERM stop both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+from yarl import URL
+
+from llmproxy.proxy.config import LayeredSettings, add_settings_arguments, settings_from_args
+
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+UPSTREAM = web.AppKey("upstream", URL)
+
+
+class ForwarderSettings(LayeredSettings):
+    """Options of ``python -m llmproxy.proxy.bench.forwarder`` (env ``LLMPROXY_FORWARDER_*``)."""
+
+    model_config = SettingsConfigDict(env_prefix="LLMPROXY_FORWARDER_", frozen=True, extra="forbid")
+
+    upstream: str = Field(description="Base URL to forward to")
+    host: str = Field("127.0.0.1", description="Address to bind")
+    port: int = Field(0, ge=0, le=65535, description="Port to bind; 0 picks a free port")
+    port_file: Path | None = Field(None, description="Write the bound port to this file once listening")
+
+
+async def _forward(request: web.Request) -> web.StreamResponse:
+    body = await request.read()
+    url = request.app[UPSTREAM].with_path(request.path).with_query(request.query)
+    headers = {"Content-Type": request.headers.get("Content-Type", "application/octet-stream")}
+    async with request.app[SESSION].request(request.method, url, data=body, headers=headers) as up:
+        resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers.get("Content-Type", "")})
+        if up.content_length is not None:
+            resp.content_length = up.content_length
+        await resp.prepare(request)
+        async for data in up.content.iter_any():
+            await resp.write(data)
+        await resp.write_eof()
+        return resp
+
+
+async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=600)  # as the proxy's
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=connector, auto_decompress=False,
+        skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
+    ) as session:
+        app[SESSION] = session
+        yield
+
+
+async def _serve(settings: ForwarderSettings) -> None:
+    app = web.Application()
+    app[UPSTREAM] = URL(settings.upstream)
+    app.cleanup_ctx.append(_session_ctx)
+    app.router.add_route("*", "/{tail:.*}", _forward)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        if settings.port_file is not None:
+            port = runner.addresses[0][1]
+            tmp = settings.port_file.with_name(settings.port_file.name + ".tmp")
+            tmp.write_text(str(port))
+            tmp.replace(settings.port_file)
+        gc.freeze()  # as the proxy does after startup
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m llmproxy.proxy.bench.forwarder", description="Featureless aiohttp forwarder (bench floor)."
+    )
+    add_settings_arguments(parser, ForwarderSettings)
+    asyncio.run(_serve(settings_from_args(ForwarderSettings, parser.parse_args(argv))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
