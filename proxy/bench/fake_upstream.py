@@ -291,8 +291,14 @@ class FakeUpstream:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _tick(self, script: Script, slot: int) -> None:
-        await asyncio.sleep(script.token_delay_s)
+    async def _tick(self, script: Script, slot: int, due: float) -> None:
+        """Decode one token: wait until ``due`` (loop time), the token's place on the schedule.
+
+        Tokens are paced against the generation's start, not by relative sleeps, so timer
+        overshoot does not accumulate: a generation of n tokens takes n x delay plus one
+        wake-up, however busy the machine (relative sleeps made it drift by +-2 ms of 80).
+        """
+        await asyncio.sleep(max(0.0, due - asyncio.get_running_loop().time()))
         self._slots[slot].n_decoded += 1
 
     async def _hang(self) -> None:
@@ -307,11 +313,12 @@ class FakeUpstream:
             await self._hang()
             return self._cut(request, web.StreamResponse(status=503))
         resp = web.StreamResponse()
+        start, delay = asyncio.get_running_loop().time(), script.token_delay_s
         if stream:
             resp.content_type = shape.stream_type
             await resp.prepare(request)
             for i in range(n):
-                await self._tick(script, slot)
+                await self._tick(script, slot, start + (i + 1) * delay)
                 if script.fail == "reset_mid_stream" and i == max(1, n // 2):
                     return self._reset(request, rec, resp)
                 await resp.write(shape.frame(shape.chunk(i, rec.id, slot)))
@@ -322,8 +329,8 @@ class FakeUpstream:
                     return self._cut(request, resp)
             await resp.write(b"".join(shape.frame(obj) for obj in shape.final(n, rec.id, slot)))
         else:
-            for _ in range(n):
-                await self._tick(script, slot)
+            for i in range(n):
+                await self._tick(script, slot, start + (i + 1) * delay)
             payload = dumps(shape.whole(n, rec.id, slot)).encode()
             if script.fail == "malformed":
                 payload = payload[: len(payload) // 2]
