@@ -179,6 +179,7 @@ class UpstreamJob:
         rec, req = self.record, self.request
         body = self.adapter.prepare_body(req.path, req.body, rec.parsed_body, self.slot)
         start = time.monotonic()
+        ended: float | None = None  # when the upstream body ended (before yielding to the relay)
         rec.upstream_started = start
         url = self.adapter.url(req.raw_path)
         try:
@@ -190,6 +191,7 @@ class UpstreamJob:
                         rec.upstream_ttfb_s = time.monotonic() - start
                         self.metrics.upstream_ttfb.observe(rec.upstream_ttfb_s)
                     elif isinstance(ev, End):
+                        ended = time.monotonic()
                         self._finished = True
                         self.channel.finish(ev)
                         # Let the relay (woken by finish) answer the client before this job's
@@ -202,7 +204,7 @@ class UpstreamJob:
             log.warning("upstream request failed", error=exc.message, request_id=rec.request_id)
             self.channel.finish(Error(exc))
         finally:
-            rec.upstream_s = time.monotonic() - start
+            rec.upstream_s = (ended or time.monotonic()) - start
             self.metrics.upstream_latency.observe(rec.upstream_s)
 
 

@@ -52,8 +52,8 @@ async def proxy_middleware(request: web.Request, handler: web.Handler) -> web.St
         resp = await handler(request)
         if rec.status is None:
             rec.status = resp.status
-        if not resp.prepared:
-            resp.headers.setdefault("X-Request-Id", request_id)
+        if not resp.prepared:  # ours replaces an upstream's: it is the id in our log line
+            resp.headers["X-Request-Id"] = request_id
         return resp
     except ProxyError as exc:
         rec.status = exc.status

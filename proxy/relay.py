@@ -43,7 +43,7 @@ async def relay(request: web.Request, events: AsyncIterator[Event]) -> web.Strea
             whole = events.take_complete_body() if isinstance(events, Channel) else None
             if whole is not None:
                 return web.Response(status=ev.status, headers=ev.headers, body=whole)
-            ev.headers.setdefault("X-Request-Id", request[RECORD].request_id)  # as the middleware does for others
+            ev.headers["X-Request-Id"] = request[RECORD].request_id  # ours, as in the log line (see middleware)
             resp = web.StreamResponse(status=ev.status, headers=ev.headers)
             if ev.content_length is not None:
                 resp.content_length = ev.content_length

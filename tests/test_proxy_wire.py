@@ -9,6 +9,7 @@ import time
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
 from tests.conftest import run_proxy
@@ -223,3 +224,34 @@ async def test_adapter_detection(kind: str, expected: str, capacity: int) -> Non
         assert px.state.adapter.kind == expected
         assert px.state.gate.capacity == capacity
         assert px.state.adapter.can_confirm is (expected == "llamacpp")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_our_request_id_replaces_an_upstreams(http: aiohttp.ClientSession, stream: bool) -> None:
+    """The client gets the id of our log line, even when the upstream sends its own."""
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        headers = {"X-Request-ID": "from-upstream"}
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": "x"}]}, headers=headers)
+        resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"text":"x"}]}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        upstream = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        async with run_proxy(upstream, upstream_kind="openai") as px:
+            async with http.post(px.url + "/v1/completions", json={"prompt": "a", "stream": stream},
+                                 headers={"X-Request-Id": "rid-9"}) as r:
+                assert r.status == 200 and b"x" in await r.read()
+                assert r.headers.getall("X-Request-Id") == ["rid-9"]
+    finally:
+        await runner.cleanup()
