@@ -3,7 +3,9 @@
 ``python -m llmproxy.proxy.bench.forwarder --upstream URL`` forwards every request to the
 upstream with the same aiohttp server and client settings the proxy uses, and relays the
 response chunk by chunk, with none of the proxy's work: no gate, no permits, no sessions,
-no job task, no metrics, no logging, no header filtering beyond the bare minimum. The bench
+no job task, no metrics, no logging, no header filtering beyond the bare minimum. It writes like the proxy's
+relay (a body that arrived whole in one send; a last chunk with the terminator), so the
+two differ only in the proxy's own work. The bench
 measures it next to the proxy in the same run, so the table shows how much of the added
 latency is the proxy's and how much is the stack's (two more loopback hops through an
 aiohttp server and client) on this machine. A reference to measure against, not a
@@ -51,11 +53,17 @@ async def _forward(request: web.Request) -> web.StreamResponse:
     url = request.app[UPSTREAM].with_path(request.path).with_query(request.query)
     headers = {"Content-Type": request.headers.get("Content-Type", "application/octet-stream")}
     async with request.app[SESSION].request(request.method, url, data=body, headers=headers) as up:
-        resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers.get("Content-Type", "")})
+        out = {"Content-Type": up.headers.get("Content-Type", "")}
+        if up.content.is_eof():  # the whole body is here: one send, as the proxy's relay does
+            return web.Response(status=up.status, headers=out, body=await up.read())
+        resp = web.StreamResponse(status=up.status, headers=out)
         if up.content_length is not None:
             resp.content_length = up.content_length
         await resp.prepare(request)
         async for data in up.content.iter_any():
+            if up.content.is_eof():  # last chunk and terminator together, as the proxy's relay does
+                await resp.write_eof(data)
+                return resp
             await resp.write(data)
         await resp.write_eof()
         return resp
