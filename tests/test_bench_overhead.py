@@ -14,6 +14,7 @@ from pathlib import Path
 import aiohttp
 
 from llmproxy.proxy.bench.child import child
+from llmproxy.proxy.bench.loadgen import LoadResult
 from llmproxy.proxy.bench.overhead import OverheadSettings, _bench, format_table
 
 
@@ -40,3 +41,11 @@ async def test_forwarder_relays_bytes_unchanged(tmp_path: Path) -> None:
                 assert f.status == d.status == 200
                 assert f.headers["Content-Type"] == d.headers["Content-Type"]
                 assert await f.read() == await d.read()
+
+
+def test_blocks_pool_into_one_result() -> None:
+    a = LoadResult([0.002, 0.001], errors=1, elapsed_s=1.0, capped=False, cpu_s=(0.5, 0.25))
+    b = LoadResult([0.003], errors=0, elapsed_s=2.0, capped=True, cpu_s=(0.25, 0.25))
+    m = LoadResult.merged([a, b])
+    assert m.latencies_s == [0.001, 0.002, 0.003] and m.errors == 1 and m.elapsed_s == 3.0
+    assert m.capped and m.cpu_s == (0.75, 0.5) and m.rps == 1.0

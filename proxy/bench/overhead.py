@@ -12,7 +12,8 @@ proxied throughput >= 50% of direct.
 The same load also goes through a featureless aiohttp forwarder (``forwarder.py``; off with
 ``--no-floor``): the "floor" columns show what one extra hop through an aiohttp server and
 client costs on this machine before any of the proxy's work, so a goal the floor itself
-misses is visible as such. Closed-loop workers start staggered (see loadgen.py).
+misses is visible as such. Closed-loop workers start staggered (see loadgen.py), and each
+target is measured in ``--rounds`` blocks taken in turn, so machine drift hits all alike.
 
 Upstream profiles (``--token-delay-ms``, one pair of children per value):
 
@@ -40,7 +41,6 @@ import gc
 import json
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import Field
@@ -48,12 +48,10 @@ from pydantic_settings import SettingsConfigDict
 
 from llmproxy.proxy.bench.child import child, cpu_seconds
 from llmproxy.proxy.bench.loadgen import LoadResult, run_load
+from llmproxy.proxy.bench.overhead_table import Case, format_table
 from llmproxy.proxy.config import LayeredSettings, add_settings_arguments, settings_from_args
 from llmproxy.proxy.logs import configure_logging
 
-GOAL_ADDED_P50_MS = 1.0
-GOAL_ADDED_P99_MS = 3.0
-GOAL_THROUGHPUT_RATIO = 0.5
 
 
 class OverheadSettings(LayeredSettings):
@@ -65,6 +63,9 @@ class OverheadSettings(LayeredSettings):
     warmup: int = Field(200, ge=0, description="Unmeasured warm-up requests per case and target")
     concurrency: list[int] = Field([1, 32], description="Concurrency levels (closed-loop workers)")
     duration: float = Field(60.0, gt=0, description="Time cap in seconds per phase (warm-up, measured) and target")
+    rounds: int = Field(
+        3, ge=1, description="Measured blocks per target, run in turn (direct, floor, proxied, direct, ...)"
+    )
     modes: list[str] = Field(["nonstream", "stream"], description="Request modes: nonstream, stream")
     route: str = Field("/completion", description="Upstream route to load (llama-server shape)")
     tokens: int = Field(16, ge=0, description="Tokens the fake upstream generates per request")
@@ -81,26 +82,6 @@ class OverheadSettings(LayeredSettings):
     log_level: str = Field("warning", description="Log level (this process and its children)")
 
 
-@dataclass(frozen=True)
-class Case:
-    mode: str
-    concurrency: int
-    direct: LoadResult
-    proxied: LoadResult | None
-    token_delay_ms: float = 0.0
-    floor: LoadResult | None = None  # the featureless aiohttp forwarder, same load
-
-    @property
-    def judged(self) -> bool:
-        """Goals apply to paced upstreams; the instant profile is a CPU stress (see module doc)."""
-        return self.token_delay_ms > 0
-
-    @property
-    def name(self) -> str:
-        pace = f"{self.token_delay_ms:g}ms/tok" if self.token_delay_ms > 0 else "instant"
-        return f"{pace} {self.mode} c={self.concurrency}"
-
-
 def _body(settings: OverheadSettings, stream: bool) -> bytes:
     obj = {"prompt": "def fib(n):", "n_predict": settings.tokens, "stream": stream, "cache_prompt": True}
     return json.dumps(obj, separators=(",", ":")).encode()
@@ -115,6 +96,30 @@ async def _load(
         headers=lambda w: {"X-LLMProxy-Session": f"bench-{w}"},
         probe=lambda: tuple(cpu_seconds(pid) for pid in pids),
     )
+
+
+async def _in_turn(
+    targets: list[tuple[str | None, tuple[int, ...]]], settings: OverheadSettings, stream: bool, concurrency: int
+) -> list[LoadResult | None]:
+    """Measure the targets (None: skipped) in ``settings.rounds`` alternating blocks each.
+
+    The machine drifts (other load, timer and cache state) on a scale of seconds; blocks
+    taken in turn spread that drift over every target instead of charging it to whichever
+    ran last. Each block has its own warm-up (a share of ``warmup``) and time cap (a share
+    of ``duration``); the blocks of a target are pooled.
+    """
+    rounds = min(settings.rounds, settings.requests)
+    parts: list[list[LoadResult]] = [[] for _ in targets]
+    for r in range(rounds):
+        share = settings.model_copy(update={  # this block's share; the shares add up to the totals
+            "requests": settings.requests // rounds + (r < settings.requests % rounds),
+            "warmup": settings.warmup // rounds + (r < settings.warmup % rounds),
+            "duration": settings.duration / rounds,
+        })
+        for i, (url, pids) in enumerate(targets):
+            if url is not None:
+                parts[i].append(await _load(url, share, stream, concurrency, pids))
+    return [LoadResult.merged(p) if p else None for p in parts]
 
 
 def proxy_command(settings: OverheadSettings, upstream_url: str) -> list[str]:
@@ -145,9 +150,9 @@ async def _profile(settings: OverheadSettings, delay_ms: float, workdir: Path) -
         for mode in settings.modes:
             stream = mode == "stream"
             for c in settings.concurrency:
-                direct = await _load(fake_url, settings, stream, c, (fake_pid,))
-                floor = await _load(floor_url, settings, stream, c, (fake_pid, floor_pid)) if floor_url else None
-                proxied = await _load(proxy_url, settings, stream, c, (fake_pid, proxy_pid)) if proxy_url else None
+                targets = [(fake_url, (fake_pid,)), (floor_url, (fake_pid, floor_pid)), (proxy_url, (fake_pid, proxy_pid))]
+                direct, floor, proxied = await _in_turn(targets, settings, stream, c)
+                assert direct is not None
                 cases.append(Case(mode, c, direct, proxied, delay_ms, floor))
     return cases
 
@@ -160,72 +165,6 @@ async def _bench(settings: OverheadSettings) -> list[Case]:
             workdir.mkdir()
             cases += await _profile(settings, delay_ms, workdir)
     return cases
-
-
-def _goals(case: Case) -> tuple[float, float, float, list[str]]:
-    d, p = case.direct, case.proxied
-    if p is None:
-        return float("nan"), float("nan"), float("nan"), ["n/a"]
-    add50 = p.percentile_ms(50) - d.percentile_ms(50)
-    add99 = p.percentile_ms(99) - d.percentile_ms(99)
-    ratio = p.rps / d.rps if d.rps else float("nan")
-    marks = [
-        f"p50 {'PASS' if add50 <= GOAL_ADDED_P50_MS else 'FAIL'}",
-        f"p99 {'PASS' if add99 <= GOAL_ADDED_P99_MS else 'FAIL'}",
-        f"thr {'PASS' if ratio >= GOAL_THROUGHPUT_RATIO else 'FAIL'}",
-    ]
-    if d.errors or p.errors:
-        marks.append(f"ERRORS {d.errors}/{p.errors}")
-    return add50, add99, ratio, marks
-
-
-def format_table(cases: list[Case]) -> str:
-    """The result table (one row per case) followed by the goals and an overall verdict."""
-    head = (
-        f"{'case':<26}{'n':>6}{'direct p50':>11}{'p99':>8}{'proxied p50':>12}{'p99':>8}"
-        f"{'added p50':>10}{'p99':>8}{'rps direct':>11}{'proxied':>9}{'ratio':>7}"
-        f"{'CPU us/req proxy':>17}{'fake':>6}{'floor +p50':>11}{'+p99':>7}{'CPU':>6}  goals"
-    )
-    lines = [head, "-" * len(head)]
-    all_pass = True
-    for case in cases:
-        add50, add99, ratio, marks = _goals(case)
-        if case.judged:
-            all_pass = all_pass and all(m.endswith("PASS") for m in marks)
-        else:
-            marks = [*marks, "(not judged)"]
-        d, p = case.direct, case.proxied
-        n = f"{d.ok}" + ("*" if d.capped or (p is not None and p.capped) else "")
-        proxy_cpu = p.cpu_us_per_request(1) if p else float("nan")
-        f = case.floor
-        floor50 = f.percentile_ms(50) - d.percentile_ms(50) if f else float("nan")
-        floor99 = f.percentile_ms(99) - d.percentile_ms(99) if f else float("nan")
-        floor_cpu = f.cpu_us_per_request(1) if f else float("nan")
-        lines.append(
-            f"{case.name:<26}{n:>6}"
-            f"{d.percentile_ms(50):>11.2f}{d.percentile_ms(99):>8.2f}"
-            f"{(p.percentile_ms(50) if p else float('nan')):>12.2f}{(p.percentile_ms(99) if p else float('nan')):>8.2f}"
-            f"{add50:>10.2f}{add99:>8.2f}{d.rps:>11.0f}{(p.rps if p else float('nan')):>9.0f}{ratio:>7.2f}"
-            f"{proxy_cpu:>17.0f}{d.cpu_us_per_request(0):>6.0f}{floor50:>11.2f}{floor99:>7.2f}{floor_cpu:>6.0f}  "
-            + ", ".join(marks)
-        )
-    lines.append("")
-    lines.append(
-        f"latencies in ms; goals: added p50 <= {GOAL_ADDED_P50_MS} ms, added p99 <= {GOAL_ADDED_P99_MS} ms, "
-        f"proxied throughput >= {GOAL_THROUGHPUT_RATIO:.0%} of direct; * = stopped by the duration cap"
-    )
-    lines.append(
-        "CPU us/req: user+system CPU per request of the proxy (proxied run) and of the fake (direct run); "
-        "instant-upstream rows are a CPU stress, not judged (see `llmproxy bench overhead --help`)"
-    )
-    lines.append(
-        "floor: the same load through a featureless aiohttp forwarder (bench/forwarder.py): the latency it adds "
-        "over direct and its CPU us/req, i.e. what the aiohttp server + client hop costs here before any proxy logic"
-    )
-    judged = [c for c in cases if c.judged and c.proxied is not None]
-    verdict = ("PASS" if all_pass else "FAIL") if judged else "n/a (no paced rows measured through the proxy)"
-    lines.append(f"overall (paced upstream rows): {verdict}")
-    return "\n".join(lines) + "\n"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,103 @@
+"""The result rows of ``llmproxy bench overhead`` and the table that judges them.
+
+A ``Case`` holds one mode x concurrency x upstream pace, measured direct, through the
+floor forwarder and through the proxy. ``format_table`` prints one row per case with the
+added latency, throughput ratio, CPU per request, the floor's figures and the goals
+(judged on paced rows only; see overhead.py for why the instant rows are not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmproxy.proxy.bench.loadgen import LoadResult
+
+GOAL_ADDED_P50_MS = 1.0
+GOAL_ADDED_P99_MS = 3.0
+GOAL_THROUGHPUT_RATIO = 0.5
+
+
+@dataclass(frozen=True)
+class Case:
+    mode: str
+    concurrency: int
+    direct: LoadResult
+    proxied: LoadResult | None
+    token_delay_ms: float = 0.0
+    floor: LoadResult | None = None  # the featureless aiohttp forwarder, same load
+
+    @property
+    def judged(self) -> bool:
+        """Goals apply to paced upstreams; the instant profile is a CPU stress (see module doc)."""
+        return self.token_delay_ms > 0
+
+    @property
+    def name(self) -> str:
+        pace = f"{self.token_delay_ms:g}ms/tok" if self.token_delay_ms > 0 else "instant"
+        return f"{pace} {self.mode} c={self.concurrency}"
+
+
+def _goals(case: Case) -> tuple[float, float, float, list[str]]:
+    d, p = case.direct, case.proxied
+    if p is None:
+        return float("nan"), float("nan"), float("nan"), ["n/a"]
+    add50 = p.percentile_ms(50) - d.percentile_ms(50)
+    add99 = p.percentile_ms(99) - d.percentile_ms(99)
+    ratio = p.rps / d.rps if d.rps else float("nan")
+    marks = [
+        f"p50 {'PASS' if add50 <= GOAL_ADDED_P50_MS else 'FAIL'}",
+        f"p99 {'PASS' if add99 <= GOAL_ADDED_P99_MS else 'FAIL'}",
+        f"thr {'PASS' if ratio >= GOAL_THROUGHPUT_RATIO else 'FAIL'}",
+    ]
+    if d.errors or p.errors:
+        marks.append(f"ERRORS {d.errors}/{p.errors}")
+    return add50, add99, ratio, marks
+
+
+def format_table(cases: list[Case]) -> str:
+    """The result table (one row per case) followed by the goals and an overall verdict."""
+    head = (
+        f"{'case':<26}{'n':>6}{'direct p50':>11}{'p99':>8}{'proxied p50':>12}{'p99':>8}"
+        f"{'added p50':>10}{'p99':>8}{'rps direct':>11}{'proxied':>9}{'ratio':>7}"
+        f"{'CPU us/req proxy':>17}{'fake':>6}{'floor +p50':>11}{'+p99':>7}{'CPU':>6}  goals"
+    )
+    lines = [head, "-" * len(head)]
+    all_pass = True
+    for case in cases:
+        add50, add99, ratio, marks = _goals(case)
+        if case.judged:
+            all_pass = all_pass and all(m.endswith("PASS") for m in marks)
+        else:
+            marks = [*marks, "(not judged)"]
+        d, p = case.direct, case.proxied
+        n = f"{d.ok}" + ("*" if d.capped or (p is not None and p.capped) else "")
+        proxy_cpu = p.cpu_us_per_request(1) if p else float("nan")
+        f = case.floor
+        floor50 = f.percentile_ms(50) - d.percentile_ms(50) if f else float("nan")
+        floor99 = f.percentile_ms(99) - d.percentile_ms(99) if f else float("nan")
+        floor_cpu = f.cpu_us_per_request(1) if f else float("nan")
+        lines.append(
+            f"{case.name:<26}{n:>6}"
+            f"{d.percentile_ms(50):>11.2f}{d.percentile_ms(99):>8.2f}"
+            f"{(p.percentile_ms(50) if p else float('nan')):>12.2f}{(p.percentile_ms(99) if p else float('nan')):>8.2f}"
+            f"{add50:>10.2f}{add99:>8.2f}{d.rps:>11.0f}{(p.rps if p else float('nan')):>9.0f}{ratio:>7.2f}"
+            f"{proxy_cpu:>17.0f}{d.cpu_us_per_request(0):>6.0f}{floor50:>11.2f}{floor99:>7.2f}{floor_cpu:>6.0f}  "
+            + ", ".join(marks)
+        )
+    lines.append("")
+    lines.append(
+        f"latencies in ms; goals: added p50 <= {GOAL_ADDED_P50_MS} ms, added p99 <= {GOAL_ADDED_P99_MS} ms, "
+        f"proxied throughput >= {GOAL_THROUGHPUT_RATIO:.0%} of direct; * = stopped by the duration cap"
+    )
+    lines.append(
+        "CPU us/req: user+system CPU per request of the proxy (proxied run) and of the fake (direct run); "
+        "instant-upstream rows are a CPU stress, not judged (see `llmproxy bench overhead --help`)"
+    )
+    lines.append(
+        "floor: the same load through a featureless aiohttp forwarder (bench/forwarder.py): the latency it adds "
+        "over direct and its CPU us/req, i.e. what the aiohttp server + client hop costs here before any proxy logic"
+    )
+    judged = [c for c in cases if c.judged and c.proxied is not None]
+    verdict = ("PASS" if all_pass else "FAIL") if judged else "n/a (no paced rows measured through the proxy)"
+    lines.append(f"overall (paced upstream rows): {verdict}")
+    return "\n".join(lines) + "\n"
