@@ -35,6 +35,14 @@ async def _exchange(url: str, raw: bytes) -> bytes:
         writer.close()
 
 
+async def _refused(url: str, raw: bytes) -> bytes:
+    """``_exchange``, checked to be a 400 in our error envelope; returns the raw response."""
+    resp = await _exchange(url, raw)
+    assert resp.split(b" ", 2)[1] == b"400", resp[:300]
+    assert_envelope_body(resp, 400)
+    return resp
+
+
 async def test_slow_headers_are_cut_off(fake: FakeUpstream) -> None:
     async with run_proxy(fake.url, idle_timeout_s=0.5) as px:
         reader, writer = await _connect(px.url)
@@ -61,20 +69,18 @@ async def test_slow_body_gets_408(fake: FakeUpstream) -> None:
 
 async def test_conflicting_framing_rejected(fake: FakeUpstream) -> None:
     async with run_proxy(fake.url) as px:
-        resp = await _exchange(px.url, b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
-                                       b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
-        assert resp.split(b" ", 2)[1] == b"400"  # answered by the HTTP parser, in our envelope
-        assert_envelope_body(resp, 400)
+        # answered by the HTTP parser, in our envelope
+        await _refused(px.url, b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                               b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
         assert not fake.generations
 
 
 async def test_crlf_in_header_value_does_not_reach_upstream(fake: FakeUpstream) -> None:
     async with run_proxy(fake.url) as px:
         body = b'{"prompt":"x"}'
-        resp = await _exchange(px.url, b"POST /completion HTTP/1.1\r\nHost: x\r\nX-Evil: a\rInjected: 1\r\n"
-                                       b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
-        assert resp.split(b" ", 2)[1] == b"400"  # a bare CR in a header value is a parse error
-        assert_envelope_body(resp, 400)
+        # a bare CR in a header value is a parse error
+        await _refused(px.url, b"POST /completion HTTP/1.1\r\nHost: x\r\nX-Evil: a\rInjected: 1\r\n"
+                               b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
         assert all("injected" not in {k.lower() for k in g.headers} for g in fake.received)
 
 
@@ -94,10 +100,8 @@ async def test_compressed_request_body_refused(fake: FakeUpstream) -> None:
     good = gzip.compress(b'{"prompt":"x","n_predict":4}')
     async with run_proxy(fake.url) as px:
         for body in (good, b"this is not gzip"):
-            resp = await _exchange(px.url, b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
-                                           b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
-            assert resp.split(b" ", 2)[1] == b"400", resp[:200]
-            assert_envelope_body(resp, 400)
+            resp = await _refused(px.url, b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
+                                          b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
             assert b"compressed request bodies are not supported" in resp
         assert not fake.generations
         await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
@@ -105,9 +109,7 @@ async def test_compressed_request_body_refused(fake: FakeUpstream) -> None:
 
 async def test_broken_chunked_framing_is_400(fake: FakeUpstream) -> None:
     async with run_proxy(fake.url) as px:
-        resp = await _exchange(px.url, b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                                       b"5\r\n{\"pro\r\nZZ-not-a-size\r\n\r\n")
-        assert resp.split(b" ", 2)[1] == b"400", resp[:300]
-        assert_envelope_body(resp, 400)
+        await _refused(px.url, b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                               b"5\r\n{\"pro\r\nZZ-not-a-size\r\n\r\n")
         assert not fake.generations
         await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
