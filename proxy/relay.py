@@ -38,9 +38,10 @@ async def relay(request: web.Request, events: AsyncIterator[Event]) -> web.Strea
     last chunk whose clean end is already here goes out with the stream's terminator.
     """
     resp: web.StreamResponse | None = None
+    buffered = events if isinstance(events, Channel) else None  # can tell what is already here
     async for ev in events:
         if isinstance(ev, Headers):
-            whole = events.take_complete_body() if isinstance(events, Channel) else None
+            whole = buffered.take_complete_body() if buffered is not None else None
             if whole is not None:
                 return web.Response(status=ev.status, headers=ev.headers, body=whole)
             ev.headers["X-Request-Id"] = request[RECORD].request_id  # ours, as in the log line (see middleware)
@@ -50,7 +51,7 @@ async def relay(request: web.Request, events: AsyncIterator[Event]) -> web.Strea
             await resp.prepare(request)
         elif isinstance(ev, Chunk):
             assert resp is not None
-            if isinstance(events, Channel) and events.take_end_if_next():
+            if buffered is not None and buffered.take_end_if_next():
                 await resp.write_eof(ev.data)  # the last chunk and the terminator in one write
                 return resp
             await resp.write(ev.data)

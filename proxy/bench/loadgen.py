@@ -52,7 +52,7 @@ class LoadResult:
     @classmethod
     def merged(cls, parts: list[LoadResult]) -> LoadResult:
         """One result from several measured blocks of the same load (latencies pooled)."""
-        cpu = tuple(map(sum, zip(*(p.cpu_s for p in parts), strict=True))) if parts else ()
+        cpu = tuple(map(sum, zip(*(p.cpu_s for p in parts), strict=True)))
         return cls(
             sorted(t for p in parts for t in p.latencies_s), sum(p.errors for p in parts),
             sum(p.elapsed_s for p in parts), any(p.capped for p in parts), cpu,

@@ -15,7 +15,7 @@ client costs on this machine before any of the proxy's work, so a goal the floor
 misses is visible as such. Closed-loop workers start staggered (see loadgen.py), and each
 target is measured in ``--rounds`` blocks taken in turn, so machine drift hits all alike.
 
-Upstream profiles (``--token-delay-ms``, one pair of children per value):
+Upstream profiles (``--token-delay-ms``, one set of children per value):
 
 * paced (default 5 ms per token, 16 tokens: an 80 ms generation, faster than any local
   completion model): the load the proxy exists for. The goals are judged on these rows.
@@ -51,7 +51,6 @@ from llmproxy.proxy.bench.loadgen import LoadResult, run_load
 from llmproxy.proxy.bench.overhead_table import Case, format_table
 from llmproxy.proxy.config import LayeredSettings, add_settings_arguments, settings_from_args
 from llmproxy.proxy.logs import configure_logging
-
 
 
 class OverheadSettings(LayeredSettings):
