@@ -7,6 +7,7 @@ import json
 import time
 
 import aiohttp
+import pytest
 
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream
 from tests.conftest import run_proxy
@@ -67,12 +68,20 @@ async def test_slow_body_gets_408(fake: FakeUpstream) -> None:
         await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
 
 
-async def test_conflicting_framing_rejected(fake: FakeUpstream) -> None:
+@pytest.mark.parametrize(
+    "raw",
+    [
+        pytest.param(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", id="conflicting-framing"),
+        pytest.param(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"5\r\n{\"pro\r\nZZ-not-a-size\r\n\r\n", id="broken-chunk-size"),
+    ],
+)
+async def test_bad_framing_is_400(fake: FakeUpstream, raw: bytes) -> None:
     async with run_proxy(fake.url) as px:
-        # answered by the HTTP parser, in our envelope
-        await _refused(px.url, b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
-                               b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n")
+        await _refused(px.url, raw)  # answered by the HTTP parser, in our envelope
         assert not fake.generations
+        await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
 
 
 async def test_crlf_in_header_value_does_not_reach_upstream(fake: FakeUpstream) -> None:
@@ -103,13 +112,5 @@ async def test_compressed_request_body_refused(fake: FakeUpstream) -> None:
             resp = await _refused(px.url, b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
                                           b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
             assert b"compressed request bodies are not supported" in resp
-        assert not fake.generations
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
-
-
-async def test_broken_chunked_framing_is_400(fake: FakeUpstream) -> None:
-    async with run_proxy(fake.url) as px:
-        await _refused(px.url, b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                               b"5\r\n{\"pro\r\nZZ-not-a-size\r\n\r\n")
         assert not fake.generations
         await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
