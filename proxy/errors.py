@@ -21,6 +21,9 @@ class ProxyError(Exception):
     status: int = 500
     type: str = "server_error"
     outcome: str = "error"
+    #: the request body was left half-read, so the connection cannot carry another
+    #: request: the response says ``Connection: close``
+    close_connection: bool = False
 
     def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
@@ -59,6 +62,7 @@ class NotAllowed(ProxyError):
 
 class RequestTimeout(ProxyError):
     status, type, outcome = 408, "request_timeout", "rejected"
+    close_connection = True  # RFC 9110 15.5.9
 
 
 class BodyTooLarge(ProxyError):

@@ -31,7 +31,10 @@ def _count(record: RequestRecord, app: web.Application) -> None:
 
 
 def error_response(exc: ProxyError) -> web.Response:
-    return web.Response(status=exc.status, body=exc.body(), content_type="application/json", headers=exc.headers)
+    resp = web.Response(status=exc.status, body=exc.body(), content_type="application/json", headers=exc.headers)
+    if exc.close_connection:
+        resp.force_close()
+    return resp
 
 
 @web.middleware

@@ -56,13 +56,18 @@ async def test_slow_headers_are_cut_off(fake: FakeUpstream) -> None:
         assert not fake.generations
 
 
-async def test_slow_body_gets_408(fake: FakeUpstream) -> None:
+async def test_slow_body_gets_408_with_connection_close(fake: FakeUpstream) -> None:
+    """The body is left half-read, so the connection cannot carry another request: the
+    408 says ``Connection: close`` (else the client's next request on it would meet the
+    rest of this body, or the parser's queued error)."""
     async with run_proxy(fake.url, body_timeout_s=0.3) as px:
         reader, writer = await _connect(px.url)
         writer.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\":")
         await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n"), 5)
-        assert head.startswith(b"HTTP/1.1 408")
+        head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).lower()
+        assert head.startswith(b"http/1.1 408") and b"\r\nconnection: close\r\n" in head, head
+        length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+        assert json.loads(await reader.readexactly(length))["error"]["type"] == "request_timeout"
         writer.close()
         assert not fake.generations
         await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
