@@ -15,7 +15,7 @@ import aiohttp
 
 from llmproxy.proxy.bench.child import child
 from llmproxy.proxy.bench.loadgen import LoadResult
-from llmproxy.proxy.bench.overhead import OverheadSettings, _bench, format_table
+from llmproxy.proxy.bench.overhead import OverheadSettings, _bench, format_table, proxy_command
 
 
 def test_bench_measures_direct_floor_and_proxy() -> None:
@@ -41,6 +41,22 @@ async def test_forwarder_relays_bytes_unchanged(tmp_path: Path) -> None:
                 assert f.status == d.status == 200
                 assert f.headers["Content-Type"] == d.headers["Content-Type"]
                 assert await f.read() == await d.read()
+
+
+async def test_bench_proxy_runs_as_users_run_it(tmp_path: Path) -> None:
+    """The measured proxy writes its canonical line per request (info, its own default):
+    the logging it always does is part of the overhead."""
+    fake_argv = [sys.executable, "-m", "llmproxy.proxy.bench.fake_upstream", "--port", "0", "--tokens", "2",
+                 "--token-delay-ms", "0"]
+    async with child("fake", fake_argv, tmp_path, 60) as (_fp, fake_url):
+        async with child("proxy", proxy_command(OverheadSettings(), fake_url), tmp_path, 60) as (_pp, proxy_url):
+            async with aiohttp.ClientSession() as http:
+                for _ in range(3):
+                    async with http.post(proxy_url + "/completion", json={"prompt": "x"}) as r:
+                        assert r.status == 200
+                        await r.read()
+    lines = [json.loads(x) for x in (tmp_path / "proxy.log").read_text().splitlines() if x.startswith("{")]
+    assert [e["outcome"] for e in lines if e["event"] == "request"] == ["completed"] * 3
 
 
 def test_blocks_pool_into_one_result() -> None:

@@ -78,7 +78,10 @@ class OverheadSettings(LayeredSettings):
         True, description="Also measure a featureless aiohttp forwarder (forwarder.py): the stack's own cost"
     )
     startup_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a child to write its port file")
-    log_level: str = Field("warning", description="Log level (this process and its children)")
+    log_level: str = Field("warning", description="Log level of this process, the fake upstream and the floor")
+    proxy_log_level: str = Field(
+        "info", description="The proxy child's log level; info, its own default, measures its canonical line per request"
+    )
 
 
 def _body(settings: OverheadSettings, stream: bool) -> bytes:
@@ -125,7 +128,8 @@ def proxy_command(settings: OverheadSettings, upstream_url: str) -> list[str]:
     """The proxy child's command line (``--port-file`` is appended by ``child``)."""
     return [
         sys.executable, "-m", "llmproxy.proxy", "serve", "--port", "0", "--upstream", upstream_url,
-        "--capacity", str(settings.slots), "--max-queue", str(settings.max_queue), "--log-level", settings.log_level,
+        "--capacity", str(settings.slots), "--max-queue", str(settings.max_queue),
+        "--log-level", settings.proxy_log_level,
     ]
 
 
