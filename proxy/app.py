@@ -39,6 +39,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         timeout=timeout,
         connector=connector,
         auto_decompress=False,
+        cookie_jar=aiohttp.DummyCookieJar(),  # one session serves every client: keep none of theirs
         skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
     ) as session:
         adapter = await create_adapter(session, s, app[UPSTREAM_URL])

@@ -5,7 +5,9 @@ of body as it arrives (no buffering), then ``End``. aiohttp client exceptions ar
 to ProxyErrors here (``map_client_errors``) and raised, not yielded: the caller decides
 whether they become an HTTP error or an in-stream error event. Close it with
 ``contextlib.aclosing`` so that a consumer that stops early closes the upstream connection
-at once (that close is how a generation is cancelled).
+at once (that close is how a generation is cancelled). Redirects are relayed, never
+followed: the proxy talks to the configured upstream only, and what it sends there is
+what the gate admitted.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ async def upstream_events(
     session: aiohttp.ClientSession, method: str, url: URL, headers: CIMultiDict[str], body: bytes | None
 ) -> AsyncIterator[Event]:
     with map_client_errors():
-        async with session.request(method, url, headers=headers, data=body) as resp:
+        async with session.request(method, url, headers=headers, data=body, allow_redirects=False) as resp:
             yield Headers(resp.status, response_headers(resp.headers), resp.content_length)
             async for data in resp.content.iter_any():
                 yield Chunk(data)

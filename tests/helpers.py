@@ -1,10 +1,13 @@
-"""Small test helpers: condition polling with a deadline, free ports, log capture."""
+"""Small test helpers: condition polling with a deadline, free ports, ad-hoc upstreams."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+
+from aiohttp import web
 
 
 async def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
@@ -22,3 +25,15 @@ def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def serve_app(app: web.Application, host: str = "127.0.0.1") -> AsyncIterator[str]:
+    """Run ``app`` as a real server on an ephemeral loopback port; yields its base URL."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, 0).start()
+    try:
+        yield f"http://{host}:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
 from tests.conftest import run_proxy
-from tests.helpers import closed_port, wait_until
+from tests.helpers import closed_port, serve_app, wait_until
 
 
 def assert_envelope(body: dict, status: int, type_: str) -> None:
@@ -243,15 +243,51 @@ async def test_our_request_id_replaces_an_upstreams(http: aiohttp.ClientSession,
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        upstream = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        async with run_proxy(upstream, upstream_kind="openai") as px:
-            async with http.post(px.url + "/v1/completions", json={"prompt": "a", "stream": stream},
-                                 headers={"X-Request-Id": "rid-9"}) as r:
-                assert r.status == 200 and b"x" in await r.read()
-                assert r.headers.getall("X-Request-Id") == ["rid-9"]
-    finally:
-        await runner.cleanup()
+    async with serve_app(app) as upstream, run_proxy(upstream, upstream_kind="openai") as px:
+        async with http.post(px.url + "/v1/completions", json={"prompt": "a", "stream": stream},
+                             headers={"X-Request-Id": "rid-9"}) as r:
+            assert r.status == 200 and b"x" in await r.read()
+            assert r.headers.getall("X-Request-Id") == ["rid-9"]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/completions/"], ids=["gated", "passthrough"])
+async def test_upstream_redirect_goes_to_the_client_unfollowed(http: aiohttp.ClientSession, path: str) -> None:
+    """A 3xx reaches the client as sent. Following it would send bodies to wherever Location
+    points, and a trailing-slash redirect (vLLM, Ollama) of an ungated path would run a
+    generation that never held a permit."""
+    seen: list[str] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(request.path)
+        if request.path == "/elsewhere":
+            return web.json_response({"choices": [{"text": "followed"}]})
+        return web.Response(status=307, headers={"Location": "/elsewhere"})
+
+    app = web.Application()
+    app.router.add_post(path, handler)
+    app.router.add_route("*", "/elsewhere", handler)
+    async with serve_app(app) as upstream, run_proxy(upstream, upstream_kind="openai") as px:
+        async with http.post(px.url + path, json={"prompt": "a"}, allow_redirects=False) as r:
+            assert r.status == 307 and r.headers["Location"] == "/elsewhere"
+            await r.read()
+    assert seen == [path]
+
+
+async def test_upstream_cookies_are_not_kept_between_clients(http: aiohttp.ClientSession) -> None:
+    """The proxy has no cookie jar: an upstream's Set-Cookie goes to its client and is never
+    replayed on another client's request (aiohttp's default jar keeps them per host name)."""
+    cookies: list[str | None] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        cookies.append(request.headers.get("Cookie"))
+        return web.json_response({"choices": []}, headers={"Set-Cookie": "sess=client-a-secret; Path=/"})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    async with serve_app(app) as upstream:
+        async with run_proxy(upstream.replace("127.0.0.1", "localhost"), upstream_kind="openai") as px:
+            for _ in range(2):
+                async with aiohttp.ClientSession() as client:  # a new client each time, no cookies of its own
+                    async with client.post(px.url + "/v1/completions", json={"prompt": "a"}) as r:
+                        assert r.status == 200 and r.headers["Set-Cookie"].startswith("sess=client-a-secret")
+    assert cookies == [None, None]

@@ -24,7 +24,7 @@ KINDS: dict[str, type[Adapter]] = {"llamacpp": LlamaCppAdapter, "openai": OpenAI
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str) -> Any:
-    async with session.get(url, timeout=PROBE_TIMEOUT) as resp:
+    async with session.get(url, timeout=PROBE_TIMEOUT, allow_redirects=False) as resp:
         if resp.status != 200:
             return None
         try:

@@ -41,7 +41,7 @@ class LlamaCppAdapter(Adapter):
     async def probe_slots(self) -> bool:
         """Is /slots available? Sets ``can_confirm``."""
         try:
-            async with self.session.get(self.base_url / "slots", timeout=_POLL_TIMEOUT) as resp:
+            async with self.session.get(self.base_url / "slots", timeout=_POLL_TIMEOUT, allow_redirects=False) as resp:
                 ok = resp.status == 200 and isinstance(await resp.json(content_type=None), list)
         except (aiohttp.ClientError, ValueError, TimeoutError):
             ok = False
@@ -53,7 +53,7 @@ class LlamaCppAdapter(Adapter):
     async def _slot_state(self, slot: int) -> str:
         """'busy' | 'idle' | 'down' (connection refused: nothing can run) | 'unknown'."""
         try:
-            async with self.session.get(self.base_url / "slots", timeout=_POLL_TIMEOUT) as resp:
+            async with self.session.get(self.base_url / "slots", timeout=_POLL_TIMEOUT, allow_redirects=False) as resp:
                 if resp.status != 200:
                     return "unknown"
                 data = await resp.json(content_type=None)
