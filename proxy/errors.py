@@ -24,6 +24,8 @@ class ProxyError(Exception):
     #: the request body was left half-read, so the connection cannot carry another
     #: request: the response says ``Connection: close``
     close_connection: bool = False
+    #: the upstream never got the request (no connection was made): nothing to confirm
+    not_sent: bool = False
 
     def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
@@ -89,6 +91,7 @@ class ShuttingDown(ProxyError):
 
 class UpstreamUnreachable(ProxyError):
     status, type, outcome = 502, "upstream_unreachable", "error"
+    not_sent = True
 
 
 class UpstreamFailed(ProxyError):
@@ -97,6 +100,12 @@ class UpstreamFailed(ProxyError):
 
 class UpstreamTimeout(ProxyError):
     status, type, outcome = 504, "upstream_timeout", "error"
+
+
+class UpstreamConnectTimeout(UpstreamTimeout):
+    """No connection within ``connect_timeout_s`` (a black-holed host): the request never left."""
+
+    not_sent = True
 
 
 @contextmanager
@@ -108,6 +117,8 @@ def map_client_errors(what: str = "upstream") -> Iterator[None]:
         raise
     except (aiohttp.ClientConnectorError, ConnectionRefusedError) as exc:
         raise UpstreamUnreachable(f"{what} unreachable: {exc.__class__.__name__}: {exc}") from exc
+    except aiohttp.ConnectionTimeoutError as exc:
+        raise UpstreamConnectTimeout(f"{what} connect timed out") from exc
     except (aiohttp.ServerTimeoutError, asyncio.TimeoutError, TimeoutError) as exc:
         raise UpstreamTimeout(f"{what} timed out") from exc
     except aiohttp.ClientResponseError as exc:

@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from llmproxy.proxy.errors import ProxyError, UpstreamUnreachable
+from llmproxy.proxy.errors import ProxyError
 
 log = structlog.get_logger("llmproxy.request")
 
@@ -50,7 +50,7 @@ class RequestRecord:
     @property
     def sent(self) -> bool:
         """Did the request (possibly) reach the upstream? Not if it never left or could not connect."""
-        return self.upstream_started is not None and not isinstance(self.upstream_error, UpstreamUnreachable)
+        return self.upstream_started is not None and not (self.upstream_error is not None and self.upstream_error.not_sent)
 
     def add_ref(self) -> None:
         self.refs += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import aiohttp
@@ -32,6 +33,28 @@ async def test_unreachable_upstream_does_not_hold_the_permit(http: aiohttp.Clien
             await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
         first = next(e for e in logs if e.get("event") == "request" and e["request_id"] == "a")
         assert first["reached_upstream"] is False and "confirm_timed_out" not in first
+
+
+async def test_connect_timeout_does_not_hold_the_permit(http: aiohttp.ClientSession) -> None:
+    """A black-holed upstream (SYNs dropped) times out while connecting: nothing was sent,
+    so the permit comes back at once instead of after confirm_timeout_s of /slots polls."""
+    fake = FakeUpstream(slots=1)
+    await fake.start()
+    async with run_proxy(fake.url, connect_timeout_s=0.3, confirm_timeout_s=30) as px:
+        assert px.state.adapter.can_confirm
+        port = int(fake.url.rsplit(":", 1)[1])
+        await fake.stop()
+        with socket.socket() as hole, socket.socket() as filler:
+            hole.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            hole.bind(("127.0.0.1", port))
+            hole.listen(0)  # never accepts; one queued connection fills it ...
+            filler.connect(("127.0.0.1", port))  # ... so the kernel drops every later SYN
+            with structlog.testing.capture_logs() as logs:
+                async with http.post(px.url + "/infill", json={"prompt": "a"}, headers={"X-Request-Id": "a"}) as r:
+                    assert r.status == 504 and (await r.json())["error"]["type"] == "upstream_timeout"
+                await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        line = next(e for e in logs if e.get("event") == "request" and e["request_id"] == "a")
+        assert line["reached_upstream"] is False and "confirm_timed_out" not in line
 
 
 async def test_rejected_newcomer_does_not_kill_the_running_request(http: aiohttp.ClientSession) -> None:
