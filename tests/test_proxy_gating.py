@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 import aiohttp
+import pytest
 import structlog
 
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
@@ -172,3 +173,16 @@ async def test_warmup_is_not_superseded(http: aiohttp.ClientSession) -> None:
         statuses = [(await t).status for t in (busy, warm, real)]
         assert statuses[1] == 200 and statuses[2] == 200
         assert sorted(r.body["seq"] for r in fake.generations) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("path", ["/completion", "/infill", "/v1/completions", "/v1/chat/completions", "/api/chat"])
+async def test_llamacpp_generation_routes_run_on_the_permits_slot(http: aiohttp.ClientSession, path: str) -> None:
+    """Permit i is slot i on every llama-server generation route, its Ollama-style
+    ``/api/chat`` included (served by its chat-completions handler): a stop is confirmed
+    on the slot the request really ran on."""
+    async with FakeUpstream(slots=2) as fake, run_proxy(fake.url) as px:
+        body = {"prompt": "x", "messages": [{"role": "user", "content": "x"}], "stream": False}
+        async with http.post(px.url + path, json=body) as r:
+            assert r.status == 200
+            await r.read()
+        assert [g.body.get("id_slot") for g in fake.generations] == [0]

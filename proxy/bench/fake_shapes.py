@@ -3,7 +3,8 @@
 ``Shape`` is one generation route's format: its stream framing (SSE ``data:`` events or
 Ollama's NDJSON lines), when a body asks to stream, and the chunk / closing pieces /
 whole body carrying the deterministic tokens (token i is ``f"t{i} "``). ``ROUTES`` maps
-each generation path to its shape and the kinds that serve it; ``info_routes`` gives the
+each generation path to its shapes and the kinds that serve each (``shape_for`` picks one
+kind's); ``info_routes`` gives the
 fixed GET bodies (/v1/models, /health, /props, Ollama's /api/version and /api/tags).
 Pure functions and frozen data only: no state, no I/O.
 """
@@ -107,16 +108,22 @@ class Shape:
 _LLAMA = frozenset({"llamacpp"})
 _OAI = frozenset({"llamacpp", "openai", "ollama"})
 _OLLAMA = frozenset({"ollama"})
-ROUTES: dict[str, Shape] = {
-    "/completion": Shape("llama", _LLAMA),
-    "/completions": Shape("llama", _LLAMA),
-    "/infill": Shape("llama", _LLAMA),
-    "/v1/completions": Shape("oai_text", _OAI),
-    "/v1/chat/completions": Shape("oai_chat", _OAI),
-    "/chat/completions": Shape("oai_chat", _LLAMA),
-    "/api/generate": Shape("ollama_generate", _OLLAMA),
-    "/api/chat": Shape("ollama_chat", _OLLAMA),
+ROUTES: dict[str, tuple[Shape, ...]] = {
+    "/completion": (Shape("llama", _LLAMA),),
+    "/completions": (Shape("llama", _LLAMA),),
+    "/infill": (Shape("llama", _LLAMA),),
+    "/v1/completions": (Shape("oai_text", _OAI),),
+    "/v1/chat/completions": (Shape("oai_chat", _OAI),),
+    "/chat/completions": (Shape("oai_chat", _LLAMA),),
+    "/api/generate": (Shape("ollama_generate", _OLLAMA),),
+    # llama-server serves Ollama's chat path with its chat-completions handler
+    "/api/chat": (Shape("ollama_chat", _OLLAMA), Shape("oai_chat", _LLAMA)),
 }
+
+
+def shape_for(path: str, kind: str) -> Shape | None:
+    """The shape of generation route ``path`` on an upstream of ``kind`` (None: not served)."""
+    return next((s for s in ROUTES.get(path, ()) if kind in s.kinds), None)
 
 
 def token_count(tokens: int, body: dict[str, Any]) -> int:

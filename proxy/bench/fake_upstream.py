@@ -43,7 +43,7 @@ from typing import Any, Literal
 from aiohttp import web
 from multidict import CIMultiDict
 
-from llmproxy.proxy.bench.fake_shapes import ROUTES, Shape, dumps, error_body, info_routes, json_response, token_count
+from llmproxy.proxy.bench.fake_shapes import Shape, dumps, error_body, info_routes, json_response, shape_for, token_count
 
 Kind = Literal["llamacpp", "openai", "ollama"]
 FailMode = Literal[None, "reset_mid_stream", "hang_before_headers", "hang_mid_body", "malformed"]
@@ -149,8 +149,8 @@ class FakeUpstream:
 
     @property
     def generations(self) -> list[Received]:
-        """The received requests that were generations (POSTs to a generation route)."""
-        return [r for r in self.received if r.path in ROUTES]
+        """The received requests that were generations (POSTs to a route this kind generates on)."""
+        return [r for r in self.received if shape_for(r.path, self.kind) is not None]
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -203,8 +203,8 @@ class FakeUpstream:
         rec = Received(request.path, body, raw, CIMultiDict(request.headers), time.monotonic(), len(self.received))
         self.received.append(rec)
         self._notify()
-        shape = ROUTES.get(request.path)
-        if request.method == "POST" and shape is not None and self.kind in shape.kinds:
+        shape = shape_for(request.path, self.kind)
+        if request.method == "POST" and shape is not None:
             if body is None:
                 return json_response(error_body("invalid JSON body", "invalid_request_error", 400), 400)
             return await self._generation(request, rec, body, shape)
