@@ -59,9 +59,13 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _on_shutdown(app: web.Application) -> None:
-    # Stop accepting new gated work and answer everything still queued with 503.
+    """First step of a graceful stop (before aiohttp closes connections): answer everything
+    queued with 503, then give in-flight requests, upstream jobs and passthroughs alike,
+    ``shutdown_timeout_s`` in all and cut what is left (server.py owns the sequence)."""
     if STATE in app:
-        app[STATE].gate.close()
+        st = app[STATE]
+        st.gate.close()
+        await st.jobs.drain(st.settings.shutdown_timeout_s)
 
 
 def build_app(settings: ProxySettings) -> web.Application:

@@ -34,7 +34,7 @@ from multidict import CIMultiDict
 from llmproxy.proxy.adapters.base import Adapter
 from llmproxy.proxy.breaker import CircuitBreaker
 from llmproxy.proxy.channel import Channel, Chunk, End, Error, Headers
-from llmproxy.proxy.errors import ProxyError, Superseded
+from llmproxy.proxy.errors import ProxyError, ShuttingDown, Superseded
 from llmproxy.proxy.gate import Gate, Ticket
 from llmproxy.proxy.metrics import Metrics
 from llmproxy.proxy.record import RequestRecord
@@ -114,6 +114,9 @@ class UpstreamJob:
             if self._needs_confirmation():
                 await self._confirm()
         finally:
+            if (task := asyncio.current_task()) is not None and task.cancelling():  # cut at shutdown
+                rec.outcome = rec.outcome or "cancelled_inflight"
+                self.channel.finish(Error(ShuttingDown("llmproxy shut down before the upstream finished")))
             self._report_health()
             self.channel.finish(Error(ProxyError("upstream job ended without a response")))
             hold = time.monotonic() - (self.ticket.granted_at or time.monotonic())
@@ -209,10 +212,12 @@ class UpstreamJob:
 
 
 class JobRegistry:
-    """Tracks every upstream job; shutdown waits for them, then cancels stragglers.
+    """Tracks every upstream exchange; shutdown waits for them, then cancels stragglers.
 
-    ``spawn`` keeps a strong reference until the task is done; ``drain(timeout)`` waits
-    for all jobs, cancels what is still running at the deadline and awaits those too.
+    ``spawn`` starts a gated request's job and keeps a strong reference until it is done;
+    ``track_current`` adds the calling task (a passthrough handler, which aiohttp owns) for
+    as long as it runs. ``drain(timeout)`` waits for all of them, cancels what is still
+    running at the deadline and awaits those too.
     """
 
     def __init__(self) -> None:
@@ -223,6 +228,12 @@ class JobRegistry:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    def track_current(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def __len__(self) -> int:
         return len(self._tasks)

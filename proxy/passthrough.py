@@ -24,6 +24,7 @@ from llmproxy.proxy.upstream import upstream_events
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
+    st.jobs.track_current()  # a graceful stop waits for it like for a gated job
     body = await read_body(request, st.settings.max_body_bytes, st.settings.body_timeout_s)
     headers = request_headers(request.headers, strip=auth_headers_to_strip(st.settings))
 

@@ -1,10 +1,13 @@
 """Running the proxy app: bind (or inherit a systemd socket), signals, graceful stop.
 
 Shutdown contract: the first SIGTERM/SIGINT stops accepting connections, answers queued
-requests with 503 (gate.close in on_shutdown), lets in-flight requests finish for up to
-``shutdown_timeout_s`` and then runs cleanup (jobs drained, embedded backend stopped),
-exiting 0. A second signal exits at once (status 1); the embedded backend dies with us
-(PDEATHSIG).
+requests with 503 and lets in-flight requests finish for up to ``shutdown_timeout_s`` in
+all (app.py's on_shutdown: the gate closes, then jobs and passthroughs are drained and
+stragglers cut, a started stream ending with an error event). aiohttp then has
+``_WRITE_GRACE_S`` to let handlers write what they hold before it closes their
+connections (its own timeout counts twice: wait, then cancel and wait), and cleanup stops
+the embedded backend; exit 0. A second signal exits at once (status 1); the embedded
+backend dies with us (PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from llmproxy.proxy.settings import ProxySettings
 
 log = structlog.get_logger("llmproxy.server")
 SD_LISTEN_FDS_START = 3
+_WRITE_GRACE_S = 2.0  # after the drain: handlers only have their last bytes left to write
 
 
 def inherited_socket() -> socket.socket | None:
@@ -74,7 +78,7 @@ async def serve(settings: ProxySettings, app: web.Application) -> int:
         app,
         handler_cancellation=True,
         access_log=None,
-        shutdown_timeout=settings.shutdown_timeout_s,
+        shutdown_timeout=min(settings.shutdown_timeout_s, _WRITE_GRACE_S),
         keepalive_timeout=settings.idle_timeout_s,  # also bounds slow (slowloris) request headers
     )
     setup = asyncio.ensure_future(runner.setup())

@@ -90,6 +90,27 @@ async def test_sigterm_drains_inflight_and_503s_queued(tmp_path: Path) -> None:
         assert len(fake.generations) == 1
 
 
+async def test_sigterm_cuts_inflight_at_the_deadline(tmp_path: Path) -> None:
+    """In-flight requests get ``shutdown_timeout_s`` in all, not once per shutdown stage: a
+    stream still running at the deadline ends with an error event, and the process exits 0."""
+    script = lambda _p, _b: Script(tokens=3000, token_delay_s=0.01)  # noqa: E731  (30 s)
+    async with FakeUpstream(kind="openai", slots=1, script=script) as fake, serve(
+        tmp_path, "--upstream", fake.url, "--shutdown-timeout-s", "2", "--on-disconnect", "finish"
+    ) as (proc, url), aiohttp.ClientSession() as http:
+        async with http.post(url + "/v1/completions", json={"prompt": "a", "stream": True}) as r:
+            assert r.status == 200
+            await r.content.readline()  # the stream has started
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            proc.send_signal(signal.SIGTERM)
+            rest = await asyncio.wait_for(r.content.read(), 10)  # to the end the proxy gives it
+        assert b'"type":"shutting_down"' in rest.rstrip().rsplit(b"\n", 1)[-1]  # the last event
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        assert loop.time() - t0 < 4.5  # 2 s, plus slack; it used to take up to 3 x 2 s
+        lines = [json.loads(ln) for ln in (await proc.stderr.read()).decode().splitlines() if ln.startswith("{")]
+        assert [ln["outcome"] for ln in lines if ln.get("event") == "request"] == ["cancelled_inflight"]
+
+
 async def test_second_signal_forces_exit(tmp_path: Path) -> None:
     script = lambda _p, _b: Script(fail="hang_before_headers")  # noqa: E731
     async with FakeUpstream(slots=1, script=script) as fake, serve(
