@@ -2,8 +2,10 @@
 
 ``merge_contextvars`` runs first so request ids and sessions bound with
 ``structlog.contextvars.bind_contextvars`` appear on every line. JSON lines when stderr
-is not a TTY (systemd journal, CI), the console renderer on a TTY. Secrets are never
-passed to the logger; ``redact`` is a last line of defence for header-like keys.
+is not a TTY (systemd journal, CI), the console renderer on a TTY. Records of stdlib
+loggers (aiohttp's, asyncio's: warnings and above) go through the same processors and
+renderer, so the stream stays one format. Secrets are never passed to the logger;
+``redact`` is a last line of defence for header-like keys.
 """
 
 from __future__ import annotations
@@ -40,13 +42,17 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
     renderer: Any = (
         structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=False)
     )
+    tail: list[Any] = [structlog.processors.format_exc_info, renderer] if use_json else [renderer]
     structlog.configure(
-        processors=[*shared, structlog.processors.format_exc_info, renderer]
-        if use_json
-        else [*shared, renderer],
+        processors=[*shared, *tail],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
-    # aiohttp and asyncio log through stdlib: route warnings and above to stderr plainly.
-    logging.basicConfig(level=max(lvl, logging.WARNING), stream=sys.stderr, format="%(name)s %(levelname)s %(message)s")
+    # aiohttp and asyncio log through stdlib: warnings and above, rendered like our own lines.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *tail],
+    ))
+    logging.basicConfig(level=max(lvl, logging.WARNING), handlers=[handler])
