@@ -4,7 +4,10 @@ Malformed framing (Content-Length with Transfer-Encoding, a bare CR in a header,
 too large, a bad request line) never reaches the middleware: aiohttp's protocol answers it
 through ``RequestHandler.handle_error`` with plain text. ``install(runner)`` makes the
 runner's server build handlers whose ``handle_error`` answers with the proxy's JSON
-envelope instead (same status, connection still closed). aiohttp offers no public hook for
+envelope instead (same status, connection still closed). The same handlers log what the
+client's own bytes caused (``BadHttpMessage``: bad framing, a corrupt compressed body,
+also when aiohttp meets it while discarding an unread body) as one warning line, not an
+ERROR with a traceback that any client could repeat at will. aiohttp offers no public hook for
 the handler class, so this swaps the class of the runner's server instance once, after
 ``runner.setup()`` and before any site starts; both subclasses add no state.
 """
@@ -12,16 +15,32 @@ the handler class, so this swaps the class of the runner's server instance once,
 from __future__ import annotations
 
 from http import HTTPStatus
+from typing import Any
 
+import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from llmproxy.proxy.errors import HTTPStatusError
 
+log = structlog.get_logger("llmproxy.http")
+
 
 class _EnvelopeRequestHandler(RequestHandler):
     __slots__ = ()
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        exc = kw.get("exc_info")
+        cause = exc.__cause__ if isinstance(exc, BaseException) else None
+        bad = next((e for e in (exc, cause) if isinstance(e, BadHttpMessage)), None)
+        if bad is None:
+            super().log_exception(*args, **kw)
+            return
+        peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+        log.warning("malformed request from the client", error=str(bad.message).strip().splitlines()[0][:200],
+                    kind=type(bad).__name__, peer=peer[0] if peer else None)
 
     def handle_error(
         self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None

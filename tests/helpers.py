@@ -20,6 +20,18 @@ async def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str =
         await asyncio.sleep(0.002)
 
 
+async def raw_exchange(url: str, raw: bytes) -> bytes:
+    """Send ``raw`` bytes on a new connection to ``url``; everything until the server closes it."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(raw)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
+
+
 def closed_port() -> int:
     """A loopback port with nothing listening (bound then released)."""
     with socket.socket() as s:

@@ -11,6 +11,7 @@ import pytest
 
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream
 from tests.conftest import run_proxy
+from tests.helpers import raw_exchange
 
 
 def assert_envelope_body(raw: bytes, status: int) -> None:
@@ -25,20 +26,9 @@ async def _connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter
     return await asyncio.open_connection(host, int(port))
 
 
-async def _exchange(url: str, raw: bytes) -> bytes:
-    """Send ``raw`` on a new connection, return everything until the server closes it."""
-    reader, writer = await _connect(url)
-    try:
-        writer.write(raw)
-        await writer.drain()
-        return await asyncio.wait_for(reader.read(), 5)
-    finally:
-        writer.close()
-
-
 async def _refused(url: str, raw: bytes) -> bytes:
     """``_exchange``, checked to be a 400 in our error envelope; returns the raw response."""
-    resp = await _exchange(url, raw)
+    resp = await raw_exchange(url, raw)
     assert resp.split(b" ", 2)[1] == b"400", resp[:300]
     assert_envelope_body(resp, 400)
     return resp

@@ -18,7 +18,7 @@ from pathlib import Path
 import aiohttp
 
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
-from tests.helpers import wait_until
+from tests.helpers import raw_exchange, wait_until
 
 LLMPROXY = str(Path(sys.executable).with_name("llmproxy"))
 
@@ -160,3 +160,19 @@ async def test_loud_warning_when_exposed_without_api_key(tmp_path: Path) -> None
                 warnings = [ln for ln in lines if ln["level"] == "warning" and "API key" in ln["event"]]
                 assert bool(warnings) is warned, out[-2000:]
             (tmp_path / "port").unlink()
+
+
+async def test_malformed_requests_log_one_json_warning_each(tmp_path: Path) -> None:
+    """What a client's bad bytes cause is a one-line warning, never an ERROR traceback (any
+    client could repeat it at will), and aiohttp's own records come out as JSON too."""
+    async with FakeUpstream(slots=1) as fake, serve(tmp_path, "--upstream", fake.url) as (proc, url):
+        await raw_exchange(url, b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
+                                b"Content-Length: 2\r\n\r\n{}")  # refused unread; aiohttp then fails to discard it
+        await raw_exchange(url, b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                b"2\r\n{}\r\nZZ\r\n")
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        lines = [json.loads(ln) for ln in (await proc.stderr.read()).decode().splitlines()]  # all JSON
+    assert not [ln for ln in lines if ln["level"] in ("error", "critical") or "exception" in ln], lines
+    bad = {ln["kind"] for ln in lines if ln["event"] == "malformed request from the client"}
+    assert bad == {"ContentEncodingError", "BadHttpMessage"}, lines
