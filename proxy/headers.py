@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from multidict import CIMultiDict
+from yarl import URL
 
 HOP_BY_HOP = frozenset(
     {
@@ -39,7 +40,18 @@ def request_headers(headers: Mapping[str, str], strip: Iterable[str] = ()) -> CI
     return _filter(headers.items(), drop)
 
 
-def response_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
-    """Headers to send back to the client (Content-Type, Content-Encoding... preserved)."""
+def response_headers(headers: Mapping[str, str], upstream: URL | None = None) -> CIMultiDict[str]:
+    """Headers to send back to the client (Content-Type, Content-Encoding... preserved).
+
+    A ``Location`` that points into ``upstream`` (a redirect built from the upstream's own
+    host, as Starlette's trailing-slash one is) becomes origin-relative, so a client that
+    follows it comes back through the proxy and its gate (nginx's ``proxy_redirect default``).
+    """
     drop = set(_RESPONSE_DROP) | _connection_tokens(headers)
-    return _filter(headers.items(), drop)
+    out = _filter(headers.items(), drop)
+    location = out.get("Location")
+    if upstream is not None and location is not None:
+        target = URL(location, encoded=True)
+        if target.absolute and target.origin() == upstream.origin():
+            out["Location"] = target.raw_path_qs + (f"#{target.raw_fragment}" if target.raw_fragment else "")
+    return out

@@ -28,7 +28,7 @@ async def upstream_events(
 ) -> AsyncIterator[Event]:
     with map_client_errors():
         async with session.request(method, url, headers=headers, data=body, allow_redirects=False) as resp:
-            yield Headers(resp.status, response_headers(resp.headers), resp.content_length)
+            yield Headers(resp.status, response_headers(resp.headers, url), resp.content_length)
             async for data in resp.content.iter_any():
                 yield Chunk(data)
     yield End()

@@ -11,7 +11,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from multidict import CIMultiDict
+from yarl import URL
+
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
+from llmproxy.proxy.headers import response_headers
 from tests.conftest import run_proxy
 from tests.helpers import closed_port, serve_app, wait_until
 
@@ -250,27 +254,40 @@ async def test_our_request_id_replaces_an_upstreams(http: aiohttp.ClientSession,
             assert r.headers.getall("X-Request-Id") == ["rid-9"]
 
 
+@pytest.mark.parametrize("absolute", [False, True], ids=["relative", "absolute"])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/completions/"], ids=["gated", "passthrough"])
-async def test_upstream_redirect_goes_to_the_client_unfollowed(http: aiohttp.ClientSession, path: str) -> None:
-    """A 3xx reaches the client as sent. Following it would send bodies to wherever Location
-    points, and a trailing-slash redirect (vLLM, Ollama) of an ungated path would run a
-    generation that never held a permit."""
+async def test_upstream_redirect_goes_to_the_client_unfollowed(
+    http: aiohttp.ClientSession, path: str, absolute: bool
+) -> None:
+    """A 3xx reaches the client, not followed by the proxy: following it would send bodies
+    wherever Location points, and a trailing-slash redirect (vLLM, Ollama) of an ungated
+    path would run a generation that never held a permit. A Location into the upstream
+    itself (Starlette builds it from its own host) is made relative, so the client's
+    follow-up comes back through the proxy."""
     seen: list[str] = []
 
     async def handler(request: web.Request) -> web.Response:
         seen.append(request.path)
         if request.path == "/elsewhere":
             return web.json_response({"choices": [{"text": "followed"}]})
-        return web.Response(status=307, headers={"Location": "/elsewhere"})
+        target = str(request.url.with_path("/elsewhere").with_query("a=1")) if absolute else "/elsewhere?a=1"
+        return web.Response(status=307, headers={"Location": target})
 
     app = web.Application()
     app.router.add_post(path, handler)
     app.router.add_route("*", "/elsewhere", handler)
     async with serve_app(app) as upstream, run_proxy(upstream, upstream_kind="openai") as px:
         async with http.post(px.url + path, json={"prompt": "a"}, allow_redirects=False) as r:
-            assert r.status == 307 and r.headers["Location"] == "/elsewhere"
+            assert r.status == 307 and r.headers["Location"] == "/elsewhere?a=1"
             await r.read()
     assert seen == [path]
+
+
+def test_location_elsewhere_is_left_alone() -> None:
+    upstream = URL("http://127.0.0.1:8080/v1/completions")
+    for other in ("http://127.0.0.1:9999/x", "https://127.0.0.1:8080/x", "http://example.com/x", "/x"):
+        assert response_headers(CIMultiDict({"Location": other}), upstream)["Location"] == other
+    assert response_headers(CIMultiDict({"Location": "http://127.0.0.1:8080"}), upstream)["Location"] == "/"
 
 
 async def test_upstream_cookies_are_not_kept_between_clients(http: aiohttp.ClientSession) -> None:
