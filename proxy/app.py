@@ -14,7 +14,7 @@ from llmproxy.proxy.breaker import CircuitBreaker
 from llmproxy.proxy.embedded import embedded_backend
 from llmproxy.proxy.gate import Gate
 from llmproxy.proxy.handlers import gated
-from llmproxy.proxy.jobs import JobRegistry
+from llmproxy.proxy.registry import JobRegistry
 from llmproxy.proxy.metrics import Metrics
 from llmproxy.proxy.middleware import proxy_middleware
 from llmproxy.proxy.passthrough import passthrough
@@ -26,6 +26,7 @@ log = structlog.get_logger("llmproxy.app")
 
 
 async def dispatch(request: web.Request) -> web.StreamResponse:
+    request.app[STATE].jobs.track_current()  # a graceful stop waits for this response too
     if is_gated(request.method, request.path):
         return await gated(request)
     return await passthrough(request)
@@ -55,13 +56,14 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         app[STATE] = ProxyState(s, session, adapter, gate, jobs, app[METRICS], breaker)
         yield
         gate.close()
-        await jobs.drain(s.shutdown_timeout_s)
+        await jobs.drain(0)  # on_shutdown drained already: cut anything that started since
 
 
 async def _on_shutdown(app: web.Application) -> None:
     """First step of a graceful stop (before aiohttp closes connections): answer everything
-    queued with 503, then give in-flight requests, upstream jobs and passthroughs alike,
-    ``shutdown_timeout_s`` in all and cut what is left (server.py owns the sequence)."""
+    queued with 503, then give in-flight requests (their upstream jobs and their handlers,
+    passthroughs included) ``shutdown_timeout_s`` in all and cut what is left (registry.py;
+    server.py owns the sequence)."""
     if STATE in app:
         st = app[STATE]
         st.gate.close()

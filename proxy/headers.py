@@ -40,18 +40,39 @@ def request_headers(headers: Mapping[str, str], strip: Iterable[str] = ()) -> CI
     return _filter(headers.items(), drop)
 
 
-def response_headers(headers: Mapping[str, str], upstream: URL | None = None) -> CIMultiDict[str]:
-    """Headers to send back to the client (Content-Type, Content-Encoding... preserved).
+def proxied_location(location: str, upstream: URL) -> str | None:
+    """``location`` as seen through the proxy, if it points into the ``upstream`` base URL
+    (same scheme, host and port, path under the base path), else None.
 
-    A ``Location`` that points into ``upstream`` (a redirect built from the upstream's own
-    host, as Starlette's trailing-slash one is) becomes origin-relative, so a client that
-    follows it comes back through the proxy and its gate (nginx's ``proxy_redirect default``).
+    A redirect built from the upstream's own host (Starlette's trailing-slash one) then
+    brings a client that follows it back through the proxy and its gate, like nginx's
+    ``proxy_redirect default``. Anything else (relative, scheme-relative, elsewhere,
+    unparsable) is left as the upstream sent it.
     """
+    try:
+        target = URL(location, encoded=True)
+        same_origin = (
+            bool(target.scheme) and target.scheme.lower() == upstream.scheme
+            and (target.host or "").lower() == (upstream.host or "").lower() and target.port == upstream.port
+        )
+    except ValueError:
+        return None
+    base = upstream.raw_path.rstrip("/")
+    path = target.raw_path or "/"
+    if not same_origin or not (path == base or path.startswith(base + "/")):
+        return None
+    rest = path[len(base):] or "/"
+    query = f"?{target.raw_query_string}" if target.raw_query_string else ""
+    fragment = f"#{target.raw_fragment}" if target.raw_fragment else ""
+    return rest + query + fragment
+
+
+def response_headers(headers: Mapping[str, str], upstream: URL | None = None) -> CIMultiDict[str]:
+    """Headers to send back to the client (Content-Type, Content-Encoding... preserved);
+    a Location into the ``upstream`` base URL is rewritten (``proxied_location``)."""
     drop = set(_RESPONSE_DROP) | _connection_tokens(headers)
     out = _filter(headers.items(), drop)
     location = out.get("Location")
     if upstream is not None and location is not None:
-        target = URL(location, encoded=True)
-        if target.absolute and target.origin() == upstream.origin():
-            out["Location"] = target.raw_path_qs + (f"#{target.raw_fragment}" if target.raw_fragment else "")
+        out["Location"] = proxied_location(location, upstream) or location
     return out

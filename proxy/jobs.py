@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -114,7 +113,9 @@ class UpstreamJob:
             if self._needs_confirmation():
                 await self._confirm()
         finally:
-            if (task := asyncio.current_task()) is not None and task.cancelling():  # cut at shutdown
+            task = asyncio.current_task()
+            ended = self._finished or self._crashed or rec.upstream_error is not None
+            if task is not None and task.cancelling() and not ended:  # cut at the shutdown deadline
                 rec.outcome = rec.outcome or "cancelled_inflight"
                 self.channel.finish(Error(ShuttingDown("llmproxy shut down before the upstream finished")))
             self._report_health()
@@ -186,7 +187,7 @@ class UpstreamJob:
         rec.upstream_started = start
         url = self.adapter.url(req.raw_path)
         try:
-            async with aclosing(upstream_events(self.adapter.session, req.method, url, req.headers, body)) as events:
+            async with aclosing(upstream_events(self.adapter.session, req.method, url, req.headers, body, self.adapter.base_url)) as events:
                 async for ev in events:
                     if isinstance(ev, Headers):
                         rec.upstream_status = ev.status
@@ -210,40 +211,3 @@ class UpstreamJob:
             rec.upstream_s = (ended or time.monotonic()) - start
             self.metrics.upstream_latency.observe(rec.upstream_s)
 
-
-class JobRegistry:
-    """Tracks every upstream exchange; shutdown waits for them, then cancels stragglers.
-
-    ``spawn`` starts a gated request's job and keeps a strong reference until it is done;
-    ``track_current`` adds the calling task (a passthrough handler, which aiohttp owns) for
-    as long as it runs. ``drain(timeout)`` waits for all of them, cancels what is still
-    running at the deadline and awaits those too.
-    """
-
-    def __init__(self) -> None:
-        self._tasks: set[asyncio.Task[Any]] = set()
-
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    def track_current(self) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def __len__(self) -> int:
-        return len(self._tasks)
-
-    async def drain(self, timeout: float) -> None:
-        if not self._tasks:
-            return
-        _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
-        for task in pending:
-            task.cancel()
-        if pending:
-            log.warning("cancelled upstream jobs still running at shutdown", count=len(pending))
-            await asyncio.wait(pending)

@@ -39,7 +39,7 @@ class _EnvelopeRequestHandler(RequestHandler):
             super().log_exception(*args, **kw)
             return
         peer = self.transport.get_extra_info("peername") if self.transport is not None else None
-        log.warning("malformed request from the client", error=str(bad.message).strip().splitlines()[0][:200],
+        log.warning("malformed request from the client", error=(str(bad.message).strip().splitlines() or [""])[0][:200],
                     kind=type(bad).__name__, peer=peer[0] if peer else None)
 
     def handle_error(

@@ -7,6 +7,7 @@ which closes the upstream request.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -18,26 +19,32 @@ from llmproxy.proxy.headers import request_headers
 from llmproxy.proxy.channel import Error, Event, Headers
 from llmproxy.proxy.relay import relay
 from llmproxy.proxy.security import auth_headers_to_strip
-from llmproxy.proxy.state import STATE
+from llmproxy.proxy.state import RECORD, STATE
 from llmproxy.proxy.upstream import upstream_events
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
-    st.jobs.track_current()  # a graceful stop waits for it like for a gated job
     body = await read_body(request, st.settings.max_body_bytes, st.settings.body_timeout_s)
     headers = request_headers(request.headers, strip=auth_headers_to_strip(st.settings))
+    rec = request[RECORD]
 
     async def events() -> AsyncIterator[Event]:
         started = False
+        rec.upstream_started = time.monotonic()  # for the log line: it (maybe) reached the upstream
         try:
             async with aclosing(
-                upstream_events(st.session, request.method, st.adapter.url(request.raw_path), headers, body or None)
+                upstream_events(
+                    st.session, request.method, st.adapter.url(request.raw_path), headers, body or None,
+                    st.adapter.base_url,
+                )
             ) as upstream:
                 async for ev in upstream:
-                    started = started or isinstance(ev, Headers)
+                    if isinstance(ev, Headers):
+                        started, rec.upstream_status = True, ev.status
                     yield ev
         except ProxyError as exc:
+            rec.upstream_error = exc
             if not started:
                 raise
             yield Error(exc)

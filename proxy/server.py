@@ -2,12 +2,12 @@
 
 Shutdown contract: the first SIGTERM/SIGINT stops accepting connections, answers queued
 requests with 503 and lets in-flight requests finish for up to ``shutdown_timeout_s`` in
-all (app.py's on_shutdown: the gate closes, then jobs and passthroughs are drained and
-stragglers cut, a started stream ending with an error event). aiohttp then has
-``_WRITE_GRACE_S`` to let handlers write what they hold before it closes their
-connections (its own timeout counts twice: wait, then cancel and wait), and cleanup stops
-the embedded backend; exit 0. A second signal exits at once (status 1); the embedded
-backend dies with us (PDEATHSIG).
+all (app.py's on_shutdown: the gate closes, then upstream jobs and request handlers are
+drained and stragglers cut, a started stream ending with an error event; registry.py).
+aiohttp's own connection shutdown comes after that and finds nothing left to wait for;
+its timeout (``_WRITE_GRACE_S``, counted twice: wait, then cancel and wait) is only a
+backstop. Cleanup then stops the embedded backend; exit 0. A second signal exits at once
+(status 1); the embedded backend dies with us (PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from llmproxy.proxy.settings import ProxySettings
 
 log = structlog.get_logger("llmproxy.server")
 SD_LISTEN_FDS_START = 3
-_WRITE_GRACE_S = 2.0  # after the drain: handlers only have their last bytes left to write
+_WRITE_GRACE_S = 2.0  # aiohttp's part, after our drain (a backstop: nothing should be left)
 
 
 def inherited_socket() -> socket.socket | None:
@@ -78,7 +78,7 @@ async def serve(settings: ProxySettings, app: web.Application) -> int:
         app,
         handler_cancellation=True,
         access_log=None,
-        shutdown_timeout=min(settings.shutdown_timeout_s, _WRITE_GRACE_S),
+        shutdown_timeout=max(min(settings.shutdown_timeout_s, _WRITE_GRACE_S), 0.01),  # aiohttp: 0 = no limit
         keepalive_timeout=settings.idle_timeout_s,  # also bounds slow (slowloris) request headers
     )
     setup = asyncio.ensure_future(runner.setup())

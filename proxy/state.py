@@ -10,7 +10,7 @@ from aiohttp import web
 from llmproxy.proxy.adapters.base import Adapter
 from llmproxy.proxy.breaker import CircuitBreaker
 from llmproxy.proxy.gate import Gate
-from llmproxy.proxy.jobs import JobRegistry
+from llmproxy.proxy.registry import JobRegistry
 from llmproxy.proxy.metrics import Metrics
 from llmproxy.proxy.record import RequestRecord
 from llmproxy.proxy.settings import ProxySettings

@@ -24,11 +24,14 @@ from llmproxy.proxy.headers import response_headers
 
 
 async def upstream_events(
-    session: aiohttp.ClientSession, method: str, url: URL, headers: CIMultiDict[str], body: bytes | None
+    session: aiohttp.ClientSession, method: str, url: URL, headers: CIMultiDict[str], body: bytes | None,
+    base: URL | None = None,
 ) -> AsyncIterator[Event]:
+    """The exchange as events; ``base`` is the upstream's base URL (redirects into it are
+    rewritten for the client, headers.py)."""
     with map_client_errors():
         async with session.request(method, url, headers=headers, data=body, allow_redirects=False) as resp:
-            yield Headers(resp.status, response_headers(resp.headers, url), resp.content_length)
+            yield Headers(resp.status, response_headers(resp.headers, base), resp.content_length)
             async for data in resp.content.iter_any():
                 yield Chunk(data)
     yield End()

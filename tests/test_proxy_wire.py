@@ -9,13 +9,14 @@ import time
 
 import aiohttp
 import pytest
+import structlog
 from aiohttp import web
 
 from multidict import CIMultiDict
 from yarl import URL
 
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
-from llmproxy.proxy.headers import response_headers
+from llmproxy.proxy.headers import proxied_location, response_headers
 from tests.conftest import run_proxy
 from tests.helpers import closed_port, serve_app, wait_until
 
@@ -31,9 +32,12 @@ async def test_upstream_down_is_502_quickly(http: aiohttp.ClientSession) -> None
             assert r.status == 502
             assert_envelope(await r.json(), 502, "upstream_unreachable")
         assert time.monotonic() - t0 < 2
-        async with http.get(px.url + "/health") as r:  # passthrough too
-            assert r.status == 502
+        with structlog.testing.capture_logs() as logs:
+            async with http.get(px.url + "/health", headers={"X-Request-Id": "h"}) as r:  # passthrough too
+                assert r.status == 502
         await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
+    line = next(e for e in logs if e.get("event") == "request" and e["request_id"] == "h")
+    assert line["reached_upstream"] is False and line["outcome"] == "error"
 
 
 async def test_upstream_hang_is_504(http: aiohttp.ClientSession) -> None:
@@ -131,11 +135,16 @@ async def test_passthrough_is_ungated(http: aiohttp.ClientSession) -> None:
     async with FakeUpstream(slots=1, script=script) as fake, run_proxy(fake.url) as px:
         busy = asyncio.create_task(http.post(px.url + "/completion", json={"prompt": "x"}))
         await fake.wait_for(lambda f: len(f.generations) == 1)
-        for path in ("/health", "/props", "/slots", "/v1/models"):
-            async with http.get(px.url + path) as r, http.get(fake.url + path) as d:
-                assert r.status == d.status
-                assert r.headers["Content-Type"] == d.headers["Content-Type"]
+        with structlog.testing.capture_logs() as logs:
+            for path in ("/health", "/props", "/slots", "/v1/models"):
+                async with http.get(px.url + path) as r, http.get(fake.url + path) as d:
+                    assert r.status == d.status
+                    assert r.headers["Content-Type"] == d.headers["Content-Type"]
         (await busy).release()
+    lines = [e for e in logs if e.get("event") == "request"]
+    assert [(e["route"], e["reached_upstream"], e["upstream_status"]) for e in lines] == [
+        (p, True, 200) for p in ("/health", "/props", "/slots", "/v1/models")
+    ]
 
 
 async def test_id_slot_injected_per_permit(http: aiohttp.ClientSession) -> None:
@@ -254,40 +263,67 @@ async def test_our_request_id_replaces_an_upstreams(http: aiohttp.ClientSession,
             assert r.headers.getall("X-Request-Id") == ["rid-9"]
 
 
-@pytest.mark.parametrize("absolute", [False, True], ids=["relative", "absolute"])
+_SELF = "{self}/elsewhere?a=1"  # the upstream's own absolute URL (filled in by the handler)
+
+
+@pytest.mark.parametrize(
+    ("sent", "expected"),
+    [
+        ("/elsewhere?a=1", "/elsewhere?a=1"),
+        (_SELF, "/elsewhere?a=1"),  # made relative: the client's follow-up comes back through us
+        ("//example.com/x", "//example.com/x"),  # scheme-relative: not ours, as sent
+        ("http://[bad", "http://[bad"),  # unparsable: as sent, never a 500
+    ],
+    ids=["relative", "into-upstream", "scheme-relative", "malformed"],
+)
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/completions/"], ids=["gated", "passthrough"])
 async def test_upstream_redirect_goes_to_the_client_unfollowed(
-    http: aiohttp.ClientSession, path: str, absolute: bool
+    http: aiohttp.ClientSession, path: str, sent: str, expected: str
 ) -> None:
     """A 3xx reaches the client, not followed by the proxy: following it would send bodies
     wherever Location points, and a trailing-slash redirect (vLLM, Ollama) of an ungated
     path would run a generation that never held a permit. A Location into the upstream
-    itself (Starlette builds it from its own host) is made relative, so the client's
-    follow-up comes back through the proxy."""
+    itself (Starlette builds it from its own host) is made relative."""
     seen: list[str] = []
 
     async def handler(request: web.Request) -> web.Response:
         seen.append(request.path)
         if request.path == "/elsewhere":
             return web.json_response({"choices": [{"text": "followed"}]})
-        target = str(request.url.with_path("/elsewhere").with_query("a=1")) if absolute else "/elsewhere?a=1"
-        return web.Response(status=307, headers={"Location": target})
+        own = str(request.url.origin())
+        return web.Response(status=307, headers={"Location": sent.replace("{self}", own)})
 
     app = web.Application()
     app.router.add_post(path, handler)
     app.router.add_route("*", "/elsewhere", handler)
     async with serve_app(app) as upstream, run_proxy(upstream, upstream_kind="openai") as px:
         async with http.post(px.url + path, json={"prompt": "a"}, allow_redirects=False) as r:
-            assert r.status == 307 and r.headers["Location"] == "/elsewhere?a=1"
+            assert r.status == 307 and r.headers["Location"] == expected
             await r.read()
     assert seen == [path]
 
 
-def test_location_elsewhere_is_left_alone() -> None:
-    upstream = URL("http://127.0.0.1:8080/v1/completions")
-    for other in ("http://127.0.0.1:9999/x", "https://127.0.0.1:8080/x", "http://example.com/x", "/x"):
-        assert response_headers(CIMultiDict({"Location": other}), upstream)["Location"] == other
-    assert response_headers(CIMultiDict({"Location": "http://127.0.0.1:8080"}), upstream)["Location"] == "/"
+@pytest.mark.parametrize(
+    ("base", "location", "expected"),
+    [
+        ("http://127.0.0.1:8080", "http://127.0.0.1:8080", "/"),
+        ("http://127.0.0.1:8080", "HTTP://127.0.0.1:8080/y#f", "/y#f"),
+        ("http://localhost:80/llama", "http://LocalHost/llama/v1/models/", "/v1/models/"),  # prefix, default port
+        ("http://localhost/llama", "http://localhost/llama", "/"),
+        ("http://[::1]:8080", "http://[::1]:8080/z?q=%20", "/z?q=%20"),
+        ("http://localhost/llama", "http://localhost/other", None),  # outside the base path
+        ("http://localhost/llama", "http://localhost/llamas/x", None),
+        ("http://127.0.0.1:8080", "http://127.0.0.1:9999/x", None),
+        ("http://127.0.0.1:8080", "https://127.0.0.1:8080/x", None),
+        ("http://127.0.0.1:8080", "/x", None),
+        ("http://127.0.0.1:8080", "//127.0.0.1:8080/x", None),
+        ("http://127.0.0.1:8080", "http://[bad", None),
+    ],
+)
+def test_proxied_location(base: str, location: str, expected: str | None) -> None:
+    assert proxied_location(location, URL(base)) == expected
+    out = response_headers(CIMultiDict({"Location": location}), URL(base))["Location"]
+    assert out == (expected or location)
 
 
 async def test_upstream_cookies_are_not_kept_between_clients(http: aiohttp.ClientSession) -> None:

@@ -57,6 +57,26 @@ async def test_connect_timeout_does_not_hold_the_permit(http: aiohttp.ClientSess
         assert line["reached_upstream"] is False and "confirm_timed_out" not in line
 
 
+async def test_a_failed_job_cut_at_shutdown_keeps_its_error_outcome(http: aiohttp.ClientSession) -> None:
+    """A job whose upstream already failed and that is still waiting for the stop to be
+    confirmed when the shutdown deadline comes is an error, not a request we cut."""
+    script = lambda _p, _b: Script(tokens=8, token_delay_s=0.001, fail="hang_mid_body")  # noqa: E731
+    fake = FakeUpstream(slots=1, abort_linger_s=30, script=script)  # the slot stays busy: no confirmation
+    await fake.start()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            async with run_proxy(fake.url, read_timeout_s=0.3, confirm_timeout_s=30, shutdown_timeout_s=0.3) as px:
+                async with http.post(px.url + "/completion", json={"prompt": "a", "stream": True},
+                                     headers={"X-Request-Id": "f"}) as r:
+                    assert b'"type":"upstream_timeout"' in await r.read()  # the error event ends the stream
+                await wait_until(lambda: px.state.gate.free == 0 and len(px.state.jobs) == 1, what="confirming")
+            # leaving run_proxy shut it down: the job was cut at the deadline while confirming
+        line = next(e for e in logs if e.get("event") == "request" and e["request_id"] == "f")
+        assert line["outcome"] == "error" and line["error"] == "upstream timed out", line
+    finally:
+        await fake.stop()
+
+
 async def test_rejected_newcomer_does_not_kill_the_running_request(http: aiohttp.ClientSession) -> None:
     script = lambda _p, _b: Script(tokens=30, token_delay_s=0.01)  # noqa: E731
     async with FakeUpstream(slots=1, abort_linger_s=0, script=script) as fake, run_proxy(fake.url, max_queue=1) as px:
