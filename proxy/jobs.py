@@ -187,7 +187,8 @@ class UpstreamJob:
         rec.upstream_started = start
         url = self.adapter.url(req.raw_path)
         try:
-            async with aclosing(upstream_events(self.adapter.session, req.method, url, req.headers, body, self.adapter.base_url)) as events:
+            exchange = upstream_events(self.adapter.session, req.method, url, req.headers, body, self.adapter.base_url)
+            async with aclosing(exchange) as events:
                 async for ev in events:
                     if isinstance(ev, Headers):
                         rec.upstream_status = ev.status

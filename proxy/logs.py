@@ -40,7 +40,9 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
         redact,
     ]
     renderer: Any = (
-        structlog.processors.JSONRenderer() if use_json else structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
+        structlog.processors.JSONRenderer()
+        if use_json  # plain tracebacks on a TTY: rich's would print every frame's locals
+        else structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
     )
     tail: list[Any] = [structlog.processors.format_exc_info, renderer] if use_json else [renderer]
     structlog.configure(

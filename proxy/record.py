@@ -50,7 +50,8 @@ class RequestRecord:
     @property
     def sent(self) -> bool:
         """Did the request (possibly) reach the upstream? Not if it never left or could not connect."""
-        return self.upstream_started is not None and not (self.upstream_error is not None and self.upstream_error.not_sent)
+        err = self.upstream_error
+        return self.upstream_started is not None and not (err is not None and err.not_sent)
 
     def add_ref(self) -> None:
         self.refs += 1

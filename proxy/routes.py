@@ -31,7 +31,10 @@ _FAMILY = {
 # Routes whose request body may carry llama-server's id_slot (the llamacpp adapter injects it).
 # llama-server answers /api/chat (Ollama style) with its chat-completions handler.
 SLOT_ROUTES = frozenset(
-    {"/infill", "/completion", "/completions", "/v1/completions", "/chat/completions", "/v1/chat/completions", "/api/chat"}
+    {
+        "/infill", "/completion", "/completions", "/v1/completions",
+        "/chat/completions", "/v1/chat/completions", "/api/chat",
+    }
 )
 
 

@@ -3,9 +3,9 @@
 ``Shape`` is one generation route's format: its stream framing (SSE ``data:`` events or
 Ollama's NDJSON lines), when a body asks to stream, and the chunk / closing pieces /
 whole body carrying the deterministic tokens (token i is ``f"t{i} "``). ``ROUTES`` maps
-each generation path to its shapes and the kinds that serve each (``shape_for`` picks one
-kind's); ``info_routes`` gives the
-fixed GET bodies (/v1/models, /health, /props, Ollama's /api/version and /api/tags).
+each generation path to its shapes and the kinds that serve each (``shape_for`` picks
+one kind's); ``info_routes`` gives the fixed GET bodies (/v1/models, /health, /props,
+Ollama's /api/version and /api/tags).
 Pure functions and frozen data only: no state, no I/O.
 """
 
