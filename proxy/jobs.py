@@ -185,10 +185,8 @@ class UpstreamJob:
         start = time.monotonic()
         ended: float | None = None  # when the upstream body ended (before yielding to the relay)
         rec.upstream_started = start
-        url = self.adapter.url(req.raw_path)
         try:
-            exchange = upstream_events(self.adapter.session, req.method, url, req.headers, body, self.adapter.base_url)
-            async with aclosing(exchange) as events:
+            async with aclosing(upstream_events(self.adapter, req.method, req.raw_path, req.headers, body)) as events:
                 async for ev in events:
                     if isinstance(ev, Headers):
                         rec.upstream_status = ev.status

@@ -7,9 +7,9 @@ runner's server build handlers whose ``handle_error`` answers with the proxy's J
 envelope instead (same status, connection still closed). The same handlers log what the
 client's own bytes caused (``BadHttpMessage``: bad framing, a corrupt compressed body,
 also when aiohttp meets it while discarding an unread body) as one warning line, not an
-ERROR with a traceback that any client could repeat at will. aiohttp offers no public hook for
-the handler class, so this swaps the class of the runner's server instance once, after
-``runner.setup()`` and before any site starts; both subclasses add no state.
+ERROR with a traceback that any client could repeat at will. aiohttp offers no public
+hook for the handler class, so this swaps the class of the runner's server instance
+once, after ``runner.setup()`` and before any site starts; both subclasses add no state.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ class _EnvelopeRequestHandler(RequestHandler):
             super().log_exception(*args, **kw)
             return
         peer = self.transport.get_extra_info("peername") if self.transport is not None else None
-        log.warning("malformed request from the client", error=(str(bad.message).strip().splitlines() or [""])[0][:200],
-                    kind=type(bad).__name__, peer=peer[0] if peer else None)
+        first_line = (str(bad.message).strip().splitlines() or [""])[0][:200]
+        log.warning("malformed request from the client", error=first_line, kind=type(bad).__name__,
+                    peer=peer[0] if peer else None)
 
     def handle_error(
         self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None

@@ -34,10 +34,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
         rec.upstream_started = time.monotonic()  # for the log line: it (maybe) reached the upstream
         try:
             async with aclosing(
-                upstream_events(
-                    st.session, request.method, st.adapter.url(request.raw_path), headers, body or None,
-                    st.adapter.base_url,
-                )
+                upstream_events(st.adapter, request.method, request.raw_path, headers, body or None)
             ) as upstream:
                 async for ev in upstream:
                     if isinstance(ev, Headers):

@@ -56,13 +56,15 @@ class JobRegistry:
         if not (jobs or handlers):
             return
         log.warning("shutdown deadline: cutting what is still running", jobs=len(jobs), handlers=len(handlers))
-        for task in jobs:
-            task.cancel()
-        if jobs:
-            await asyncio.wait(jobs)
+        await _cut(jobs)
         if self._handlers:  # relaying the jobs' last event, or writing to a slow reader
             await asyncio.wait(set(self._handlers), timeout=grace)
-        for task in (late := set(self._handlers)):
-            task.cancel()
-        if late:
-            await asyncio.wait(late)
+        await _cut(set(self._handlers))
+
+
+async def _cut(tasks: set[asyncio.Task[Any]]) -> None:
+    """Cancel ``tasks`` and wait until they have unwound."""
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks)

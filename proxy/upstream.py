@@ -14,24 +14,22 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import aiohttp
 from multidict import CIMultiDict
-from yarl import URL
 
+from llmproxy.proxy.adapters.base import Adapter
 from llmproxy.proxy.channel import Chunk, End, Event, Headers
 from llmproxy.proxy.errors import map_client_errors
 from llmproxy.proxy.headers import response_headers
 
 
 async def upstream_events(
-    session: aiohttp.ClientSession, method: str, url: URL, headers: CIMultiDict[str], body: bytes | None,
-    base: URL | None = None,
+    adapter: Adapter, method: str, raw_path: str, headers: CIMultiDict[str], body: bytes | None
 ) -> AsyncIterator[Event]:
-    """The exchange as events; ``base`` is the upstream's base URL (redirects into it are
-    rewritten for the client, headers.py)."""
+    """``method raw_path`` on the adapter's upstream, through its session, as events."""
+    url = adapter.url(raw_path)
     with map_client_errors():
-        async with session.request(method, url, headers=headers, data=body, allow_redirects=False) as resp:
-            yield Headers(resp.status, response_headers(resp.headers, base), resp.content_length)
+        async with adapter.session.request(method, url, headers=headers, data=body, allow_redirects=False) as resp:
+            yield Headers(resp.status, response_headers(resp.headers, adapter.base_url), resp.content_length)
             async for data in resp.content.iter_any():
                 yield Chunk(data)
     yield End()
