@@ -18,9 +18,10 @@ from llmproxy.proxy.registry import JobRegistry
 from llmproxy.proxy.metrics import Metrics
 from llmproxy.proxy.middleware import proxy_middleware
 from llmproxy.proxy.passthrough import passthrough
+from llmproxy.proxy.request_log import RequestLog
 from llmproxy.proxy.routes import is_gated
 from llmproxy.proxy.settings import ProxySettings
-from llmproxy.proxy.state import METRICS, SETTINGS, STATE, UPSTREAM_URL, ProxyState
+from llmproxy.proxy.state import METRICS, REQUEST_LOG, SETTINGS, STATE, UPSTREAM_URL, ProxyState
 
 log = structlog.get_logger("llmproxy.app")
 
@@ -30,6 +31,14 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     if is_gated(request.method, request.path):
         return await gated(request)
     return await passthrough(request)
+
+
+async def _request_log_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The canonical request log; registered first, so it is closed (flushed) last."""
+    request_log = RequestLog(app[SETTINGS].log_flush_s)
+    app[REQUEST_LOG] = request_log
+    yield
+    request_log.close()
 
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -74,6 +83,7 @@ def build_app(settings: ProxySettings) -> web.Application:
     app = web.Application(middlewares=[proxy_middleware], client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
     app[METRICS] = Metrics()
+    app.cleanup_ctx.append(_request_log_ctx)
     if settings.upstream:
         app[UPSTREAM_URL] = settings.upstream
     else:

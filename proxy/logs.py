@@ -17,6 +17,17 @@ from typing import Any
 import structlog
 
 _SECRET_KEYS = frozenset({"authorization", "api_key", "api-key", "x-api-key", "token", "hf_token"})
+_TIMESTAMPER = structlog.processors.TimeStamper(fmt="iso", utc=True)
+
+
+def stamp(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+    """Add the ISO UTC ``timestamp`` (structlog processor), keeping one the event already has.
+
+    A line written later than it happened (request_log.py) is stamped when it happened.
+    """
+    if "timestamp" in event:
+        return event
+    return _TIMESTAMPER(logger, method, event)
 
 
 def redact(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
@@ -36,7 +47,7 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        stamp,
         redact,
     ]
     renderer: Any = (

@@ -18,7 +18,7 @@ from llmproxy.proxy.errors import BadRequest, HTTPStatusError, NotAllowed, Proxy
 from llmproxy.proxy.record import RequestRecord
 from llmproxy.proxy.routes import is_safe_path
 from llmproxy.proxy.security import check_api_key
-from llmproxy.proxy.state import METRICS, RECORD, SETTINGS
+from llmproxy.proxy.state import METRICS, RECORD, REQUEST_LOG, SETTINGS
 
 log = structlog.get_logger("llmproxy.http")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -43,7 +43,8 @@ async def proxy_middleware(request: web.Request, handler: web.Handler) -> web.St
     supplied = request.headers.get("X-Request-Id", "")
     request_id = supplied if _REQUEST_ID.match(supplied) else secrets.token_hex(8)
     structlog.contextvars.bind_contextvars(request_id=request_id)
-    rec = RequestRecord(request_id, request.method, request.path, on_done=lambda r: _count(r, app))
+    rec = RequestRecord(request_id, request.method, request.path, on_done=lambda r: _count(r, app),
+                        request_log=app[REQUEST_LOG])
     request[RECORD] = rec
     try:
         if not is_safe_path(request.raw_path):

@@ -2,8 +2,9 @@
 
 A record is referenced by its handler and, for gated requests that got a permit, by
 their upstream job. Whoever finishes last (``end_ref``) emits the single canonical log
-line and counts the outcome, so a request whose client left while its job still drains
-is logged once, with the job's final numbers.
+line (through the app's RequestLog, which writes lines in batches) and counts the
+outcome, so a request whose client left while its job still drains is logged once, with
+the job's final numbers.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 import structlog
 
 from llmproxy.proxy.errors import ProxyError
+from llmproxy.proxy.request_log import RequestLog
 
 log = structlog.get_logger("llmproxy.request")
 
@@ -26,6 +28,7 @@ class RequestRecord:
     method: str
     path: str
     on_done: Any = None  # callable(record) -> None: counts metrics
+    request_log: RequestLog | None = None  # writes the line (batched); None: at once
     session: str | None = None
     gated: bool = False
     parsed_body: Any = None
@@ -100,4 +103,8 @@ class RequestRecord:
         error = self.error or (self.upstream_error.message if self.upstream_error is not None else None)
         if error:
             fields["error"] = error
-        log.info("request", **{k: v for k, v in fields.items() if v is not None})
+        line = {k: v for k, v in fields.items() if v is not None}
+        if self.request_log is not None:
+            self.request_log.write(line)
+        else:
+            log.info("request", **line)

@@ -92,6 +92,10 @@ class ProxySettings(LayeredSettings):
     shutdown_timeout_s: float = Field(20.0, ge=0, description="On SIGTERM, how long in-flight requests may finish")
     log_level: str = Field("info", description="Log level")
     log_json: bool | None = Field(None, description="JSON log lines (default: when stderr is not a TTY)")
+    log_flush_s: float = Field(
+        0.05, ge=0,
+        description="Per-request log lines are written in batches, at most this long after the request ended (0: each at once)",
+    )
     port_file: Path | None = Field(None, description="Write the bound port to this file once listening")
 
     # embedded backend (only when no upstream is set)

@@ -13,6 +13,7 @@ from llmproxy.proxy.gate import Gate
 from llmproxy.proxy.registry import JobRegistry
 from llmproxy.proxy.metrics import Metrics
 from llmproxy.proxy.record import RequestRecord
+from llmproxy.proxy.request_log import RequestLog
 from llmproxy.proxy.settings import ProxySettings
 
 
@@ -37,6 +38,7 @@ SETTINGS = web.AppKey("settings", ProxySettings)
 METRICS = web.AppKey("metrics", Metrics)
 UPSTREAM_URL = web.AppKey("upstream_url", str)
 STATE = web.AppKey("state", ProxyState)
+REQUEST_LOG = web.AppKey("request_log", RequestLog)
 RECORD = web.RequestKey("record", RequestRecord)  # request-scoped
 
-__all__ = ["ProxyState", "SETTINGS", "METRICS", "UPSTREAM_URL", "STATE", "RECORD", "RequestRecord"]
+__all__ = ["ProxyState", "SETTINGS", "METRICS", "UPSTREAM_URL", "STATE", "REQUEST_LOG", "RECORD", "RequestRecord"]

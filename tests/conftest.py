@@ -15,7 +15,7 @@ from llmproxy.proxy import parse_errors
 from llmproxy.proxy.app import build_app
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream
 from llmproxy.proxy.settings import ProxySettings
-from llmproxy.proxy.state import STATE, ProxyState
+from llmproxy.proxy.state import REQUEST_LOG, STATE, ProxyState
 
 
 @dataclass
@@ -26,6 +26,10 @@ class RunningProxy:
     @property
     def state(self) -> ProxyState:
         return self.app[STATE]
+
+    def flush_log(self) -> None:
+        """Write the canonical lines of the requests that ended (request_log.py batches them)."""
+        self.app[REQUEST_LOG].flush()
 
 
 @asynccontextmanager

@@ -33,6 +33,7 @@ def sse_events(text: str) -> list[str]:
 async def quiet(px: Any, timeout: float = 5) -> None:
     await asyncio.wait_for(px.state.gate.wait_quiescent(), timeout)
     assert px.state.gate.free == px.state.gate.capacity
+    px.flush_log()
 
 
 def outcome_count(px: Any, outcome: str, route: str = "/completion") -> float:

@@ -35,6 +35,7 @@ async def test_upstream_down_is_502_quickly(http: aiohttp.ClientSession) -> None
         with structlog.testing.capture_logs() as logs:
             async with http.get(px.url + "/health", headers={"X-Request-Id": "h"}) as r:  # passthrough too
                 assert r.status == 502
+            px.flush_log()
         await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
     line = next(e for e in logs if e.get("event") == "request" and e["request_id"] == "h")
     assert line["reached_upstream"] is False and line["outcome"] == "error"
@@ -140,6 +141,7 @@ async def test_passthrough_is_ungated(http: aiohttp.ClientSession) -> None:
                 async with http.get(px.url + path) as r, http.get(fake.url + path) as d:
                     assert r.status == d.status
                     assert r.headers["Content-Type"] == d.headers["Content-Type"]
+            px.flush_log()
         (await busy).release()
     lines = [e for e in logs if e.get("event") == "request"]
     assert [(e["route"], e["reached_upstream"], e["upstream_status"]) for e in lines] == [

@@ -31,6 +31,7 @@ async def test_unreachable_upstream_does_not_hold_the_permit(http: aiohttp.Clien
                 assert r.status == 502
             assert time.monotonic() - t0 < 2  # not confirm_timeout_s behind a held permit
             await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
+            px.flush_log()
         first = next(e for e in logs if e.get("event") == "request" and e["request_id"] == "a")
         assert first["reached_upstream"] is False and "confirm_timed_out" not in first
 
@@ -53,6 +54,7 @@ async def test_connect_timeout_does_not_hold_the_permit(http: aiohttp.ClientSess
                 async with http.post(px.url + "/infill", json={"prompt": "a"}, headers={"X-Request-Id": "a"}) as r:
                     assert r.status == 504 and (await r.json())["error"]["type"] == "upstream_timeout"
                 await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+                px.flush_log()
         line = next(e for e in logs if e.get("event") == "request" and e["request_id"] == "a")
         assert line["reached_upstream"] is False and "confirm_timed_out" not in line
 

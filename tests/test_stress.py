@@ -81,6 +81,7 @@ async def scenario(ops: list[Op], capacity: int, linger: float, policy: str) -> 
 
             await asyncio.gather(*(client(i, op) for i, op in enumerate(ops)))
             await asyncio.wait_for(px.state.gate.wait_quiescent(), 15)
+            px.flush_log()
             # A client aborted at once may never reach the proxy; every other one must be logged.
             must = {f"r{i}" for i, op in enumerate(ops) if op.abort_ms is None}
             await wait_until(lambda: must <= {e.get("request_id") for e in logs if e.get("event") == "request"}, 10,
