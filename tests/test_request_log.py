@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import aiohttp
 import structlog
@@ -15,7 +16,7 @@ from tests.conftest import run_proxy
 from tests.helpers import wait_until
 
 
-def _lines(logs: list[dict]) -> list[str]:
+def _lines(logs: list[dict[str, Any]]) -> list[str]:
     return [e["request_id"] for e in logs if e.get("event") == "request"]
 
 
