@@ -150,7 +150,8 @@ async def test_secrets_never_reach_logs_or_status(fake: FakeUpstream, http: aioh
                     assert r.status in (200, 401)
             async with http.get(px.url + "/llmproxy/status", headers={"api-key": SECRET}) as r:
                 status_text = await r.text()
-        assert logs, "nothing captured"
+            px.flush_log()
+        assert any(e.get("event") == "request" for e in logs), "no request line captured"
         dumped = "\n".join(repr(e) for e in logs)
         assert SECRET not in dumped and SECRET2 not in dumped
         assert SECRET not in status_text and SECRET2 not in status_text
@@ -166,6 +167,8 @@ async def test_secrets_never_reach_logs_or_status(fake: FakeUpstream, http: aioh
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+            px.flush_log()
+        assert any(e.get("event") == "request" for e in logs), "no request line captured"
         dumped = "\n".join(repr(e) for e in logs)
         assert SECRET not in dumped and SECRET2 not in dumped
         assert SECRET not in status_text and SECRET2 not in status_text
