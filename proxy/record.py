@@ -9,17 +9,12 @@ the job's final numbers.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import structlog
-
 from llmproxy.proxy.errors import ProxyError
 from llmproxy.proxy.request_log import RequestLog
-
-log = structlog.get_logger("llmproxy.request")
 
 
 @dataclass(eq=False)
@@ -28,7 +23,7 @@ class RequestRecord:
     method: str
     path: str
     on_done: Any = None  # callable(record) -> None: counts metrics
-    request_log: RequestLog | None = None  # writes the line (batched); None: at once
+    request_log: RequestLog = field(default_factory=lambda: RequestLog(0))  # the app's (batched); default: at once
     session: str | None = None
     gated: bool = False
     parsed_body: Any = None
@@ -79,7 +74,7 @@ class RequestRecord:
         self.outcome = self._resolve_outcome()
         if self.on_done is not None:
             self.on_done(self)
-        if not log.is_enabled_for(logging.INFO):
+        if not self.request_log.enabled():
             return
         ms = lambda v: None if v is None else round(v * 1000, 2)  # noqa: E731
         fields = {
@@ -103,8 +98,4 @@ class RequestRecord:
         error = self.error or (self.upstream_error.message if self.upstream_error is not None else None)
         if error:
             fields["error"] = error
-        line = {k: v for k, v in fields.items() if v is not None}
-        if self.request_log is not None:
-            self.request_log.write(line)
-        else:
-            log.info("request", **line)
+        self.request_log.write({k: v for k, v in fields.items() if v is not None})

@@ -20,6 +20,7 @@ most ``flush_s`` of them.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import structlog
@@ -38,6 +39,10 @@ class RequestLog:
         self._pending: list[dict[str, Any]] = []
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
+
+    def enabled(self) -> bool:
+        """Does the log level let request lines through (info)? If not, skip building them."""
+        return log.is_enabled_for(logging.INFO)
 
     def write(self, fields: dict[str, Any]) -> None:
         """Log one request's line (``fields`` become its key/values; the event is "request")."""
