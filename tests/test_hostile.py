@@ -27,7 +27,7 @@ async def _connect(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter
 
 
 async def _refused(url: str, raw: bytes) -> bytes:
-    """``_exchange``, checked to be a 400 in our error envelope; returns the raw response."""
+    """``raw_exchange``, checked to be a 400 in our error envelope; returns the raw response."""
     resp = await raw_exchange(url, raw)
     assert resp.split(b" ", 2)[1] == b"400", resp[:300]
     assert_envelope_body(resp, 400)
