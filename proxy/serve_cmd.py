@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 import structlog
 
+from llmproxy.proxy import loops
 from llmproxy.proxy.app import build_app
 from llmproxy.proxy.config import add_settings_arguments, describe, settings_from_args
 from llmproxy.proxy.logs import configure_logging
@@ -17,8 +17,12 @@ from llmproxy.proxy.settings import ProxySettings
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(ProxySettings, args)
     configure_logging(settings.log_level, settings.log_json)
-    structlog.get_logger("llmproxy").info("starting llmproxy", settings=describe(settings))
-    return asyncio.run(serve(settings, build_app(settings)))
+    try:
+        loop_name, loop_factory = loops.resolve(settings.loop)
+    except loops.LoopUnavailable as exc:
+        raise SystemExit(f"llmproxy: {exc}") from None
+    structlog.get_logger("llmproxy").info("starting llmproxy", loop=loop_name, settings=describe(settings))
+    return loops.run(serve(settings, build_app(settings)), loop_factory)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

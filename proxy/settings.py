@@ -12,6 +12,7 @@ from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from llmproxy.proxy.config import LayeredSettings
+from llmproxy.proxy.loops import LoopChoice
 
 COMPLETION_ROUTES = ("/infill", "/completion", "/v1/completions", "/completions", "/api/generate")
 SESSION_PARTS = ("peer", "user_agent", "authorization", "route_family", "model")
@@ -97,6 +98,9 @@ class ProxySettings(LayeredSettings):
         description="Per-request log lines are written in batches, at most this long after the request ended (0: each at once)",
     )
     port_file: Path | None = Field(None, description="Write the bound port to this file once listening")
+    loop: LoopChoice = Field(
+        "auto", description="Event loop: uvloop (the 'speedups' extra), asyncio, or auto = uvloop when installed"
+    )
 
     # embedded backend (only when no upstream is set)
     engine: Literal["llama-cpp", "torch"] = Field("llama-cpp", description="Embedded backend engine")

@@ -25,8 +25,9 @@ def test_bench_measures_direct_floor_and_proxy() -> None:
     for case in cases:
         for result in (case.direct, case.floor, case.proxied):
             assert result is not None and result.ok == 12 and result.errors == 0
-    table = format_table(cases)
+    table = format_table(cases, loop="uvloop")
     assert "floor +p50" in table and "1ms/tok stream c=4" in table
+    assert "event loop of the proxy and the floor: uvloop" in table
 
 
 async def test_forwarder_relays_bytes_unchanged(tmp_path: Path) -> None:
@@ -45,7 +46,8 @@ async def test_forwarder_relays_bytes_unchanged(tmp_path: Path) -> None:
 
 async def test_bench_proxy_runs_as_users_run_it(tmp_path: Path) -> None:
     """The measured proxy writes its canonical line per request (info, its own default):
-    the logging it always does is part of the overhead."""
+    the logging it always does is part of the overhead. It runs on the loop users get
+    (uvloop, installed with the speedups extra)."""
     fake_argv = [sys.executable, "-m", "llmproxy.proxy.bench.fake_upstream", "--port", "0", "--tokens", "2",
                  "--token-delay-ms", "0"]
     async with child("fake", fake_argv, tmp_path, 60) as (_fp, fake_url):
@@ -57,6 +59,7 @@ async def test_bench_proxy_runs_as_users_run_it(tmp_path: Path) -> None:
                         await r.read()
     lines = [json.loads(x) for x in (tmp_path / "proxy.log").read_text().splitlines() if x.startswith("{")]
     assert [e["outcome"] for e in lines if e["event"] == "request"] == ["completed"] * 3
+    assert [e["loop"] for e in lines if e["event"] == "starting llmproxy"] == ["uvloop"]
 
 
 def test_blocks_pool_into_one_result() -> None:

@@ -333,7 +333,7 @@ def test_overhead_bench_direct_half() -> None:
     assert all(c.direct.cpu_us_per_request(0) >= 0 for c in cases)
     assert cpu_seconds(os.getpid()) > 0
     assert all(c.direct.percentile_ms(50) >= 4 for c in cases if c.token_delay_ms == 1.0)  # 4 tokens x 1 ms
-    table = format_table(cases)
+    table = format_table(cases, loop="asyncio")
     assert "1ms/tok stream c=3" in table and "instant nonstream c=1" in table
     assert "overall (paced upstream rows): n/a" in table
 

@@ -24,9 +24,11 @@ LLMPROXY = str(Path(sys.executable).with_name("llmproxy"))
 
 
 @asynccontextmanager
-async def serve(tmp_path: Path, *args: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+async def serve(
+    tmp_path: Path, *args: str, env_extra: dict[str, str] | None = None
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
     port_file = tmp_path / "port"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMPROXY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMPROXY_")} | (env_extra or {})
     proc = await asyncio.create_subprocess_exec(
         LLMPROXY, "serve", "--port", "0", "--port-file", str(port_file), "--log-json", *args,
         stderr=asyncio.subprocess.PIPE, env=env,

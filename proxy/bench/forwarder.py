@@ -1,7 +1,7 @@
 """The floor for ``llmproxy bench overhead``: a featureless aiohttp forwarder.
 
 ``python -m llmproxy.proxy.bench.forwarder --upstream URL`` forwards every request to the
-upstream with the same aiohttp server and client settings the proxy uses, and relays the
+upstream with the same aiohttp server and client settings and event loop the proxy uses, and relays the
 response chunk by chunk, with none of the proxy's work: no gate, no permits, no sessions,
 no job task, no metrics, no logging, no header filtering beyond the bare minimum. It writes like the proxy's
 relay (a body that arrived whole in one send; a last chunk with the terminator), so the
@@ -31,6 +31,7 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 from yarl import URL
 
+from llmproxy.proxy import loops
 from llmproxy.proxy.config import LayeredSettings, add_settings_arguments, settings_from_args
 
 SESSION = web.AppKey("session", aiohttp.ClientSession)
@@ -46,6 +47,7 @@ class ForwarderSettings(LayeredSettings):
     host: str = Field("127.0.0.1", description="Address to bind")
     port: int = Field(0, ge=0, le=65535, description="Port to bind; 0 picks a free port")
     port_file: Path | None = Field(None, description="Write the bound port to this file once listening")
+    loop: loops.LoopChoice = Field("auto", description="Event loop, as the proxy's --loop")
 
 
 async def _forward(request: web.Request) -> web.StreamResponse:
@@ -109,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m llmproxy.proxy.bench.forwarder", description="Featureless aiohttp forwarder (bench floor)."
     )
     add_settings_arguments(parser, ForwarderSettings)
-    asyncio.run(_serve(settings_from_args(ForwarderSettings, parser.parse_args(argv))))
+    settings = settings_from_args(ForwarderSettings, parser.parse_args(argv))
+    loops.run(_serve(settings), loops.resolve(settings.loop)[1])
     return 0
 
 

@@ -46,6 +46,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from llmproxy.proxy import loops
 from llmproxy.proxy.bench.child import child, cpu_seconds
 from llmproxy.proxy.bench.loadgen import LoadResult, run_load
 from llmproxy.proxy.bench.overhead_table import Case, format_table
@@ -79,6 +80,7 @@ class OverheadSettings(LayeredSettings):
     )
     startup_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a child to write its port file")
     log_level: str = Field("warning", description="Log level of this process, the fake upstream and the floor")
+    loop: loops.LoopChoice = Field("auto", description="Event loop of the proxy and floor children (their --loop)")
     proxy_log_level: str = Field(
         "info", description="The proxy child's log level; info, its own default, measures its canonical line per request"
     )
@@ -129,7 +131,7 @@ def proxy_command(settings: OverheadSettings, upstream_url: str) -> list[str]:
     return [
         sys.executable, "-m", "llmproxy.proxy", "serve", "--port", "0", "--upstream", upstream_url,
         "--capacity", str(settings.slots), "--max-queue", str(settings.max_queue),
-        "--log-level", settings.proxy_log_level,
+        "--log-level", settings.proxy_log_level, "--loop", settings.loop,
     ]
 
 
@@ -148,7 +150,8 @@ async def _profile(settings: OverheadSettings, delay_ms: float, workdir: Path) -
             proxy_argv = proxy_command(settings, fake_url)
             proxy_pid, proxy_url = await stack.enter_async_context(child("proxy", proxy_argv, workdir, settings.startup_timeout_s))
         if settings.proxy and settings.floor:
-            floor_argv = [sys.executable, "-m", "llmproxy.proxy.bench.forwarder", "--upstream", fake_url]
+            floor_argv = [sys.executable, "-m", "llmproxy.proxy.bench.forwarder", "--upstream", fake_url,
+                          "--loop", settings.loop]
             floor_pid, floor_url = await stack.enter_async_context(child("forwarder", floor_argv, workdir, settings.startup_timeout_s))
         for mode in settings.modes:
             stream = mode == "stream"
@@ -176,9 +179,13 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(settings.modes) - {"nonstream", "stream"}
     if unknown:
         raise SystemExit(f"llmproxy bench overhead: unknown mode(s): {', '.join(sorted(unknown))}")
+    try:
+        loop_name = loops.resolve(settings.loop)[0]  # as the children will resolve it (same environment)
+    except loops.LoopUnavailable as exc:
+        raise SystemExit(f"llmproxy bench overhead: {exc}") from None
     gc.freeze()  # the load generator too: no full-collection pauses inside the measurements
     cases = asyncio.run(_bench(settings))
-    sys.stdout.write(format_table(cases))
+    sys.stdout.write(format_table(cases, loop=loop_name))
     return 0
 
 

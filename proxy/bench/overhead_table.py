@@ -54,8 +54,11 @@ def _goals(case: Case) -> tuple[float, float, float, list[str]]:
     return add50, add99, ratio, marks
 
 
-def format_table(cases: list[Case]) -> str:
-    """The result table (one row per case) followed by the goals and an overall verdict."""
+def format_table(cases: list[Case], loop: str) -> str:
+    """The result table (one row per case) followed by the goals and an overall verdict.
+
+    ``loop``: the event loop the proxy and floor children ran on (their ``--loop``).
+    """
     head = (
         f"{'case':<26}{'n':>6}{'direct p50':>11}{'p99':>8}{'proxied p50':>12}{'p99':>8}"
         f"{'added p50':>10}{'p99':>8}{'rps direct':>11}{'proxied':>9}{'ratio':>7}"
@@ -97,6 +100,7 @@ def format_table(cases: list[Case]) -> str:
         "floor: the same load through a featureless aiohttp forwarder (bench/forwarder.py): the latency it adds "
         "over direct and its CPU us/req, i.e. what the aiohttp server + client hop costs here before any proxy logic"
     )
+    lines.append(f"event loop of the proxy and the floor: {loop}")
     judged = [c for c in cases if c.judged and c.proxied is not None]
     verdict = ("PASS" if all_pass else "FAIL") if judged else "n/a (no paced rows measured through the proxy)"
     lines.append(f"overall (paced upstream rows): {verdict}")

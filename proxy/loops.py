@@ -1,0 +1,44 @@
+"""Which asyncio event loop a server process runs on: uvloop when installed, else asyncio's.
+
+uvloop (libuv underneath) runs the same asyncio code with cheaper callbacks, transports
+and socket I/O; aiohttp and its tests support it as a drop-in loop. It is an optional
+dependency (the ``speedups`` extra, installed by the Makefile): ``auto`` uses it when it
+can be imported, ``uvloop`` insists on it (a clear error when missing), ``asyncio`` never
+uses it. The choice is made once, before the loop starts, like uvicorn's ``--loop``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any, Literal, TypeVar
+
+LoopChoice = Literal["auto", "asyncio", "uvloop"]
+LoopFactory = Callable[[], asyncio.AbstractEventLoop]
+T = TypeVar("T")
+
+
+class LoopUnavailable(RuntimeError):
+    """``--loop uvloop`` was asked for but uvloop cannot be imported here."""
+
+
+def resolve(choice: LoopChoice) -> tuple[str, LoopFactory | None]:
+    """The loop's name and factory for ``choice`` (factory None: asyncio's default)."""
+    if choice == "asyncio":
+        return "asyncio", None
+    try:
+        import uvloop
+    except ImportError as exc:
+        if choice == "uvloop":
+            raise LoopUnavailable(
+                "--loop uvloop: uvloop is not installed (pip install 'llmproxy[speedups]'), "
+                "or use --loop asyncio"
+            ) from exc
+        return "asyncio", None
+    return "uvloop", uvloop.new_event_loop
+
+
+def run(main: Coroutine[Any, Any, T], factory: LoopFactory | None) -> T:
+    """Run ``main`` to completion on a fresh loop from ``factory`` (like ``asyncio.run``)."""
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)
