@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from llmproxy.backend.settings import BackendSettings
 from llmproxy.proxy.config import add_settings_arguments, settings_from_args
@@ -24,13 +23,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from llmproxy.backend.model_path import ModelNotFound
     from llmproxy.backend.server import serve
+    from llmproxy.proxy import loops
     from llmproxy.proxy.logs import configure_logging
 
     settings = settings_from_args(BackendSettings, args)
     configure_logging(settings.log_level, settings.log_json)
     try:
-        asyncio.run(serve(settings))
-    except ModelNotFound as exc:
+        factory = loops.resolve(settings.loop)[1]
+        loops.run(serve(settings), factory)
+    except (ModelNotFound, loops.LoopUnavailable) as exc:
         raise SystemExit(f"llmproxy backend: {exc}") from None
     return 0
 

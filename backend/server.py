@@ -18,6 +18,7 @@ import structlog
 from aiohttp import web
 from llmproxy.backend.app import create_app
 from llmproxy.backend.settings import BackendSettings
+from llmproxy.proxy import loops
 from llmproxy.proxy.config import describe
 
 log = structlog.get_logger("llmproxy.backend")
@@ -48,7 +49,7 @@ async def serve(settings: BackendSettings, stop: asyncio.Event | None = None) ->
         port = runner.addresses[0][1]
         if settings.port_file is not None:
             _write_port_file(settings.port_file, port)
-        log.info("backend_listening", host=settings.host, port=port, settings=describe(settings))
+        log.info("backend_listening", host=settings.host, port=port, loop=loops.running(), settings=describe(settings))
         await stop.wait()
         log.info("backend_stopping")
     finally:

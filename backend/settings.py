@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from llmproxy.proxy.config import LayeredSettings
+from llmproxy.proxy.loops import LoopChoice
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
@@ -24,6 +25,9 @@ class BackendSettings(LayeredSettings):
     host: str = Field("127.0.0.1", description="Address to bind (loopback by default)")
     port: int = Field(8012, ge=0, le=65535, description="Port to bind; 0 picks a free port")
     port_file: Path | None = Field(None, description="Write the bound port to this file once listening")
+    loop: LoopChoice = Field(
+        "auto", description="Event loop: uvloop (the 'speedups' extra), asyncio, or auto = uvloop when installed"
+    )
 
     # model and engine
     engine: EngineName = Field(

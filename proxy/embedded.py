@@ -52,7 +52,7 @@ def die_with_parent() -> Callable[[], None]:
 def backend_command(s: ProxySettings, port_file: Path) -> list[str]:
     cmd = [sys.executable, "-m", "llmproxy.backend", "--host", "127.0.0.1", "--port", "0"]
     cmd += ["--port-file", str(port_file), "--engine", s.engine, "--parallel", str(s.parallel)]
-    cmd += ["--log-level", s.log_level]
+    cmd += ["--log-level", s.log_level, "--loop", s.loop]
     if s.model is not None:
         cmd += ["--model", str(s.model)]
     if s.n_threads is not None:

@@ -38,6 +38,11 @@ def resolve(choice: LoopChoice) -> tuple[str, LoopFactory | None]:
     return "uvloop", uvloop.new_event_loop
 
 
+def running() -> str:
+    """The name of the loop this code runs on ("uvloop" or "asyncio"), for log lines."""
+    return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
+
+
 def run(main: Coroutine[Any, Any, T], factory: LoopFactory | None) -> T:
     """Run ``main`` to completion on a fresh loop from ``factory`` (like ``asyncio.run``)."""
     with asyncio.Runner(loop_factory=factory) as runner:

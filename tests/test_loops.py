@@ -19,6 +19,8 @@ import uvloop
 
 from llmproxy.proxy import loops
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream
+from llmproxy.proxy.embedded import backend_command
+from llmproxy.proxy.settings import ProxySettings
 from tests.test_serve_e2e import LLMPROXY, serve
 
 
@@ -36,6 +38,12 @@ def test_resolution() -> None:
 def test_run_uses_the_chosen_loop() -> None:
     assert loops.run(_loop_module(), loops.resolve("auto")[1]).startswith("uvloop")
     assert loops.run(_loop_module(), loops.resolve("asyncio")[1]).startswith("asyncio")
+
+
+def test_embedded_backend_gets_the_proxys_loop(tmp_path: Path) -> None:
+    for choice in ("auto", "asyncio", "uvloop"):
+        cmd = backend_command(ProxySettings(loop=choice), tmp_path / "port")
+        assert cmd[cmd.index("--loop") + 1] == choice
 
 
 def _hide_uvloop(tmp_path: Path) -> dict[str, str]:

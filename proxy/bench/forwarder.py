@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_settings_arguments(parser, ForwarderSettings)
     settings = settings_from_args(ForwarderSettings, parser.parse_args(argv))
-    loops.run(_serve(settings), loops.resolve(settings.loop)[1])
+    factory = loops.resolve(settings.loop)[1]
+    loops.run(_serve(settings), factory)
     return 0
 
 
