@@ -4,7 +4,8 @@ Lifecycle (an aiohttp cleanup_ctx): start ``python -m llmproxy.backend`` as a ch
 free loopback port (it writes the port to a file), wait for ``/health`` to answer 200
 while logging load progress, publish its URL in ``UPSTREAM_URL``, and on exit terminate
 it (SIGTERM, then SIGKILL after a grace period). The child gets PR_SET_PDEATHSIG so it
-never outlives a proxy that was SIGKILLed.
+never outlives a proxy that was SIGKILLed, and no file descriptor beyond 0-2 (see
+``child_preexec``).
 """
 
 from __future__ import annotations
@@ -29,22 +30,35 @@ from llmproxy.proxy.state import SETTINGS, UPSTREAM_URL
 log = structlog.get_logger("llmproxy.embedded")
 
 
-def die_with_parent() -> Callable[[], None]:
-    """A ``preexec_fn``: the child gets SIGTERM when this process dies (Linux PR_SET_PDEATHSIG).
+def child_preexec() -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets SIGTERM when this process dies (Linux PR_SET_PDEATHSIG)
+    and keeps no file descriptor beyond 0-2 across exec.
+
+    The second is what asyncio's subprocesses do (``close_fds=True``) and uvloop's do not
+    (it spawns with every inheritable fd, e.g. one this process inherited from its own
+    parent): every fd from 3 up is marked close-on-exec (``close_range`` with
+    CLOSE_RANGE_CLOEXEC, Linux >= 5.11 and glibc >= 2.34; skipped where missing). Marking
+    rather than closing leaves the loop's own exec-status pipe working.
 
     libc is resolved here, in the parent, so the child does no dynamic loading between fork
     and exec; if the parent died before ``prctl`` took effect, the child exits at once.
     """
     parent = os.getpid()
     try:
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except OSError:  # not glibc/Linux: no parent-death signal available
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:  # not glibc/Linux: neither is available
         return lambda: None
+    prctl = libc.prctl
+    close_range = getattr(libc, "close_range", None)
+    if close_range is not None:
+        close_range.argtypes = (ctypes.c_uint, ctypes.c_uint, ctypes.c_int)
 
     def preexec() -> None:
         prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:
             os._exit(1)
+        if close_range is not None:
+            close_range(3, 0xFFFFFFFF, 4)  # CLOSE_RANGE_CLOEXEC; an old kernel's ENOSYS is ignored
 
     return preexec
 
@@ -106,7 +120,7 @@ async def embedded_backend(app: web.Application) -> AsyncIterator[None]:
         port_file = Path(tmp) / "backend.port"
         cmd = backend_command(s, port_file)
         log.info("starting embedded backend", engine=s.engine, model=str(s.model or "default"), parallel=s.parallel)
-        proc = await asyncio.create_subprocess_exec(*cmd, preexec_fn=die_with_parent())
+        proc = await asyncio.create_subprocess_exec(*cmd, preexec_fn=child_preexec())
         try:
             app[UPSTREAM_URL] = await _wait_ready(proc, port_file, s.backend_start_timeout_s)
             log.info("embedded backend ready", url=app[UPSTREAM_URL], pid=proc.pid)

@@ -19,7 +19,7 @@ T = TypeVar("T")
 
 
 class LoopUnavailable(RuntimeError):
-    """``--loop uvloop`` was asked for but uvloop cannot be imported here."""
+    """``loop = "uvloop"`` was asked for but uvloop cannot be imported here."""
 
 
 def resolve(choice: LoopChoice) -> tuple[str, LoopFactory | None]:
@@ -31,8 +31,8 @@ def resolve(choice: LoopChoice) -> tuple[str, LoopFactory | None]:
     except ImportError as exc:
         if choice == "uvloop":
             raise LoopUnavailable(
-                "--loop uvloop: uvloop is not installed (pip install 'llmproxy[speedups]'), "
-                "or use --loop asyncio"
+                f"loop = uvloop, but uvloop cannot be imported ({exc}): install the speedups extra "
+                "(pip install 'llmproxy[speedups]') or choose loop = asyncio"
             ) from exc
         return "asyncio", None
     return "uvloop", uvloop.new_event_loop

@@ -23,7 +23,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
-from llmproxy.proxy import parse_errors
+from llmproxy.proxy import loops, parse_errors
 from llmproxy.proxy.settings import ProxySettings
 
 log = structlog.get_logger("llmproxy.server")
@@ -32,14 +32,21 @@ _WRITE_GRACE_S = 2.0  # aiohttp's part, after our drain (a backstop: nothing sho
 
 
 def inherited_socket() -> socket.socket | None:
-    """The listening socket passed by systemd socket activation (LISTEN_FDS), if any."""
+    """The listening socket passed by systemd socket activation (LISTEN_FDS), if any.
+
+    Taken before the embedded backend starts, so that neither the socket nor the
+    ``LISTEN_*`` variables reach it: the socket is made non-inheritable (uvloop spawns
+    children without ``close_fds``, so an inheritable fd would be passed on).
+    """
     if os.environ.get("LISTEN_PID") != str(os.getpid()):
         return None
     if int(os.environ.get("LISTEN_FDS", "0")) < 1:
         return None
     for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
         os.environ.pop(var, None)  # not inherited by the embedded backend
-    return socket.socket(fileno=SD_LISTEN_FDS_START)
+    sock = socket.socket(fileno=SD_LISTEN_FDS_START)
+    sock.set_inheritable(False)
+    return sock
 
 
 def _is_loopback(host: str) -> bool:
@@ -59,6 +66,7 @@ def _write_port_file(path: Path, port: int) -> None:
 
 async def serve(settings: ProxySettings, app: web.Application) -> int:
     loop = asyncio.get_running_loop()
+    sock = inherited_socket()  # before runner.setup() starts the embedded backend
     stop = asyncio.Event()
     signals_seen = 0
 
@@ -94,14 +102,14 @@ async def serve(settings: ProxySettings, app: web.Application) -> int:
         # Startup objects (modules, app, settings; ~55k) go to the permanent generation, so a
         # full collection scans only what requests allocate: ~19 ms pauses -> well under 1 ms.
         gc.freeze()
-        sock = inherited_socket()
+        # A backlog that holds a full queue's worth of simultaneous connects (the default 128
+        # would drop SYNs and stall new clients, /llmproxy/status probes included, by >= 1 s);
+        # also for systemd's socket, which aiohttp listen()s on again with its own backlog.
+        backlog = max(1024, settings.max_queue + 64)
         site: web.BaseSite
         if sock is not None:
-            site = web.SockSite(runner, sock)
+            site = web.SockSite(runner, sock, backlog=backlog)
         else:
-            # A backlog that holds a full queue's worth of simultaneous connects (the default 128
-            # would drop SYNs and stall new clients, /llmproxy/status probes included, by >= 1 s).
-            backlog = max(1024, settings.max_queue + 64)
             site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True, backlog=backlog)
         await site.start()
         bound = runner.addresses[0]
@@ -111,7 +119,8 @@ async def serve(settings: ProxySettings, app: web.Application) -> int:
         if sock is None and not _is_loopback(settings.host) and settings.api_key is None:
             log.warning("listening on a non-loopback address WITHOUT an API key: anyone on the network can use it",
                         host=settings.host)
-        log.info("listening", url=f"http://{bound[0]}:{port}", socket_activated=sock is not None)
+        log.info("listening", url=f"http://{bound[0]}:{port}", socket_activated=sock is not None,
+                 loop=loops.running())
         await stopper
         return 0
     finally:

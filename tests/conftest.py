@@ -1,14 +1,21 @@
-"""Shared fixtures: the fake upstream and an in-process proxy on real loopback sockets."""
+"""Shared fixtures: the fake upstream and an in-process proxy on real loopback sockets.
+
+The in-process proxy suites run twice, on asyncio's loop and on uvloop (what ``llmproxy
+serve`` runs on by default; see proxy/loops.py); the rest run on asyncio's. Subprocess
+tests check the served process's own loop (tests/test_loops.py).
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import pytest
+import uvloop
 from aiohttp import web
 
 from llmproxy.proxy import parse_errors
@@ -16,6 +23,21 @@ from llmproxy.proxy.app import build_app
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import REQUEST_LOG, STATE, ProxyState
+
+
+BOTH_LOOPS = frozenset({
+    "test_proxy_gating", "test_proxy_wire", "test_hostile", "test_faults", "test_review_regressions",
+    "test_stress", "test_fuzz", "test_request_log", "test_registry", "test_channel", "test_gate",
+})
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+    if module in BOTH_LOOPS:
+        return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}
 
 
 @dataclass

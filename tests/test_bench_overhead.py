@@ -59,7 +59,7 @@ async def test_bench_proxy_runs_as_users_run_it(tmp_path: Path) -> None:
                         await r.read()
     lines = [json.loads(x) for x in (tmp_path / "proxy.log").read_text().splitlines() if x.startswith("{")]
     assert [e["outcome"] for e in lines if e["event"] == "request"] == ["completed"] * 3
-    assert [e["loop"] for e in lines if e["event"] == "starting llmproxy"] == ["uvloop"]
+    assert [e["loop"] for e in lines if e["event"] == "listening"] == ["uvloop"]
 
 
 def test_blocks_pool_into_one_result() -> None:

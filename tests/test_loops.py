@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 from pathlib import Path
 
 import aiohttp
@@ -19,7 +20,7 @@ import uvloop
 
 from llmproxy.proxy import loops
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream
-from llmproxy.proxy.embedded import backend_command
+from llmproxy.proxy.embedded import backend_command, child_preexec
 from llmproxy.proxy.settings import ProxySettings
 from tests.test_serve_e2e import LLMPROXY, serve
 
@@ -53,12 +54,14 @@ def _hide_uvloop(tmp_path: Path) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))}
 
 
-async def _startup_loop(proc: asyncio.subprocess.Process) -> str:
+async def _loops_logged(proc: asyncio.subprocess.Process) -> tuple[str, str]:
+    """The loop the startup line names (resolved) and the one the listening line names (running)."""
+    named: dict[str, str] = {}
     async with asyncio.timeout(10):
-        while line := await proc.stderr.readline():
-            if line.startswith(b"{") and (event := json.loads(line))["event"] == "starting llmproxy":
-                return event["loop"]
-    raise AssertionError("no startup line")
+        while "listening" not in named and (line := await proc.stderr.readline()):
+            if line.startswith(b"{") and (event := json.loads(line))["event"] in ("starting llmproxy", "listening"):
+                named[event["event"]] = event["loop"]
+    return named["starting llmproxy"], named["listening"]
 
 
 @pytest.mark.parametrize(("args", "hidden", "expected"), [
@@ -72,7 +75,7 @@ async def test_serve_runs_on_the_chosen_loop(tmp_path: Path, args: tuple[str, ..
     async with FakeUpstream(slots=1) as fake, serve(
         tmp_path, "--upstream", fake.url, *args, env_extra=env
     ) as (proc, url), aiohttp.ClientSession() as http:
-        assert await _startup_loop(proc) == expected
+        assert await _loops_logged(proc) == (expected, expected)
         async with http.post(url + "/completion", json={"prompt": "a", "n_predict": 2}) as r:
             assert r.status == 200 and (await r.json())["content"]
 
@@ -86,5 +89,38 @@ async def test_loop_uvloop_without_uvloop_is_a_clear_error(tmp_path: Path) -> No
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 1
     assert err.decode().strip().splitlines()[-1] == (
-        "llmproxy: --loop uvloop: uvloop is not installed (pip install 'llmproxy[speedups]'), or use --loop asyncio"
+        "llmproxy: loop = uvloop, but uvloop cannot be imported (uvloop hidden by the test): "
+        "install the speedups extra (pip install 'llmproxy[speedups]') or choose loop = asyncio"
     )
+
+
+async def test_modules_outside_both_loops_run_once_on_asyncio(request: pytest.FixtureRequest) -> None:
+    """This module is not in conftest.BOTH_LOOPS: one run, on asyncio's loop."""
+    assert type(asyncio.get_running_loop()).__module__.startswith("asyncio")
+    assert "[" not in request.node.name
+
+
+def test_children_keep_no_fd_beyond_stdio_on_either_loop() -> None:
+    """asyncio spawns with close_fds; uvloop does not, so child_preexec marks fds >= 3
+    close-on-exec: the embedded backend gets neither an inheritable fd of ours (here a pipe)
+    nor the loop's own."""
+    read_end, write_end = os.pipe()
+    os.set_inheritable(write_end, True)
+    listing = "import os; print(' '.join(sorted(os.listdir('/proc/self/fd'), key=int)))"
+
+    async def child_fds(preexec: bool) -> set[str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", listing, stdout=asyncio.subprocess.PIPE,
+            preexec_fn=child_preexec() if preexec else None,
+        )
+        out, _ = await proc.communicate()
+        return set(out.decode().split())
+
+    try:
+        for choice in ("asyncio", "uvloop"):
+            # 0-2, and 3: the directory listdir itself opened
+            assert loops.run(child_fds(True), loops.resolve(choice)[1]) == {"0", "1", "2", "3"}, choice
+        assert str(write_end) in loops.run(child_fds(False), loops.resolve("uvloop")[1])  # what it guards against
+    finally:
+        os.close(read_end)
+        os.close(write_end)

@@ -24,6 +24,13 @@ def request_events(logs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {e["request_id"]: e for e in logs if e.get("event") == "request"}
 
 
+async def test_runs_on_the_loop_its_id_names(request: pytest.FixtureRequest) -> None:
+    """This suite runs on both loops (conftest.BOTH_LOOPS): each run is on the one it names."""
+    loop_id = request.node.name.rsplit("[", 1)[1].rstrip("]")
+    assert loop_id in ("asyncio", "uvloop")
+    assert type(asyncio.get_running_loop()).__module__.split(".")[0] == loop_id
+
+
 async def test_editor_burst_one_session(http: aiohttp.ClientSession) -> None:
     """20 keystrokes 50 ms apart, each abandoning the previous request, N=1."""
     script = lambda _p, _b: Script(tokens=20, token_delay_s=0.02)  # noqa: E731  ~0.4 s per generation

@@ -28,7 +28,8 @@ from llmproxy.proxy.systemd_cmd import repo_copies
 ROOT = Path(__file__).resolve().parents[1]
 LLMPROXY = str(Path(sys.executable).with_name("llmproxy"))
 # what systemd does at activation: the socket on fd 3, LISTEN_PID = the exec'ed process
-ACTIVATE = ("import os, sys; os.dup2(int(sys.argv[1]), 3); "
+# (and no other copy of it: the fd it was passed on is closed)
+ACTIVATE = ("import os, sys; fd = int(sys.argv[1]); os.dup2(fd, 3); fd == 3 or os.close(fd); "
             "os.environ.update(LISTEN_FDS='1', LISTEN_PID=str(os.getpid())); os.execv(sys.argv[2], sys.argv[2:])")
 
 
@@ -120,4 +121,41 @@ async def test_socket_activation_serves_and_drains(tmp_path: Path) -> None:
         finally:
             if proc.returncode is None:
                 proc.kill()
+            await proc.wait()
+
+
+async def test_socket_activation_keeps_the_socket_from_the_embedded_backend(tmp_path: Path) -> None:
+    """systemd's listening socket and LISTEN_* stay with the proxy: the embedded backend
+    (started before the proxy listens) neither holds the socket nor sees the variables,
+    on the default loop (uvloop spawns children without close_fds)."""
+    from tests.test_embedded_e2e import descendants
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    port, inode = listener.getsockname()[1], os.fstat(listener.fileno()).st_ino
+    units = install(tmp_path, config="port = 1\nbackend_start_timeout_s = 120\n")  # no upstream: embedded
+    exec_line = next(ln for ln in (units / "llmproxy.service").read_text().splitlines() if ln.startswith("ExecStart="))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLMPROXY_", "LISTEN_"))}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", ACTIVATE, str(listener.fileno()), *shlex.split(exec_line.removeprefix("ExecStart=")),
+        pass_fds=[listener.fileno()], env=env, stderr=asyncio.subprocess.DEVNULL,
+    )
+    listener.close()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=150)) as http:
+            async with http.get(f"http://127.0.0.1:{port}/llmproxy/health") as r:  # after the backend is up
+                assert r.status == 200
+        holders = {pid for pid in [proc.pid, *descendants(proc.pid)] for fd in Path(f"/proc/{pid}/fd").iterdir()
+                   if os.readlink(fd) == f"socket:[{inode}]"}
+        assert holders == {proc.pid}
+        backends = descendants(proc.pid)
+        assert backends
+        for pid in backends:
+            assert b"LISTEN_FDS=" not in Path(f"/proc/{pid}/environ").read_bytes()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
             await proc.wait()

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from llmproxy.proxy.embedded import die_with_parent
+from llmproxy.proxy.embedded import child_preexec
 
 
 @contextlib.asynccontextmanager
@@ -30,7 +30,7 @@ async def child(
     with log_path.open("wb") as log:
         proc = await asyncio.create_subprocess_exec(
             *argv, "--port-file", str(port_file), stdout=log, stderr=asyncio.subprocess.STDOUT,
-            preexec_fn=die_with_parent(),
+            preexec_fn=child_preexec(),
         )
         try:
             deadline = time.monotonic() + start_timeout_s

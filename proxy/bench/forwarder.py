@@ -112,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_settings_arguments(parser, ForwarderSettings)
     settings = settings_from_args(ForwarderSettings, parser.parse_args(argv))
-    factory = loops.resolve(settings.loop)[1]
+    try:
+        factory = loops.resolve(settings.loop)[1]
+    except loops.LoopUnavailable as exc:
+        raise SystemExit(f"forwarder: {exc}") from None
     loops.run(_serve(settings), factory)
     return 0
 
