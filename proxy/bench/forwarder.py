@@ -1,15 +1,15 @@
 """The floor for ``llmproxy bench overhead``: a featureless aiohttp forwarder.
 
 ``python -m llmproxy.proxy.bench.forwarder --upstream URL`` forwards every request to the
-upstream with the same aiohttp server and client settings and event loop the proxy uses, and relays the
-response chunk by chunk, with none of the proxy's work: no gate, no permits, no sessions,
-no job task, no metrics, no logging, no header filtering beyond the bare minimum. It writes like the proxy's
-relay (a body that arrived whole in one send; a last chunk with the terminator), so the
-two differ only in the proxy's own work. The bench
-measures it next to the proxy in the same run, so the table shows how much of the added
-latency is the proxy's and how much is the stack's (two more loopback hops through an
-aiohttp server and client) on this machine. A reference to measure against, not a
-product path: it never runs outside the bench.
+upstream with the same aiohttp server and client settings and event loop (``--loop``) the
+proxy uses, and relays the response chunk by chunk, with none of the proxy's work: no
+gate, no permits, no sessions, no job task, no metrics, no logging, no header filtering
+beyond the bare minimum. It writes like the proxy's relay (a body that arrived whole in
+one send; a last chunk with the terminator), so the two differ only in the proxy's own
+work. The bench measures it next to the proxy in the same run, so the table shows how much
+of the added latency is the proxy's and how much is the stack's (two more loopback hops
+through an aiohttp server and client) on this machine. A reference to measure against, not
+a product path: it never runs outside the bench.
 
 Concurrency contract: one handler task per request, which owns its upstream response
 (closed when the handler ends or is cancelled by a client disconnect). The event loop
