@@ -28,10 +28,10 @@ def run(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(BackendSettings, args)
     configure_logging(settings.log_level, settings.log_json)
+    factory = loops.choose(settings.loop, "llmproxy backend")[1]
     try:
-        factory = loops.resolve(settings.loop)[1]
         loops.run(serve(settings), factory)
-    except (ModelNotFound, loops.LoopUnavailable) as exc:
+    except ModelNotFound as exc:
         raise SystemExit(f"llmproxy backend: {exc}") from None
     return 0
 

@@ -38,6 +38,14 @@ def resolve(choice: LoopChoice) -> tuple[str, LoopFactory | None]:
     return "uvloop", uvloop.new_event_loop
 
 
+def choose(choice: LoopChoice, prog: str) -> tuple[str, LoopFactory | None]:
+    """``resolve`` for a command line: a missing uvloop exits with ``prog: <why>`` (status 1)."""
+    try:
+        return resolve(choice)
+    except LoopUnavailable as exc:
+        raise SystemExit(f"{prog}: {exc}") from None
+
+
 def running() -> str:
     """The name of the loop this code runs on ("uvloop" or "asyncio"), for log lines."""
     return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"

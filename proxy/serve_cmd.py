@@ -17,10 +17,7 @@ from llmproxy.proxy.settings import ProxySettings
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(ProxySettings, args)
     configure_logging(settings.log_level, settings.log_json)
-    try:
-        loop_name, loop_factory = loops.resolve(settings.loop)
-    except loops.LoopUnavailable as exc:
-        raise SystemExit(f"llmproxy: {exc}") from None
+    loop_name, loop_factory = loops.choose(settings.loop, "llmproxy")
     structlog.get_logger("llmproxy").info("starting llmproxy", loop=loop_name, settings=describe(settings))
     return loops.run(serve(settings, build_app(settings)), loop_factory)
 

@@ -34,8 +34,7 @@ BOTH_LOOPS = frozenset({
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item
 ) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
-    module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
-    if module in BOTH_LOOPS:
+    if item.path.stem in BOTH_LOOPS:
         return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
     return {"asyncio": asyncio.new_event_loop}
 

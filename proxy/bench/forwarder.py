@@ -112,10 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_settings_arguments(parser, ForwarderSettings)
     settings = settings_from_args(ForwarderSettings, parser.parse_args(argv))
-    try:
-        factory = loops.resolve(settings.loop)[1]
-    except loops.LoopUnavailable as exc:
-        raise SystemExit(f"forwarder: {exc}") from None
+    factory = loops.choose(settings.loop, "forwarder")[1]
     loops.run(_serve(settings), factory)
     return 0
 

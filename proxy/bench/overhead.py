@@ -179,10 +179,7 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(settings.modes) - {"nonstream", "stream"}
     if unknown:
         raise SystemExit(f"llmproxy bench overhead: unknown mode(s): {', '.join(sorted(unknown))}")
-    try:
-        loop_name = loops.resolve(settings.loop)[0]  # as the children will resolve it (same environment)
-    except loops.LoopUnavailable as exc:
-        raise SystemExit(f"llmproxy bench overhead: {exc}") from None
+    loop_name = loops.choose(settings.loop, "llmproxy bench overhead")[0]  # as the children will (same environment)
     gc.freeze()  # the load generator too: no full-collection pauses inside the measurements
     cases = asyncio.run(_bench(settings))
     sys.stdout.write(format_table(cases, loop=loop_name))
