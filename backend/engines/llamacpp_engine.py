@@ -7,7 +7,8 @@ generation between two tokens (or two prompt chunks).
 
 Prompt caching: the KV cache of the previous request stays in the context; a new prompt
 re-uses its longest common prefix (llama-server's ``cache_prompt``), which is what makes
-editor autocomplete cheap.
+editor autocomplete cheap. A warm-up (``n_predict: 0``) only evaluates its prompt into
+that cache and answers with no tokens.
 
 Prompts:
 * completion: the text (special tokens parsed) or the given token ids.
@@ -174,12 +175,9 @@ class LlamaCppEngine:
                 return []
             self.current = self.pending.popleft()
             self._start(self.current)
-            if self.current.n_predict <= 0:
-                seq, self.current = self.current, None
-                return self._finish(seq, "limit")
         seq = self.current
         try:
-            return self._step(seq)
+            return self._fill(seq) if seq.n_predict <= 0 else self._step(seq)
         except Exception as exc:
             self.current = None
             self.llm.reset()
@@ -220,6 +218,20 @@ class LlamaCppEngine:
         else:
             llm.n_tokens = lcp
         seq.pos = seq.n_cached = lcp
+
+    def _fill(self, seq: _Seq) -> list[Event]:
+        """A warm-up (``n_predict: 0``): evaluate the prompt into the cache, one chunk a step.
+
+        Editors send these to fill the prompt cache (llama.vim's context chunks), so the
+        next real request finds its prefix already evaluated; nothing is sampled."""
+        end = min(len(seq.tokens), seq.pos + self.n_batch)
+        if seq.pos < end:
+            self.llm.eval(seq.tokens[seq.pos : end])
+            seq.pos = end
+        if seq.pos < len(seq.tokens):
+            return []
+        self.current = None
+        return self._finish(seq, "limit")
 
     def _step(self, seq: _Seq) -> list[Event]:
         llm = self.llm

