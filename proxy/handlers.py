@@ -97,8 +97,8 @@ async def _forward(st: ProxyState, ticket: Ticket, request: web.Request, raw: by
             metrics=st.metrics,
             breaker=st.breaker,
             breaker_probe=probe,
-            supersede_policy=st.policy(s.supersede_inflight),
-            disconnect_policy=st.policy(s.on_disconnect),
+            supersede_policy=st.policy(s.supersede_inflight, request.path),
+            disconnect_policy=st.policy(s.on_disconnect, request.path),
             unconfirmed_hold_s=s.unconfirmed_cancel_hold_s,
         )
     except BaseException:

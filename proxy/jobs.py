@@ -168,7 +168,7 @@ class UpstreamJob:
 
     async def _confirm(self) -> None:
         start = time.monotonic()
-        if self.adapter.can_confirm:
+        if self.adapter.confirms(self.request.path):
             answered = self.record.upstream_status is not None
             if not await self.adapter.confirm_stopped(self.slot, answered=answered):
                 self.metrics.confirm_timeouts.inc()

@@ -27,10 +27,10 @@ class ProxyState:
     metrics: Metrics
     breaker: CircuitBreaker
 
-    def policy(self, configured: str) -> str:
-        """Resolve 'auto': cancel where the adapter can confirm the stop, else finish."""
+    def policy(self, configured: str, path: str | None = None) -> str:
+        """Resolve 'auto': cancel where the adapter can confirm the stop (on ``path``), else finish."""
         if configured == "auto":
-            return "cancel" if self.adapter.can_confirm else "finish"
+            return "cancel" if (self.adapter.confirms(path) if path else self.adapter.can_confirm) else "finish"
         return configured
 
 

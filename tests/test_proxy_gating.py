@@ -193,3 +193,26 @@ async def test_llamacpp_generation_routes_run_on_the_permits_slot(http: aiohttp.
             assert r.status == 200
             await r.read()
         assert [g.body.get("id_slot") for g in fake.generations] == [0]
+
+
+async def test_llamacpp_embeddings_are_finished_not_cancelled(http: aiohttp.ClientSession) -> None:
+    """llama-server runs /v1/embeddings on any free slot (no ``id_slot``), so slot i idle
+    would not prove the stop: under ``auto`` a client that leaves lets it finish, and the
+    permit comes back when the upstream really ended; generation routes still cancel."""
+    script = lambda _p, _b: Script(tokens=40, token_delay_s=0.01)  # noqa: E731
+    async with FakeUpstream(slots=2, script=script) as fake, run_proxy(fake.url) as px:
+        assert px.state.adapter.can_confirm
+        assert px.state.policy("auto", "/v1/embeddings") == "finish"
+        assert px.state.policy("auto", "/completion") == "cancel"
+        task = asyncio.create_task(http.post(px.url + "/v1/embeddings", json={"input": "x", "model": "m"}))
+        await fake.wait_for(lambda f: len(f.generations) == 1)
+        assert "id_slot" not in fake.generations[0].body
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert fake.completed or px.state.gate.free == 1  # held while the upstream still runs it
+        await fake.wait_for(lambda f: len(f.completed) == 1)
+        assert fake.aborted == []
+        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        async with http.post(px.url + "/v1/embeddings", json={"input": "x"}) as r:
+            assert r.status == 200
+            assert len((await r.json())["data"][0]["embedding"]) == 40

@@ -39,6 +39,10 @@ class Adapter:
         """Body to send upstream for a gated request holding permit ``slot``."""
         return raw
 
+    def confirms(self, path: str) -> bool:
+        """Can a stopped request on ``path`` be confirmed (``confirm_stopped``) on this backend?"""
+        return self.can_confirm
+
     async def confirm_stopped(self, slot: int, *, answered: bool = True) -> bool:
         """Wait until the backend shows ``slot`` idle. Adapters without a view return True.
 

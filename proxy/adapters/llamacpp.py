@@ -6,7 +6,8 @@ confirmed by polling ``GET /slots`` until slot i is idle, with an interval that 
 from ``confirm_poll_min_s`` to ``confirm_poll_max_s``. If that takes longer than
 ``confirm_timeout_s`` the permit is released anyway and the timeout is logged as an error
 and counted in metrics (never silently). Without ``/slots`` (``--no-slots``), the adapter
-cannot confirm and the policies fall back to ``finish``.
+cannot confirm and the policies fall back to ``finish``; so do routes that carry no
+``id_slot`` (``/v1/embeddings``), whose slot the proxy cannot know.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ class LlamaCppAdapter(Adapter):
         if path in SLOT_ROUTES and isinstance(parsed, dict):
             return set_top_level(raw, "id_slot", slot, present="id_slot" in parsed)
         return raw
+
+    def confirms(self, path: str) -> bool:
+        """Only where ``id_slot`` pins the request to the permit's slot: llama-server runs an
+        /v1/embeddings request on any free slot(s), so slot i idle would prove nothing."""
+        return self.can_confirm and path in SLOT_ROUTES
 
     async def probe_slots(self) -> bool:
         """Is /slots available? Sets ``can_confirm``."""

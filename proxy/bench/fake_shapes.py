@@ -35,7 +35,7 @@ def text(n: int) -> str:
 class Shape:
     """One generation route's wire format: llama-server native, OpenAI text/chat, Ollama."""
 
-    fmt: Literal["llama", "oai_text", "oai_chat", "ollama_generate", "ollama_chat"]
+    fmt: Literal["llama", "oai_text", "oai_chat", "oai_embed", "ollama_generate", "ollama_chat"]
     kinds: frozenset[str]
 
     @property
@@ -47,6 +47,8 @@ class Shape:
         return "application/x-ndjson" if self.ndjson else "text/event-stream"
 
     def wants_stream(self, body: dict[str, Any]) -> bool:
+        if self.fmt == "oai_embed":
+            return False  # embeddings are never streamed
         return body.get("stream") is not False if self.ndjson else body.get("stream") is True
 
     def frame(self, obj: Any) -> bytes:
@@ -97,7 +99,10 @@ class Shape:
         return [self._piece("", rid, slot, True, n)]
 
     def whole(self, n: int, rid: int, slot: int) -> dict[str, Any]:
-        """Non-streamed body with all ``n`` tokens."""
+        """Non-streamed body with all ``n`` tokens (embeddings: a vector of ``n`` numbers)."""
+        if self.fmt == "oai_embed":
+            return {"object": "list", "model": "fake", "usage": {"prompt_tokens": 1, "total_tokens": 1},
+                    "data": [{"object": "embedding", "index": 0, "embedding": [i / 8 for i in range(n)]}]}
         if self.fmt.startswith("oai"):
             obj = self._oai(text(n), rid, "length", chunk=False)
             obj["usage"] = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
@@ -115,6 +120,7 @@ ROUTES: dict[str, tuple[Shape, ...]] = {
     "/v1/completions": (Shape("oai_text", _OAI),),
     "/v1/chat/completions": (Shape("oai_chat", _OAI),),
     "/chat/completions": (Shape("oai_chat", _LLAMA),),
+    "/v1/embeddings": (Shape("oai_embed", _OAI),),  # llama-server: on any free slot, no id_slot
     "/api/generate": (Shape("ollama_generate", _OLLAMA),),
     # llama-server serves Ollama's chat path with its chat-completions handler
     "/api/chat": (Shape("ollama_chat", _OLLAMA), Shape("oai_chat", _LLAMA)),
