@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 import aiohttp
-import pytest
 import structlog
 from aiohttp import web
 

@@ -8,8 +8,6 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import pytest
-
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
 from llmproxy.proxy.bench.soak import SoakResult, outcomes_from_metrics
 
