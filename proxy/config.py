@@ -16,7 +16,7 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import SecretStr
+from pydantic import SecretStr, ValidationError
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -99,7 +99,25 @@ def settings_from_args(cls: type[S], ns: argparse.Namespace) -> S:
         if not config.is_file():
             raise SystemExit(f"llmproxy: config file not found: {config}")
         target = type(cls.__name__, (cls,), {"model_config": {**cls.model_config, "toml_file": config}})
-    return target(**values)
+    try:
+        return target(**values)
+    except ValidationError as exc:
+        raise SystemExit(invalid_settings_message(cls, exc)) from None
+
+
+def invalid_settings_message(cls: type[BaseSettings], exc: ValidationError) -> str:
+    """One line per invalid value, naming the flag and env var it can come from (no traceback)."""
+    env_prefix = cls.model_config.get("env_prefix", "")
+    lines = ["llmproxy: invalid settings:"]
+    for err in exc.errors():
+        msg = err["msg"].removeprefix("Value error, ")
+        name = err["loc"][0] if err["loc"] else None
+        if isinstance(name, str) and name in cls.model_fields:
+            where = f"{_flag(name)} (env {env_prefix}{name.upper()}, config {name})"
+            lines.append(f"  {where}: {msg}; got {err['input']!r}")
+        else:
+            lines.append(f"  {msg}")
+    return "\n".join(lines)
 
 
 def describe(settings: BaseSettings) -> dict[str, Any]:

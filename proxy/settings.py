@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from llmproxy.proxy.config import LayeredSettings
@@ -108,3 +108,17 @@ class ProxySettings(LayeredSettings):
     parallel: int = Field(1, ge=1, description="Embedded backend slots")
     n_threads: int | None = Field(None, ge=1, description="Embedded backend CPU threads per worker (default: cores / slots)")
     backend_start_timeout_s: float = Field(300.0, gt=0, description="Longest wait for the embedded backend to load")
+
+    @field_validator("session_parts")
+    @classmethod
+    def _known_parts(cls, parts: list[str]) -> list[str]:
+        unknown = [p for p in parts if p not in SESSION_PARTS]
+        if unknown:
+            raise ValueError(f"unknown session part(s) {', '.join(unknown)}; choose from {', '.join(SESSION_PARTS)}")
+        return parts
+
+    @model_validator(mode="after")
+    def _check(self) -> ProxySettings:
+        if self.confirm_poll_max_s < self.confirm_poll_min_s:
+            raise ValueError("confirm_poll_max_s must be >= confirm_poll_min_s")
+        return self

@@ -42,10 +42,19 @@ def test_list_and_bool_flags() -> None:
 
 
 def test_invalid_values_are_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(Exception):
+    """A bad value ends the command with one readable line naming where it can be set, not a traceback."""
+    with pytest.raises(SystemExit, match=r"--max-queue \(env LLMPROXY_MAX_QUEUE, config max_queue\): .*greater than or equal to 0; got '-1'"):
         load(["--max-queue", "-1"])
+    monkeypatch.setenv("LLMPROXY_QUEUE_TIMEOUT_S", "soon")
+    with pytest.raises(SystemExit, match=r"--queue-timeout-s .*valid number.*; got 'soon'"):
+        load([])
+    monkeypatch.delenv("LLMPROXY_QUEUE_TIMEOUT_S")
     with pytest.raises(SystemExit):
         load(["--supersede-inflight", "sometimes"])
+    with pytest.raises(SystemExit, match="unknown session part.*usr_agent"):  # else every request would 500
+        load(["--session-parts", "peer,usr_agent"])
+    with pytest.raises(SystemExit, match=r"invalid settings:\n  confirm_poll_max_s must be >= confirm_poll_min_s"):
+        load(["--confirm-poll-min-s", "0.5", "--confirm-poll-max-s", "0.1"])
 
 
 def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None:

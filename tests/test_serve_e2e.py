@@ -178,3 +178,18 @@ async def test_malformed_requests_log_one_json_warning_each(tmp_path: Path) -> N
     assert not [ln for ln in lines if ln["level"] in ("error", "critical") or "exception" in ln], lines
     bad = {ln["kind"] for ln in lines if ln["event"] == "malformed request from the client"}
     assert bad == {"ContentEncodingError", "BadHttpMessage"}, lines
+
+
+async def test_invalid_option_exits_with_one_readable_error() -> None:
+    """A bad value for ``llmproxy serve`` ends it at once with the flag named, no traceback."""
+    env = {**os.environ, "LLMPROXY_QUEUE_TIMEOUT_S": "soon"}
+    proc = await asyncio.create_subprocess_exec(
+        LLMPROXY, "serve", "--port", "0", "--max-queue", "-1", env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    text = err.decode()
+    assert proc.returncode == 1 and out == b""
+    assert "Traceback" not in text
+    assert "--max-queue (env LLMPROXY_MAX_QUEUE, config max_queue)" in text
+    assert "--queue-timeout-s (env LLMPROXY_QUEUE_TIMEOUT_S" in text and "got 'soon'" in text
