@@ -120,6 +120,23 @@ async def test_infill(backend: Any, stream: bool) -> None:
         assert sse_events(raw)[-1]["stop"] is True
 
 
+def test_infill_warmup_fills_the_prompt_cache(backend: Any) -> None:
+    """llama.vim's warm-up: the context chunks with ``n_predict: 0`` answer at once with no
+    tokens, and (llama-cpp) leave them in the cache: the next completion with the same
+    chunks evaluates only its own part of the prompt."""
+    extra = [{"filename": f"m{i}.py", "text": f"def helper_{i}(x):\n    return x * {i} + {i}\n" * 4} for i in range(3)]
+    status, warm = backend.post("/infill", {"input_extra": extra, "input_prefix": "", "input_suffix": "",
+                                            "prompt": "", "n_predict": 0, "cache_prompt": True, **GREEDY})
+    assert status == 200, warm
+    assert warm["content"] == "" and warm["tokens_predicted"] == 0 and warm["stop"] is True
+    status, body = backend.post("/infill", {"input_extra": extra, "input_prefix": "def main():\n    ",
+                                            "input_suffix": "\n", "prompt": "print(", "n_predict": 4,
+                                            "cache_prompt": True, **GREEDY})
+    assert status == 200, body
+    if backend.engine == "llama-cpp":  # the torch engine keeps no cache between requests
+        assert body["timings"]["prompt_n"] < body["tokens_evaluated"] - warm["tokens_evaluated"] // 2
+
+
 def test_v1_completions(backend: Any) -> None:
     status, body = backend.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 8, **GREEDY})
     assert status == 200, body
