@@ -3,9 +3,11 @@
 Lifecycle (an aiohttp cleanup_ctx): start ``python -m llmproxy.backend`` as a child on a
 free loopback port (it writes the port to a file), wait for ``/health`` to answer 200
 while logging load progress, publish its URL in ``UPSTREAM_URL``, and on exit terminate
-it (SIGTERM, then SIGKILL after a grace period). The child gets PR_SET_PDEATHSIG so it
-never outlives a proxy that was SIGKILLed, and no file descriptor beyond 0-2 (see
-``child_preexec``).
+it (SIGTERM, then SIGKILL after ``BACKEND_STOP_S``). The child runs in its own process
+group, so a terminal's Ctrl-C reaches only the proxy, which drains its requests first and
+then stops the backend (by then with no client left: it gets ``BACKEND_DRAIN_S`` for its
+own drain). It gets PR_SET_PDEATHSIG so it never outlives a proxy that was SIGKILLed, and
+no file descriptor beyond 0-2 (see ``child_preexec``).
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import SETTINGS, UPSTREAM_URL
 
 log = structlog.get_logger("llmproxy.embedded")
+BACKEND_DRAIN_S = 1.0  # the backend's own --shutdown-timeout-s: the proxy's connections are closed by then
+BACKEND_STOP_S = 8.0  # SIGTERM -> SIGKILL; the backend needs at most its drain + 5 s join + 2 s kill of its workers
 
 
 def child_preexec() -> Callable[[], None]:
-    """A ``preexec_fn``: the child gets SIGTERM when this process dies (Linux PR_SET_PDEATHSIG)
-    and keeps no file descriptor beyond 0-2 across exec.
+    """A ``preexec_fn``: the child gets SIGTERM when this process dies (Linux PR_SET_PDEATHSIG),
+    runs in a process group of its own (a terminal's Ctrl-C is for this process, which
+    stops its children in order) and keeps no file descriptor beyond 0-2 across exec.
 
     The second is what asyncio's subprocesses do (``close_fds=True``) and uvloop's do not
     (it spawns with every inheritable fd, e.g. one this process inherited from its own
@@ -47,13 +52,14 @@ def child_preexec() -> Callable[[], None]:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:  # not glibc/Linux: neither is available
-        return lambda: None
+        return lambda: os.setpgid(0, 0)
     prctl = libc.prctl
     close_range = getattr(libc, "close_range", None)
     if close_range is not None:
         close_range.argtypes = (ctypes.c_uint, ctypes.c_uint, ctypes.c_int)
 
     def preexec() -> None:
+        os.setpgid(0, 0)
         prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:
             os._exit(1)
@@ -65,7 +71,9 @@ def child_preexec() -> Callable[[], None]:
 
 def backend_command(s: ProxySettings, port_file: Path) -> list[str]:
     cmd = [sys.executable, "-m", "llmproxy.backend", "--host", "127.0.0.1", "--port", "0"]
-    cmd += ["--port-file", str(port_file), "--engine", s.engine, "--parallel", str(s.parallel)]
+    cmd += ["--port-file", str(port_file), "--engine", s.engine, "--shutdown-timeout-s", str(BACKEND_DRAIN_S)]
+    if s.parallel is not None:  # slots: llama-cpp runs one worker per slot, torch one batch of them
+        cmd += ["--max-batch-size" if s.engine == "torch" else "--parallel", str(s.parallel)]
     cmd += ["--log-level", s.log_level, "--loop", s.loop]
     if s.model is not None:
         cmd += ["--model", str(s.model)]
@@ -126,4 +134,4 @@ async def embedded_backend(app: web.Application) -> AsyncIterator[None]:
             log.info("embedded backend ready", url=app[UPSTREAM_URL], pid=proc.pid)
             yield
         finally:
-            await _stop(proc, s.shutdown_timeout_s + 5)
+            await _stop(proc, BACKEND_STOP_S)

