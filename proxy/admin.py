@@ -1,4 +1,8 @@
-"""The proxy's own endpoints under /llmproxy/: health, status (JSON), metrics (Prometheus)."""
+"""The proxy's own endpoints under /llmproxy/: health, status (JSON), metrics (Prometheus).
+
+The whole /llmproxy/ prefix is the proxy's: another method on one of these paths is a 405,
+any other path under it a 404, and nothing there is ever forwarded to the upstream.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import time
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from llmproxy.proxy.errors import NotAllowed, NotFound
 from llmproxy.proxy.state import STATE
 
 
@@ -56,7 +61,17 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+_PATHS = ("/llmproxy/health", "/llmproxy/status", "/llmproxy/metrics")
+
+
+async def reserved(request: web.Request) -> web.Response:
+    """Everything else under /llmproxy/ (registered before the proxy's catch-all)."""
+    if request.path in _PATHS:
+        raise NotAllowed(f"{request.method} is not allowed on {request.path}", headers={"Allow": "GET, HEAD"})
+    raise NotFound(f"no such llmproxy endpoint: {request.path}")
+
+
 def add_routes(app: web.Application) -> None:
-    app.router.add_get("/llmproxy/health", health)
-    app.router.add_get("/llmproxy/status", status)
-    app.router.add_get("/llmproxy/metrics", metrics)
+    for path, handler in zip(_PATHS, (health, status, metrics)):
+        app.router.add_get(path, handler)
+    app.router.add_route("*", "/llmproxy/{tail:.*}", reserved)

@@ -58,6 +58,10 @@ class Unauthorized(ProxyError):
     status, type, outcome = 401, "authentication_error", "rejected"
 
 
+class NotFound(ProxyError):
+    status, type, outcome = 404, "not_found_error", "rejected"
+
+
 class NotAllowed(ProxyError):
     status, type, outcome = 405, "invalid_request_error", "rejected"
 

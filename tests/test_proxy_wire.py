@@ -232,6 +232,24 @@ async def test_status_and_metrics(fake: FakeUpstream, http: aiohttp.ClientSessio
         assert 'llmproxy_requests_total{outcome="rejected",route="/completion"} 1.0' in text
 
 
+async def test_llmproxy_prefix_is_never_forwarded(fake: FakeUpstream, http: aiohttp.ClientSession) -> None:
+    """/llmproxy/ is the proxy's own: another method on its endpoints is a 405 (with Allow),
+    an unknown path under it a 404, both in the envelope, and none reaches the upstream."""
+    async with run_proxy(fake.url) as px:
+        before = len(fake.received)
+        for method, path in (("POST", "/llmproxy/status"), ("DELETE", "/llmproxy/metrics"), ("PUT", "/llmproxy/health")):
+            async with http.request(method, px.url + path, json={"x": 1}) as r:
+                assert r.status == 405 and r.headers["Allow"] == "GET, HEAD", (method, path)
+                assert_envelope(await r.json(), 405, "invalid_request_error")
+        for method in ("GET", "POST"):
+            async with http.request(method, px.url + "/llmproxy/slots") as r:
+                assert r.status == 404
+                assert_envelope(await r.json(), 404, "not_found_error")
+        async with http.head(px.url + "/llmproxy/status") as r:
+            assert r.status == 200
+        assert len(fake.received) == before
+
+
 @pytest.mark.parametrize(("kind", "expected", "capacity"), [("llamacpp", "llamacpp", 3), ("ollama", "ollama", 1),
                                                              ("openai", "openai", 1)])
 async def test_adapter_detection(kind: str, expected: str, capacity: int) -> None:
