@@ -95,6 +95,8 @@ class Supervisor:
         if self.closing:
             return
         w.generation += 1
+        if w.inq is not None:  # the dead incarnation's queue: stop its feeder thread, free its pipe
+            _close_queue(w.inq)
         w.inq = _ctx.Queue()
         w.outq, child_out = _ctx.Pipe(duplex=False)
         w.state, w.progress, w.message = "starting", 0.0, ""
@@ -135,11 +137,15 @@ class Supervisor:
         await self._start(w)
 
     async def stop_all(self, timeout_s: float = 5.0) -> None:
-        """Poison pills, join with a deadline, kill stragglers."""
+        """Pending restarts end first (one still in its back-off is cancelled, one already
+        starting its process finishes), then poison pills, join with a deadline, kill stragglers."""
         self.closing = True
+        restarts = [w.restart_task for w in self.workers if w.restart_task is not None and not w.restart_task.done()]
         for w in self.workers:
-            if w.restart_task is not None:
+            if w.restart_task in restarts and w.state != "starting":
                 w.restart_task.cancel()
+        await asyncio.gather(*restarts, return_exceptions=True)
+        for w in self.workers:
             if w.process is not None and w.process.is_alive():
                 try:
                     w.inq.put(Shutdown())
@@ -159,8 +165,14 @@ class Supervisor:
                 p.kill()
                 p.join(2.0)
             w.state = "stopped"
-            try:
-                w.inq.cancel_join_thread()
-                w.inq.close()
-            except Exception:
-                pass
+            if w.inq is not None:
+                _close_queue(w.inq)
+
+
+def _close_queue(q: Any) -> None:
+    """Close a worker's inbound queue without waiting on its feeder thread (the reader may be dead)."""
+    try:
+        q.cancel_join_thread()
+        q.close()
+    except Exception:
+        pass

@@ -56,7 +56,7 @@ def wait_until(pred: Any, timeout: float, interval: float = 0.02) -> bool:
 class Backend:
     """A backend server subprocess."""
 
-    def __init__(self, tmp: Path, engine: str, *args: str) -> None:
+    def __init__(self, tmp: Path, engine: str, *args: str, cwd: Path | None = None) -> None:
         self.port_file = tmp / f"port-{engine}-{time.monotonic_ns()}"
         self.log_path = tmp / f"{self.port_file.name}.log"
         self.engine = engine
@@ -82,7 +82,7 @@ class Backend:
             *args,
         ]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd)
         self.port = 0
 
     @property
@@ -161,3 +161,14 @@ def parallel_flags(engine: str, n: int) -> list[str]:
     return ["--parallel", str(n)] if engine == "llama-cpp" else ["--max-batch-size", str(n)]
 
 
+def processes_in(directory: Path) -> list[int]:
+    """Live pids whose working directory is ``directory`` (a backend and the workers it spawned)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if Path(os.readlink(entry / "cwd")) == directory and pid_alive(int(entry.name)):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found

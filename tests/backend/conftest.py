@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,8 +48,8 @@ def start_backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     started: list[Backend] = []
     tmp = tmp_path_factory.mktemp("backend")
 
-    def start(engine: str, *args: str, wait: bool = True) -> Backend:
-        b = Backend(tmp, engine, *args)
+    def start(engine: str, *args: str, wait: bool = True, cwd: Path | None = None) -> Backend:
+        b = Backend(tmp, engine, *args, cwd=cwd)
         started.append(b)
         return b.wait_ready() if wait else b
 

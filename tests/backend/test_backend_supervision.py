@@ -6,11 +6,12 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from backend_helpers import LONG, kill_worker_mid_stream, parallel_flags, wait_until
+from backend_helpers import LONG, kill_worker_mid_stream, parallel_flags, processes_in, wait_until
 
 
 
@@ -115,3 +116,17 @@ async def test_id_slot_honoured_and_busy_slot_waits(two_slots: Any) -> None:
         first_body = await first.json()
         first.release()
     assert first_body["id_slot"] == 1 and short["id_slot"] == 1
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.05])
+def test_stop_right_after_a_worker_death(engine: str, start_backend: Any, tmp_path: Path, delay_s: float) -> None:
+    """SIGTERM while a dead worker's restart is pending or its new process is starting: the
+    restart ends first (cancelled in its back-off, or its start finishes and then gets the
+    poison pill), the server exits 0, and no process of it is left."""
+    b = start_backend(engine, "--restart-backoff-min-s", "0", cwd=tmp_path)
+    os.kill(b.worker_pids()[0], signal.SIGKILL)
+    time.sleep(delay_s)
+    b.proc.send_signal(signal.SIGTERM)
+    assert b.proc.wait(30) == 0, b.log_tail()
+    assert wait_until(lambda: not processes_in(tmp_path), 10), processes_in(tmp_path)
+    assert "Traceback" not in b.log_tail()
