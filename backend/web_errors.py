@@ -3,7 +3,8 @@
 Errors use llama-server's envelope ``{"error": {"code", "message", "type"}}`` (with any
 extra top-level keys a caller adds, e.g. /health's ``status``). ``error_middleware`` turns
 ``BadRequest``, the dispatcher's ``Unavailable`` and aiohttp's HTTP errors into that
-envelope; a worker's ``Failed`` event becomes one through ``failed_response``.
+envelope, and any other exception into a logged 500 in it; a worker's ``Failed`` event
+becomes one through ``failed_response``.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import structlog
 from aiohttp import web
 from llmproxy.backend.dispatch import Unavailable
 from llmproxy.backend.protocol import Failed
 
+log = structlog.get_logger("llmproxy.backend.web")
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -79,3 +82,8 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
             msg = "File Not Found" if exc.status == 404 else exc.reason
             return error_response(exc.status, msg)
         raise
+    except ConnectionError:
+        raise  # the client left: nobody to answer
+    except Exception as exc:  # a bug of ours: still an answer in the envelope, and a loud log line
+        log.exception("unhandled error", path=request.path)
+        return error_response(500, f"internal server error: {type(exc).__name__}")

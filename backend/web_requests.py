@@ -23,6 +23,8 @@ async def read_body(request: web.Request) -> dict[str, Any]:
         body = json.loads(raw or b"{}")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise BadRequest("malformed JSON body: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body

@@ -193,6 +193,7 @@ def _envelope(status: int, body: Any, code: int) -> None:
 def test_bad_input(backend: Any) -> None:
     _envelope(*backend.post("/completion", b"{not json"), 400)
     _envelope(*backend.post("/completion", b"[1, 2]"), 400)
+    _envelope(*backend.post("/completion", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"), 400)  # deep nesting
     _envelope(*backend.post("/completion", {"n_predict": 4}), 400)  # no prompt
     _envelope(*backend.post("/completion", {"prompt": "x", "temperature": "hot"}), 400)
     _envelope(*backend.post("/completion", {"prompt": "x", "id_slot": 7}), 400)
