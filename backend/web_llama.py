@@ -3,24 +3,28 @@
 Response shapes follow llama-server: a non-streamed request gets one JSON object with
 ``content``, ``stop_type``, ``timings`` and the ``generation_settings``; a streamed one
 gets SSE events with one ``content`` piece each and then the same final object (empty
-``content``). A stream that fails before its first token gets a plain JSON error with
+``content``). ``n_cmpl`` > 1 (llama.vscode; up to the slot count, as in llama-server) gets
+a JSON array of that many final objects (``index`` 0..n-1), generated one after the other
+on the request's slot, so the proxy's one permit still covers one slot; not streamed. A stream that fails before its first token gets a plain JSON error with
 the right status; after the first token, an SSE event ``data: {"error": {...}}``.
 Cancellation is ``Gen``'s (web_gen.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
-from llmproxy.backend.protocol import Done, Prompt, Token
+from llmproxy.backend.protocol import Done, Prompt, SamplingParams, Token
 from llmproxy.backend.web_context import DISPATCHER, alias
-from llmproxy.backend.web_errors import failed_response, json_response
+from llmproxy.backend.web_errors import BadRequest, failed_response, json_response
 from llmproxy.backend.web_gen import STOP_TYPE, Gen, collect, gen_settings, stream_sse, timings
 from llmproxy.backend.web_requests import (
     check_model,
     id_slot,
     infill_prompt,
+    n_cmpl,
     read_body,
     read_completion,
     sampling_params,
@@ -55,6 +59,11 @@ async def _run_llama(request: web.Request, body: dict[str, Any], prompt: Prompt)
     params = sampling_params(body)
     slot = id_slot(body, app[DISPATCHER])
     stream = bool(body.get("stream", False))
+    count = n_cmpl(body, app[DISPATCHER])
+    if count > 1:
+        if stream:
+            raise BadRequest("'n_cmpl' > 1 is supported without streaming only")
+        return await _several(request, prompt, params, slot, count)
     async with Gen(request, prompt, params, slot) as g:
         if not stream:
             failed = await collect(g)
@@ -76,6 +85,19 @@ async def _run_llama(request: web.Request, body: dict[str, Any], prompt: Prompt)
             ]
 
         return await stream_sse(request, g, render)
+
+
+async def _several(request: web.Request, prompt: Prompt, params: SamplingParams, slot: int, count: int) -> web.Response:
+    """``count`` completions of one prompt in turn (a fixed seed advances by one for each)."""
+    results = []
+    for i in range(count):
+        p = params if params.seed is None or params.seed < 0 else replace(params, seed=params.seed + i)
+        async with Gen(request, prompt, p, slot) as g:
+            failed = await collect(g)
+            if failed:
+                return failed_response(failed)
+            results.append({**_final_llama(request.app, g, "".join(g.content)), "index": i})
+    return json_response(results)
 
 
 async def completion(request: web.Request) -> web.StreamResponse:

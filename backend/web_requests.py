@@ -89,6 +89,15 @@ def id_slot(body: dict[str, Any], dispatcher: Dispatcher) -> int:
     return v if v >= 0 else -1
 
 
+def n_cmpl(body: dict[str, Any], dispatcher: Dispatcher) -> int:
+    """Completions wanted for the prompt: 1 to the slot count, as llama-server allows."""
+    v = body.get("n_cmpl", 1)
+    total = len(dispatcher.slots)
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= total:
+        raise BadRequest(f"'n_cmpl' must be an integer from 1 to {total} (total_slots)")
+    return v
+
+
 def check_model(request: web.Request, body: dict[str, Any]) -> None:
     model = body.get("model")
     if model is None or model == "":

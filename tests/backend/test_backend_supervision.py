@@ -130,3 +130,21 @@ def test_stop_right_after_a_worker_death(engine: str, start_backend: Any, tmp_pa
     assert b.proc.wait(30) == 0, b.log_tail()
     assert wait_until(lambda: not processes_in(tmp_path), 10), processes_in(tmp_path)
     assert "Traceback" not in b.log_tail()
+
+
+def test_n_cmpl_gives_an_array_of_completions(two_slots: Any) -> None:
+    """llama.vscode's ``n_cmpl``: that many completions of the prompt as a JSON array
+    (llama-server's shape), 1 still a single object, more than the slots a 400."""
+    req = {"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n", "n_predict": 6, "seed": 7, "temperature": 0.8}
+    status, body = two_slots.post("/infill", {**req, "n_cmpl": 2})
+    assert status == 200, body
+    assert isinstance(body, list) and [r["index"] for r in body] == [0, 1]
+    assert all(r["stop"] is True and isinstance(r["content"], str) and r["tokens_predicted"] >= 1 for r in body)
+    assert [r["generation_settings"]["seed"] for r in body] == [7, 8]
+    status, one = two_slots.post("/infill", {**req, "n_cmpl": 1})
+    assert status == 200 and isinstance(one, dict) and one["index"] == 0
+    for bad in (3, 0, "2"):
+        status, err = two_slots.post("/infill", {**req, "n_cmpl": bad})
+        assert status == 400 and "n_cmpl" in err["error"]["message"], (bad, err)
+    status, err = two_slots.post("/completion", {"prompt": "x", "n_cmpl": 2, "stream": True})
+    assert status == 400 and "stream" in err["error"]["message"]
