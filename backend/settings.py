@@ -15,6 +15,15 @@ from llmproxy.proxy.loops import LoopChoice
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+WORKER_JOIN_S = 5.0  # on stop: poison pills, then this long for the workers to exit
+WORKER_KILL_JOIN_S = 2.0  # then SIGKILL and this long to reap each
+
+
+def stop_budget_s(shutdown_timeout_s: float) -> float:
+    """The longest a backend stop can take: aiohttp's shutdown timeout (applied twice: wait,
+    then cancel and wait), then the workers' join and kill."""
+    return 2 * shutdown_timeout_s + WORKER_JOIN_S + WORKER_KILL_JOIN_S
+
 EngineName = Literal["llama-cpp", "torch"]
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from llmproxy.backend.protocol import EngineInfo, Shutdown
+from llmproxy.backend.settings import WORKER_KILL_JOIN_S
 from llmproxy.backend.worker import worker_main
 
 if TYPE_CHECKING:
@@ -163,7 +164,7 @@ class Supervisor:
             if p.is_alive():
                 log.warning("worker_kill", worker=w.index, pid=p.pid)
                 p.kill()
-                p.join(2.0)
+                p.join(WORKER_KILL_JOIN_S)
             w.state = "stopped"
             if w.inq is not None:
                 _close_queue(w.inq)

@@ -3,8 +3,9 @@
 Errors use llama-server's envelope ``{"error": {"code", "message", "type"}}`` (with any
 extra top-level keys a caller adds, e.g. /health's ``status``). ``error_middleware`` turns
 ``BadRequest``, the dispatcher's ``Unavailable`` and aiohttp's HTTP errors into that
-envelope, and any other exception into a logged 500 in it; a worker's ``Failed`` event
-becomes one through ``failed_response``.
+envelope, and any other exception into a logged 500 in it (or, once a response has been
+written, a dropped connection); a worker's ``Failed`` event becomes one through
+``failed_response``.
 """
 
 from __future__ import annotations
@@ -86,4 +87,6 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         raise  # the client left: nobody to answer
     except Exception as exc:  # a bug of ours: still an answer in the envelope, and a loud log line
         log.exception("unhandled error", path=request.path)
+        if request.writer is not None and request.writer.output_size > 0:
+            raise  # a response is already on the wire: aiohttp drops the connection
         return error_response(500, f"internal server error: {type(exc).__name__}")

@@ -12,6 +12,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmproxy.proxy.errors import NotAllowed, NotFound
+from llmproxy.proxy.routes import GATED_ROUTES
 from llmproxy.proxy.state import STATE
 
 
@@ -50,6 +51,8 @@ async def status(request: web.Request) -> web.Response:
             "policies": {
                 "supersede_inflight": st.policy(st.settings.supersede_inflight),
                 "on_disconnect": st.policy(st.settings.on_disconnect),
+                # gated routes whose stop this upstream cannot confirm: 'auto' is 'finish' there
+                "unconfirmed_routes": sorted(r for r in GATED_ROUTES if not st.adapter.confirms(r)),
             },
         }
     )

@@ -115,6 +115,8 @@ def invalid_settings_message(cls: type[BaseSettings], exc: ValidationError) -> s
         if isinstance(name, str) and name in cls.model_fields:
             where = f"{_flag(name)} (env {env_prefix}{name.upper()}, config {name})"
             lines.append(f"  {where}: {msg}; got {err['input']!r}")
+        elif err["type"] == "extra_forbidden":
+            lines.append(f"  unknown setting {name!r} in the config file")
         else:
             lines.append(f"  {msg}")
     return "\n".join(lines)

@@ -26,12 +26,13 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from llmproxy.backend.settings import stop_budget_s
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import SETTINGS, UPSTREAM_URL
 
 log = structlog.get_logger("llmproxy.embedded")
-BACKEND_DRAIN_S = 1.0  # the backend's own --shutdown-timeout-s: the proxy's connections are closed by then
-BACKEND_STOP_S = 8.0  # SIGTERM -> SIGKILL; the backend needs at most its drain + 5 s join + 2 s kill of its workers
+BACKEND_DRAIN_S = 0.5  # the backend's own --shutdown-timeout-s: the proxy's connections are closed by then
+BACKEND_STOP_S = stop_budget_s(BACKEND_DRAIN_S) + 1.0  # SIGTERM -> SIGKILL (9 s)
 
 
 def child_preexec() -> Callable[[], None]:

@@ -24,6 +24,7 @@ from typing import Any
 import structlog
 
 log = structlog.get_logger("llmproxy.registry")
+DRAIN_GRACE_S = 1.0  # after the deadline: how long cut handlers get to relay their last event
 
 
 class JobRegistry:
@@ -47,7 +48,7 @@ class JobRegistry:
         """Upstream jobs still running (handlers are not counted)."""
         return len(self._jobs)
 
-    async def drain(self, timeout: float, grace: float = 1.0) -> None:
+    async def drain(self, timeout: float, grace: float = DRAIN_GRACE_S) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while (running := self._jobs | self._handlers) and (left := deadline - loop.time()) > 0:

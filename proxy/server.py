@@ -8,7 +8,7 @@ aiohttp's own connection shutdown comes after that and finds nothing left to wai
 its timeout (``_WRITE_GRACE_S``, counted twice: wait, then cancel and wait) is only a
 backstop. Cleanup then stops the embedded backend (embedded.py: at most ``BACKEND_STOP_S``);
 exit 0. So a stop takes at most ``shutdown_timeout_s`` + 1 s (handlers' grace) + 2 x
-``_WRITE_GRACE_S`` + ``BACKEND_STOP_S`` = ``shutdown_timeout_s`` + 13 s, inside the systemd
+``_WRITE_GRACE_S`` + ``BACKEND_STOP_S`` = ``shutdown_timeout_s`` + 14 s, inside the systemd
 unit's ``TimeoutStopSec`` (+ 15 s). A second signal exits at once (status 1); the embedded
 backend dies with us (PDEATHSIG).
 """

@@ -8,7 +8,7 @@ current (``python -m llmproxy.proxy.systemd_cmd --write-repo-copies``).
 Stop contract: systemd sends SIGTERM to the main process only (``KillMode=mixed``); the
 server stops accepting, answers queued requests 503, lets in-flight ones finish for up
 to ``shutdown_timeout_s`` and stops its embedded backend: at most shutdown_timeout_s +
-13 s in all (server.py), within ``TimeoutStopSec`` (= shutdown_timeout_s + 15 s), after
+14 s in all (server.py), within ``TimeoutStopSec`` (= shutdown_timeout_s + 15 s), after
 which systemd SIGKILLs whatever is left.
 """
 

@@ -41,7 +41,7 @@ def test_list_and_bool_flags() -> None:
     assert "s3cr3t-key" not in repr(s)
 
 
-def test_invalid_values_are_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_invalid_values_are_rejected(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A bad value ends the command with one readable line naming where it can be set, not a traceback."""
     with pytest.raises(SystemExit, match=r"--max-queue \(env LLMPROXY_MAX_QUEUE, config max_queue\): .*greater than or equal to 0; got '-1'"):
         load(["--max-queue", "-1"])
@@ -55,6 +55,10 @@ def test_invalid_values_are_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
         load(["--session-parts", "peer,usr_agent"])
     with pytest.raises(SystemExit, match=r"invalid settings:\n  confirm_poll_max_s must be >= confirm_poll_min_s"):
         load(["--confirm-poll-min-s", "0.5", "--confirm-poll-max-s", "0.1"])
+    cfg = tmp_path / "typo.toml"
+    cfg.write_text("max_queu = 3\n")
+    with pytest.raises(SystemExit, match="unknown setting 'max_queu' in the config file"):
+        load(["--config", str(cfg)])
 
 
 def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None:

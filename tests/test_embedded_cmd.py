@@ -10,10 +10,13 @@ import sys
 from pathlib import Path
 
 from llmproxy.backend.cli import add_arguments
-from llmproxy.backend.settings import BackendSettings
+from llmproxy.backend.settings import BackendSettings, stop_budget_s
 from llmproxy.proxy.config import settings_from_args
 from llmproxy.proxy.embedded import BACKEND_DRAIN_S, BACKEND_STOP_S, backend_command, child_preexec
+from llmproxy.proxy.registry import DRAIN_GRACE_S
+from llmproxy.proxy.server import _WRITE_GRACE_S
 from llmproxy.proxy.settings import ProxySettings
+from llmproxy.proxy.systemd_cmd import render
 
 
 def backend_settings(tmp_path: Path, **proxy: object) -> BackendSettings:
@@ -34,11 +37,17 @@ def test_parallel_is_the_backends_slot_count_on_both_engines(tmp_path: Path) -> 
 
 
 def test_backend_stop_fits_the_proxys_budget(tmp_path: Path) -> None:
-    """The proxy stops the backend after its own drain (no client left): the backend's drain
-    plus its worker join (5 s) and kill (2 s) fit in the proxy's wait before SIGKILL."""
+    """The proxy stops the backend after its own drain (no client left): the backend's
+    longest stop fits in the proxy's wait before SIGKILL, and the proxy's whole stop in
+    the systemd unit's TimeoutStopSec."""
     s = backend_settings(tmp_path)
     assert s.shutdown_timeout_s == BACKEND_DRAIN_S
-    assert BACKEND_DRAIN_S + 5 + 2 <= BACKEND_STOP_S
+    assert stop_budget_s(s.shutdown_timeout_s) < BACKEND_STOP_S
+    proxy = ProxySettings()
+    worst = proxy.shutdown_timeout_s + DRAIN_GRACE_S + 2 * _WRITE_GRACE_S + BACKEND_STOP_S
+    unit = render(exec_start="x", config="c", user=True, socket_listen=None, shutdown_timeout_s=proxy.shutdown_timeout_s)
+    stop = int(proxy.shutdown_timeout_s) + 15
+    assert f"TimeoutStopSec={stop}s" in unit.service and worst < stop
 
 
 async def test_child_runs_in_its_own_process_group() -> None:

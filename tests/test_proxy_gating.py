@@ -204,6 +204,10 @@ async def test_llamacpp_embeddings_are_finished_not_cancelled(http: aiohttp.Clie
         assert px.state.adapter.can_confirm
         assert px.state.policy("auto", "/v1/embeddings") == "finish"
         assert px.state.policy("auto", "/completion") == "cancel"
+        async with http.get(px.url + "/llmproxy/status") as r:
+            policies = (await r.json())["policies"]
+        assert policies == {"supersede_inflight": "cancel", "on_disconnect": "cancel",
+                            "unconfirmed_routes": ["/api/generate", "/v1/embeddings"]}  # no /api/generate on llama-server
         task = asyncio.create_task(http.post(px.url + "/v1/embeddings", json={"input": "x", "model": "m"}))
         await fake.wait_for(lambda f: len(f.generations) == 1)
         assert "id_slot" not in fake.generations[0].body
