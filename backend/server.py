@@ -1,5 +1,7 @@
 """Running the backend: bind, write the port file, serve until SIGTERM/SIGINT, drain.
 
+With ``--no-sigint`` (``llmproxy serve``'s embedded backend) SIGINT is ignored.
+
 Shutdown order: stop listening; in-flight requests get ``shutdown_timeout_s`` to finish
 (aiohttp's graceful shutdown); handlers still running are then cancelled (each sends
 ``Cancel`` to its worker); the app cleanup sends ``Shutdown`` pills, joins the workers
@@ -41,8 +43,10 @@ async def serve(settings: BackendSettings, stop: asyncio.Event | None = None) ->
     gc.freeze()  # startup objects out of full collections (~20 ms pauses otherwise; see proxy/server.py)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    # --no-sigint (llmproxy serve's embedded backend): Ctrl-C is the proxy's to handle, so it
+    # must neither stop this server nor reach asyncio's default (KeyboardInterrupt)
+    loop.add_signal_handler(signal.SIGINT, stop.set if settings.sigint else (lambda: None))
     try:
         site = web.TCPSite(runner, settings.host, settings.port)
         await site.start()

@@ -59,6 +59,9 @@ class BackendSettings(LayeredSettings):
 
     # supervision and shutdown
     shutdown_timeout_s: float = Field(10.0, ge=0, description="On SIGTERM, how long in-flight requests may finish")
+    sigint: bool = Field(
+        True, description="Stop on SIGINT (Ctrl-C) too; llmproxy serve turns it off for its embedded backend, whose Ctrl-C it handles"
+    )
     restart_backoff_min_s: float = Field(0.5, ge=0, description="First delay before restarting a dead worker")
     restart_backoff_max_s: float = Field(30.0, ge=0, description="Restart delay cap (doubles after each quick death)")
 

@@ -3,11 +3,13 @@
 Lifecycle (an aiohttp cleanup_ctx): start ``python -m llmproxy.backend`` as a child on a
 free loopback port (it writes the port to a file), wait for ``/health`` to answer 200
 while logging load progress, publish its URL in ``UPSTREAM_URL``, and on exit terminate
-it (SIGTERM, then SIGKILL after ``BACKEND_STOP_S``). The child runs in its own process
-group, so a terminal's Ctrl-C reaches only the proxy, which drains its requests first and
-then stops the backend (by then with no client left: it gets ``BACKEND_DRAIN_S`` for its
-own drain). It gets PR_SET_PDEATHSIG so it never outlives a proxy that was SIGKILLed, and
-no file descriptor beyond 0-2 (see ``child_preexec``).
+it (SIGTERM, then SIGKILL after ``BACKEND_STOP_S``). A terminal's Ctrl-C reaches the
+whole foreground process group, backend included; the backend runs with ``--no-sigint``,
+so only the proxy acts on it: it drains its requests first and then stops the backend (by
+then with no client left: it gets ``BACKEND_DRAIN_S`` for its own drain). A SIG_IGN set
+before exec would not do: uvloop's spawn (libuv) resets every signal disposition in the
+child. The child gets PR_SET_PDEATHSIG so it never outlives a proxy that was SIGKILLed,
+and no file descriptor beyond 0-2 (see ``child_preexec``).
 """
 
 from __future__ import annotations
@@ -36,9 +38,8 @@ BACKEND_STOP_S = stop_budget_s(BACKEND_DRAIN_S) + 1.0  # SIGTERM -> SIGKILL (9 s
 
 
 def child_preexec() -> Callable[[], None]:
-    """A ``preexec_fn``: the child gets SIGTERM when this process dies (Linux PR_SET_PDEATHSIG),
-    runs in a process group of its own (a terminal's Ctrl-C is for this process, which
-    stops its children in order) and keeps no file descriptor beyond 0-2 across exec.
+    """A ``preexec_fn``: the child gets SIGTERM when this process dies (Linux PR_SET_PDEATHSIG)
+    and keeps no file descriptor beyond 0-2 across exec.
 
     The second is what asyncio's subprocesses do (``close_fds=True``) and uvloop's do not
     (it spawns with every inheritable fd, e.g. one this process inherited from its own
@@ -53,14 +54,13 @@ def child_preexec() -> Callable[[], None]:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:  # not glibc/Linux: neither is available
-        return lambda: os.setpgid(0, 0)
+        return lambda: None
     prctl = libc.prctl
     close_range = getattr(libc, "close_range", None)
     if close_range is not None:
         close_range.argtypes = (ctypes.c_uint, ctypes.c_uint, ctypes.c_int)
 
     def preexec() -> None:
-        os.setpgid(0, 0)
         prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:
             os._exit(1)
@@ -73,6 +73,7 @@ def child_preexec() -> Callable[[], None]:
 def backend_command(s: ProxySettings, port_file: Path) -> list[str]:
     cmd = [sys.executable, "-m", "llmproxy.backend", "--host", "127.0.0.1", "--port", "0"]
     cmd += ["--port-file", str(port_file), "--engine", s.engine, "--shutdown-timeout-s", str(BACKEND_DRAIN_S)]
+    cmd += ["--no-sigint"]  # Ctrl-C is the proxy's to handle (see the module docstring)
     if s.parallel is not None:  # slots: llama-cpp runs one worker per slot, torch one batch of them
         cmd += ["--max-batch-size" if s.engine == "torch" else "--parallel", str(s.parallel)]
     cmd += ["--log-level", s.log_level, "--loop", s.loop]

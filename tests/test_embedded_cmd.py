@@ -1,18 +1,15 @@
 """How ``llmproxy serve`` starts its embedded backend: the command line the backend really
-parses (slots per engine, its drain), and the child's own process group."""
+parses (slots per engine, its drain and stop)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
-import sys
 from pathlib import Path
 
 from llmproxy.backend.cli import add_arguments
 from llmproxy.backend.settings import BackendSettings, stop_budget_s
 from llmproxy.proxy.config import settings_from_args
-from llmproxy.proxy.embedded import BACKEND_DRAIN_S, BACKEND_STOP_S, backend_command, child_preexec
+from llmproxy.proxy.embedded import BACKEND_DRAIN_S, BACKEND_STOP_S, backend_command
 from llmproxy.proxy.registry import DRAIN_GRACE_S
 from llmproxy.proxy.server import _WRITE_GRACE_S
 from llmproxy.proxy.settings import ProxySettings
@@ -42,20 +39,10 @@ def test_backend_stop_fits_the_proxys_budget(tmp_path: Path) -> None:
     the systemd unit's TimeoutStopSec."""
     s = backend_settings(tmp_path)
     assert s.shutdown_timeout_s == BACKEND_DRAIN_S
+    assert s.sigint is False  # Ctrl-C is the proxy's: it drains first, then stops the backend
     assert stop_budget_s(s.shutdown_timeout_s) < BACKEND_STOP_S
     proxy = ProxySettings()
     worst = proxy.shutdown_timeout_s + DRAIN_GRACE_S + 2 * _WRITE_GRACE_S + BACKEND_STOP_S
     unit = render(exec_start="x", config="c", user=True, socket_listen=None, shutdown_timeout_s=proxy.shutdown_timeout_s)
     stop = int(proxy.shutdown_timeout_s) + 15
     assert f"TimeoutStopSec={stop}s" in unit.service and worst < stop
-
-
-async def test_child_runs_in_its_own_process_group() -> None:
-    """A terminal's Ctrl-C goes to the foreground process group: only the proxy gets it, and
-    stops the backend after draining its own requests."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", "import os; print(os.getpgid(0))", stdout=asyncio.subprocess.PIPE,
-        preexec_fn=child_preexec(),
-    )
-    out, _ = await proc.communicate()
-    assert int(out) == proc.pid != os.getpgid(0)

@@ -3,8 +3,8 @@
 From a clean environment (no LLMPROXY_* variables): the proxy starts the backend child,
 serves completions through the llamacpp adapter, survives an editor burst with the
 backend never running more than its one slot, and leaves no process behind on a
-terminal's Ctrl-C (SIGINT to the whole foreground process group: only the proxy is in it,
-and it finishes its in-flight request before stopping the backend) or when the proxy
+terminal's Ctrl-C (SIGINT to the whole foreground process group: the backend ignores it,
+the proxy finishes its in-flight request before stopping the backend) or when the proxy
 itself is SIGKILLed.
 """
 
@@ -103,8 +103,8 @@ async def test_embedded_backend_end_to_end(tmp_path: Path) -> None:
                 assert (await r.json())["permits"]["total"] == 1
             kids = descendants(proc.pid)
             assert len(kids) >= 2  # backend server + its worker
-            assert all(os.getpgid(k) != proc.pid for k in kids)  # not in the terminal's job
-            # Ctrl-C with a generation in flight: it still completes
+            # Ctrl-C with a generation in flight: it still completes (a backend acting on the
+            # SIGINT itself would cut it after its 0.5 s drain)
             async def long() -> dict:
                 body = {"prompt": "x = 99", "n_predict": 256, "ignore_eos": True}
                 async with http.post(url + "/completion", json=body) as r:
@@ -118,7 +118,7 @@ async def test_embedded_backend_end_to_end(tmp_path: Path) -> None:
                             break
             os.killpg(proc.pid, signal.SIGINT)
             late = await asyncio.wait_for(inflight, 60)
-            assert late["stop"] is True and late["tokens_predicted"] == 256
+            assert late.get("stop") is True and late["tokens_predicted"] == 256, late
         assert await asyncio.wait_for(proc.wait(), 60) == 0
         await wait_until(lambda: not any(alive(k) for k in kids), 10, what="no orphan processes")
         log = [json.loads(ln) for ln in (await proc.stderr.read()).decode().splitlines() if ln.startswith("{")]
