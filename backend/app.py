@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from llmproxy.backend.dispatch import Dispatcher
 from llmproxy.backend.model_path import resolve_model
-from llmproxy.backend.settings import WORKER_JOIN_S, BackendSettings
+from llmproxy.backend.settings import BackendSettings
 from llmproxy.backend.web_context import DISPATCHER, MODEL_PATH, SETTINGS
 from llmproxy.backend.web_errors import error_middleware
 from llmproxy.backend.web_info import health, models, props, slots
@@ -39,7 +39,7 @@ def create_app(settings: BackendSettings) -> web.Application:
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await dispatcher.start()
         yield
-        await dispatcher.stop(timeout_s=WORKER_JOIN_S)
+        await dispatcher.stop()
 
     app.cleanup_ctx.append(lifecycle)
     r = app.router

@@ -34,6 +34,7 @@ from llmproxy.backend.protocol import (
     Token,
     WorkerState,
 )
+from llmproxy.backend.settings import WORKER_JOIN_S
 from llmproxy.backend.supervisor import Supervisor, WorkerHandle
 
 if TYPE_CHECKING:
@@ -113,7 +114,7 @@ class Dispatcher:
         self._changed = asyncio.Event()
         await self.supervisor.start_all()
 
-    async def stop(self, timeout_s: float = 5.0) -> None:
+    async def stop(self, timeout_s: float = WORKER_JOIN_S) -> None:
         await self.supervisor.stop_all(timeout_s)
         for req in list(self.requests.values()):
             self._finish(req, Failed(req.id, 503, "server shutting down", "unavailable_error"))

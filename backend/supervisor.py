@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 from llmproxy.backend.protocol import EngineInfo, Shutdown
-from llmproxy.backend.settings import WORKER_KILL_JOIN_S
+from llmproxy.backend.settings import WORKER_JOIN_S, WORKER_KILL_JOIN_S
 from llmproxy.backend.worker import worker_main
 
 if TYPE_CHECKING:
@@ -137,7 +137,7 @@ class Supervisor:
         w.restarts += 1
         await self._start(w)
 
-    async def stop_all(self, timeout_s: float = 5.0) -> None:
+    async def stop_all(self, timeout_s: float = WORKER_JOIN_S) -> None:
         """Pending restarts end first (one still in its back-off is cancelled, one already
         starting its process finishes), then poison pills, join with a deadline, kill stragglers."""
         self.closing = True

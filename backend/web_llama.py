@@ -3,10 +3,11 @@
 Response shapes follow llama-server: a non-streamed request gets one JSON object with
 ``content``, ``stop_type``, ``timings`` and the ``generation_settings``; a streamed one
 gets SSE events with one ``content`` piece each and then the same final object (empty
-``content``). ``n_cmpl`` > 1 (llama.vscode; up to the slot count, as in llama-server) gets
-a JSON array of that many final objects (``index`` 0..n-1), generated one after the other
-on the request's slot, so the proxy's one permit still covers one slot; not streamed. A stream that fails before its first token gets a plain JSON error with
-the right status; after the first token, an SSE event ``data: {"error": {...}}``.
+``content``). ``n_cmpl`` > 1 (llama.vscode; up to the slot count, as in llama-server)
+gets a JSON array of that many final objects (``index`` 0..n-1), generated one after the
+other on the request's slot, so the proxy's one permit still covers one slot; not
+streamed. A stream that fails before its first token gets a plain JSON error with the
+right status; after the first token, an SSE event ``data: {"error": {...}}``.
 Cancellation is ``Gen``'s (web_gen.py).
 """
 
