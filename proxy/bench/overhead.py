@@ -12,8 +12,11 @@ proxied throughput >= 50% of direct.
 The same load also goes through a featureless aiohttp forwarder (``forwarder.py``; off with
 ``--no-floor``): the "floor" columns show what one extra hop through an aiohttp server and
 client costs on this machine before any of the proxy's work, so a goal the floor itself
-misses is visible as such. Closed-loop workers start staggered (see loadgen.py), and each
-target is measured in ``--rounds`` blocks taken in turn, so machine drift hits all alike.
+misses is visible as such. The "raw" columns (off with ``--no-raw``) run it through a TCP
+byte relay (``splice.py``): the loopback hop with no HTTP stack at all, the least any
+Python proxy on this loop could add. Closed-loop workers start staggered (see loadgen.py),
+and each target is measured in ``--rounds`` blocks taken in turn, so machine drift hits
+all alike.
 
 Upstream profiles (``--token-delay-ms``, one set of children per value):
 
@@ -78,6 +81,7 @@ class OverheadSettings(LayeredSettings):
     floor: bool = Field(
         True, description="Also measure a featureless aiohttp forwarder (forwarder.py): the stack's own cost"
     )
+    raw: bool = Field(True, description="Also measure a TCP byte relay (splice.py): the loopback hop without HTTP")
     startup_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a child to write its port file")
     log_level: str = Field("warning", description="Log level of this process, the fake upstream and the floor")
     loop: loops.LoopChoice = Field("auto", description="Event loop of the proxy and floor children (their --loop)")
@@ -153,13 +157,18 @@ async def _profile(settings: OverheadSettings, delay_ms: float, workdir: Path) -
             floor_argv = [sys.executable, "-m", "llmproxy.proxy.bench.forwarder", "--upstream", fake_url,
                           "--loop", settings.loop]
             floor_pid, floor_url = await stack.enter_async_context(child("forwarder", floor_argv, workdir, settings.startup_timeout_s))
+        raw_url, raw_pid = None, 0
+        if settings.proxy and settings.raw:
+            raw_argv = [sys.executable, "-m", "llmproxy.proxy.bench.splice", "--upstream", fake_url, "--loop", settings.loop]
+            raw_pid, raw_url = await stack.enter_async_context(child("splice", raw_argv, workdir, settings.startup_timeout_s))
         for mode in settings.modes:
             stream = mode == "stream"
             for c in settings.concurrency:
-                targets = [(fake_url, (fake_pid,)), (floor_url, (fake_pid, floor_pid)), (proxy_url, (fake_pid, proxy_pid))]
-                direct, floor, proxied = await _in_turn(targets, settings, stream, c)
+                targets = [(fake_url, (fake_pid,)), (raw_url, (fake_pid, raw_pid)), (floor_url, (fake_pid, floor_pid)),
+                           (proxy_url, (fake_pid, proxy_pid))]
+                direct, raw, floor, proxied = await _in_turn(targets, settings, stream, c)
                 assert direct is not None
-                cases.append(Case(mode, c, direct, proxied, delay_ms, floor))
+                cases.append(Case(mode, c, direct, proxied, delay_ms, floor, raw))
     return cases
 
 

@@ -1,8 +1,9 @@
 """The result rows of ``llmproxy bench overhead`` and the table that judges them.
 
 A ``Case`` holds one mode x concurrency x upstream pace, measured direct, through the
-floor forwarder and through the proxy. ``format_table`` prints one row per case with the
-added latency, throughput ratio, CPU per request, the floor's figures and the goals
+TCP relay ("raw"), the floor forwarder and the proxy. ``format_table`` prints one row per
+case with the added latency, throughput ratio, CPU per request, the two references'
+figures and the goals
 (judged on paced rows only; see overhead.py for why the instant rows are not).
 """
 
@@ -25,6 +26,7 @@ class Case:
     proxied: LoadResult | None
     token_delay_ms: float = 0.0
     floor: LoadResult | None = None  # the featureless aiohttp forwarder, same load
+    raw: LoadResult | None = None  # the TCP byte relay, same load
 
     @property
     def judged(self) -> bool:
@@ -54,15 +56,24 @@ def _goals(case: Case) -> tuple[float, float, float, list[str]]:
     return add50, add99, ratio, marks
 
 
+def _reference(direct: LoadResult, ref: LoadResult | None) -> tuple[float, float, float]:
+    """A reference target's added p50, added p99 (ms) and CPU us/req; NaN when not measured."""
+    if ref is None:
+        return float("nan"), float("nan"), float("nan")
+    added50 = ref.percentile_ms(50) - direct.percentile_ms(50)
+    return added50, ref.percentile_ms(99) - direct.percentile_ms(99), ref.cpu_us_per_request(1)
+
+
 def format_table(cases: list[Case], loop: str) -> str:
     """The result table (one row per case) followed by the goals and an overall verdict.
 
-    ``loop``: the event loop the proxy and floor children ran on (their ``--loop``).
+    ``loop``: the event loop the proxy and both floors ran on (their ``--loop``).
     """
     head = (
         f"{'case':<26}{'n':>6}{'direct p50':>11}{'p99':>8}{'proxied p50':>12}{'p99':>8}"
         f"{'added p50':>10}{'p99':>8}{'rps direct':>11}{'proxied':>9}{'ratio':>7}"
-        f"{'CPU us/req proxy':>17}{'fake':>6}{'floor +p50':>11}{'+p99':>7}{'CPU':>6}  goals"
+        f"{'CPU us/req proxy':>17}{'fake':>6}{'floor +p50':>11}{'+p99':>7}{'CPU':>6}"
+        f"{'raw +p50':>9}{'+p99':>7}{'CPU':>5}  goals"
     )
     lines = [head, "-" * len(head)]
     all_pass = True
@@ -75,16 +86,15 @@ def format_table(cases: list[Case], loop: str) -> str:
         d, p = case.direct, case.proxied
         n = f"{d.ok}" + ("*" if d.capped or (p is not None and p.capped) else "")
         proxy_cpu = p.cpu_us_per_request(1) if p else float("nan")
-        f = case.floor
-        floor50 = f.percentile_ms(50) - d.percentile_ms(50) if f else float("nan")
-        floor99 = f.percentile_ms(99) - d.percentile_ms(99) if f else float("nan")
-        floor_cpu = f.cpu_us_per_request(1) if f else float("nan")
+        floor50, floor99, floor_cpu = _reference(d, case.floor)
+        raw50, raw99, raw_cpu = _reference(d, case.raw)
         lines.append(
             f"{case.name:<26}{n:>6}"
             f"{d.percentile_ms(50):>11.2f}{d.percentile_ms(99):>8.2f}"
             f"{(p.percentile_ms(50) if p else float('nan')):>12.2f}{(p.percentile_ms(99) if p else float('nan')):>8.2f}"
             f"{add50:>10.2f}{add99:>8.2f}{d.rps:>11.0f}{(p.rps if p else float('nan')):>9.0f}{ratio:>7.2f}"
-            f"{proxy_cpu:>17.0f}{d.cpu_us_per_request(0):>6.0f}{floor50:>11.2f}{floor99:>7.2f}{floor_cpu:>6.0f}  "
+            f"{proxy_cpu:>17.0f}{d.cpu_us_per_request(0):>6.0f}{floor50:>11.2f}{floor99:>7.2f}{floor_cpu:>6.0f}"
+            f"{raw50:>9.2f}{raw99:>7.2f}{raw_cpu:>5.0f}  "
             + ", ".join(marks)
         )
     lines.append("")
@@ -100,7 +110,11 @@ def format_table(cases: list[Case], loop: str) -> str:
         "floor: the same load through a featureless aiohttp forwarder (bench/forwarder.py): the latency it adds "
         "over direct and its CPU us/req, i.e. what the aiohttp server + client hop costs here before any proxy logic"
     )
-    lines.append(f"event loop of the proxy and the floor: {loop}")
+    lines.append(
+        "raw: the same load through a TCP byte relay (bench/splice.py): the loopback hop and one more process "
+        "with no HTTP stack, the least any proxy on this loop could add"
+    )
+    lines.append(f"event loop of the proxy and the floors: {loop}")
     judged = [c for c in cases if c.judged and c.proxied is not None]
     verdict = ("PASS" if all_pass else "FAIL") if judged else "n/a (no paced rows measured through the proxy)"
     lines.append(f"overall (paced upstream rows): {verdict}")

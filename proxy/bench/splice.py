@@ -1,0 +1,185 @@
+"""The raw floor for ``llmproxy bench overhead``: a TCP byte relay, no HTTP at all.
+
+``python -m llmproxy.proxy.bench.splice --upstream URL`` accepts connections and gives
+each one its own connection to the upstream's host and port, then copies bytes both ways
+as they arrive (asyncio Protocols: no parsing, no buffering beyond the transports' own,
+no per-request Python work at all). Its column in the bench is the cheapest any Python
+proxy on this event loop could be: two more loopback hops and a wake-up of one more
+process. Next to the aiohttp "floor" (forwarder.py) it separates what the loopback hop
+costs on this machine from what the aiohttp server + client stack costs. A reference to
+measure against, not a product path: it never runs outside the bench.
+
+Concurrency contract: one ``_Pair`` per client connection, owning both transports. The
+upstream connect runs in a task tracked in the server's set (cancelled on shutdown);
+client bytes that arrive before it completes wait in a list. Either side closing closes
+the other (after what was written reaches the kernel: ``transport.close`` flushes), and a
+side whose peer's write buffer is full is paused (``pause_writing`` -> ``pause_reading``)
+until it drains. SIGINT/SIGTERM stop the server and close every pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import signal
+from pathlib import Path
+from typing import cast
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+from yarl import URL
+
+from llmproxy.proxy import loops
+from llmproxy.proxy.config import LayeredSettings, add_settings_arguments, settings_from_args
+
+
+class SpliceSettings(LayeredSettings):
+    """Options of ``python -m llmproxy.proxy.bench.splice`` (env ``LLMPROXY_SPLICE_*``)."""
+
+    model_config = SettingsConfigDict(env_prefix="LLMPROXY_SPLICE_", frozen=True, extra="forbid")
+
+    upstream: str = Field(description="Base URL whose host and port to relay to (http only)")
+    host: str = Field("127.0.0.1", description="Address to bind")
+    port: int = Field(0, ge=0, le=65535, description="Port to bind; 0 picks a free port")
+    port_file: Path | None = Field(None, description="Write the bound port to this file once listening")
+    loop: loops.LoopChoice = Field("auto", description="Event loop, as the proxy's --loop")
+
+
+class _Side(asyncio.Protocol):
+    """One end of a pair: what it reads goes to the other end's transport."""
+
+    def __init__(self, pair: _Pair) -> None:
+        self.pair = pair
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport subclass
+
+    def data_received(self, data: bytes) -> None:
+        self.pair.forward(self, data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.pair.close()
+
+    def pause_writing(self) -> None:  # our transport is full: stop reading the other end
+        self.pair.other(self).pause()
+
+    def resume_writing(self) -> None:
+        self.pair.other(self).resume()
+
+    def pause(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+
+class _Pair:
+    def __init__(self, registry: set[_Pair]) -> None:
+        self.registry = registry  # the relay's open pairs: this one leaves it on close
+        self.client = _Side(self)
+        self.upstream = _Side(self)
+        self.pending: list[bytes] | None = []  # client bytes before the upstream connected
+        self.closed = False
+
+    def other(self, side: _Side) -> _Side:
+        return self.upstream if side is self.client else self.client
+
+    def forward(self, side: _Side, data: bytes) -> None:
+        if side is self.client and self.pending is not None:
+            self.pending.append(data)
+            return
+        target = self.other(side).transport
+        if target is not None and not target.is_closing():
+            target.write(data)
+
+    def connected(self) -> None:
+        pending, self.pending = self.pending or [], None
+        assert self.upstream.transport is not None
+        if self.closed:
+            self.upstream.transport.close()
+            return
+        for data in pending:
+            self.upstream.transport.write(data)
+
+    def close(self) -> None:
+        self.closed = True
+        self.registry.discard(self)
+        for side in (self.client, self.upstream):
+            if side.transport is not None and not side.transport.is_closing():
+                side.transport.close()
+
+
+class _Relay:
+    """The server side: a pair per accepted connection, its connect task tracked."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.pairs: set[_Pair] = set()
+
+    def accept(self) -> _Side:
+        pair = _Pair(self.pairs)
+        self.pairs.add(pair)
+        task = asyncio.get_running_loop().create_task(self._connect(pair))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return pair.client
+
+    async def _connect(self, pair: _Pair) -> None:
+        try:
+            await asyncio.get_running_loop().create_connection(lambda: pair.upstream, self.host, self.port)
+        except OSError:
+            pair.close()
+        else:
+            pair.connected()
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for pair in list(self.pairs):
+            pair.close()
+
+
+async def _serve(settings: SpliceSettings) -> None:
+    upstream = URL(settings.upstream)
+    if upstream.scheme != "http" or upstream.host is None or upstream.port is None:
+        raise SystemExit(f"splice: --upstream must be an http:// URL with a host, got {settings.upstream!r}")
+    relay = _Relay(upstream.host, upstream.port)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(relay.accept, settings.host, settings.port)
+    try:
+        if settings.port_file is not None:
+            port = server.sockets[0].getsockname()[1]
+            tmp = settings.port_file.with_name(settings.port_file.name + ".tmp")
+            tmp.write_text(str(port))
+            tmp.replace(settings.port_file)
+        gc.freeze()  # as the proxy does after startup
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        server.close()
+        relay.close()
+        await server.wait_closed()
+        if relay.tasks:
+            await asyncio.wait(relay.tasks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m llmproxy.proxy.bench.splice", description="TCP byte relay (bench raw floor)."
+    )
+    add_settings_arguments(parser, SpliceSettings)
+    settings = settings_from_args(SpliceSettings, parser.parse_args(argv))
+    factory = loops.choose(settings.loop, "splice")[1]
+    loops.run(_serve(settings), factory)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
