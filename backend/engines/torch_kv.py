@@ -18,10 +18,26 @@ Single-threaded: owned by ``torch_batch.Batch``, used from the worker loop's thr
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+@functools.cache
+def _cache_keyword(model_type: type) -> str:
+    """The forward keyword of a model class that takes its KV cache: ``cache`` from
+    transformers 5.24 on, ``past_key_values`` before (5.24 still accepts it, with a
+    FutureWarning, until 5.40)."""
+    params = inspect.signature(model_type.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_kwarg(model: Any, cache: Cache) -> dict[str, Cache]:
+    """``{keyword: cache}`` for ``model(...)``, whichever name its transformers version uses."""
+    return {_cache_keyword(type(model)): cache}
 
 
 class SlotLayer(CacheLayerMixin):

@@ -42,6 +42,8 @@ def plan_memory(model: Any, device: torch.device, dtype: torch.dtype, max_batch:
         return MemoryPlan(per_tok, None, (("kv_bytes_per_token", str(per_tok)),))
     from transformers import DynamicCache
 
+    from llmproxy.backend.engines.torch_kv import cache_kwarg
+
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     weights = torch.cuda.memory_allocated(device)
@@ -49,7 +51,7 @@ def plan_memory(model: Any, device: torch.device, dtype: torch.dtype, max_batch:
     torch.cuda.reset_peak_memory_stats(device)
     vocab = model.config.get_text_config(decoder=True).vocab_size
     ids = torch.randint(0, vocab, (1, chunk), device=device)
-    model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+    model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwarg(model, DynamicCache()))
     prefill_peak = torch.cuda.max_memory_allocated(device) - weights
     torch.cuda.reset_peak_memory_stats(device)
     # decode over a short stand-in cache; the attention part scales with n_ctx, counted below

@@ -62,3 +62,22 @@ def test_admission_counts_every_slot_at_the_width_it_will_have() -> None:
     assert _kv_fits(engine, _seq(500, 500))  # CPU: no budget
     engine.kv_budget, engine.batch.rows = 1, []
     assert _kv_fits(engine, _seq(500, 500))  # an idle engine always runs one sequence
+
+
+def test_cache_keyword_follows_the_model_signature() -> None:
+    """transformers 5.24 renamed forward's ``past_key_values`` to ``cache`` (the old name
+    warns, and the suite turns warnings into errors); older releases only know the old one.
+    The engine tests run the installed release; this covers the other branch."""
+    from llmproxy.backend.engines.torch_kv import cache_kwarg
+
+    class Old:
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):  # type: ignore[no-untyped-def]
+            return None
+
+    class New:
+        def forward(self, input_ids=None, cache=None, use_cache=None):  # type: ignore[no-untyped-def]
+            return None
+
+    marker = object()
+    assert cache_kwarg(Old(), marker) == {"past_key_values": marker}  # type: ignore[arg-type]
+    assert cache_kwarg(New(), marker) == {"cache": marker}  # type: ignore[arg-type]
