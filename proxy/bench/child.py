@@ -6,14 +6,20 @@ exits or the timeout passes) and yields ``(pid, base URL)``. On exit of the bloc
 terminates the child, then kills it after ``stop_timeout_s``; the child also gets SIGTERM
 if this process dies without cleaning up (PR_SET_PDEATHSIG): never an orphan.
 ``cpu_seconds(pid)`` reads a process's user + system CPU time (Linux /proc; NaN elsewhere).
+
+The child's side of the same protocol: ``announce(port_file, port)`` once listening (the
+file appears atomically, so the parent never reads half a number), then
+``until_stopped()``, which returns on SIGINT/SIGTERM so the child can close its server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import math
 import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -59,3 +65,26 @@ def cpu_seconds(pid: int) -> float:
         return math.nan
     fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state is fields[0]
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def announce(port_file: Path | None, port: int) -> None:
+    """Child side: write the bound port to ``port_file`` atomically (if given), then freeze
+    the startup objects out of garbage collection, as the proxy does (server.py)."""
+    if port_file is not None:
+        tmp = port_file.with_name(port_file.name + ".tmp")
+        tmp.write_text(str(port))
+        tmp.replace(port_file)
+    gc.freeze()
+
+
+async def until_stopped() -> None:
+    """Child side: return when SIGINT or SIGTERM arrives (the parent stops children with SIGTERM)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

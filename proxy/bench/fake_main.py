@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
-import signal
 from pathlib import Path
 
 import structlog
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from llmproxy.proxy.bench.child import announce, until_stopped
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Kind, Script
 from llmproxy.proxy.config import LayeredSettings, add_settings_arguments, settings_from_args
 from llmproxy.proxy.logs import configure_logging
@@ -42,23 +41,15 @@ class FakeUpstreamSettings(LayeredSettings):
 
 async def _serve(settings: FakeUpstreamSettings) -> None:
     """Run until SIGINT/SIGTERM; the port file is written atomically once listening."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     script = Script(tokens=settings.tokens, token_delay_s=settings.token_delay_ms / 1000)
     async with FakeUpstream(
         kind=settings.kind, slots=settings.slots, abort_linger_s=settings.abort_linger_s,
         slots_endpoint=settings.slots_endpoint, script=lambda _p, _b: script,
         host=settings.host, port=settings.port,
     ) as upstream:
-        if settings.port_file is not None:
-            tmp = settings.port_file.with_name(settings.port_file.name + ".tmp")
-            tmp.write_text(upstream.url.rsplit(":", 1)[1])
-            tmp.replace(settings.port_file)
-        gc.freeze()  # like the proxy (server.py): no startup objects in full collections
+        announce(settings.port_file, int(upstream.url.rsplit(":", 1)[1]))
         structlog.get_logger().info("fake_upstream_listening", url=upstream.url, kind=settings.kind)
-        await stop.wait()
+        await until_stopped()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,9 +19,6 @@ owns the server and the one ClientSession; SIGINT/SIGTERM stop both.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import gc
-import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -32,6 +29,7 @@ from pydantic_settings import SettingsConfigDict
 from yarl import URL
 
 from llmproxy.proxy import loops
+from llmproxy.proxy.bench.child import announce, until_stopped
 from llmproxy.proxy.config import LayeredSettings, add_settings_arguments, settings_from_args
 
 SESSION = web.AppKey("session", aiohttp.ClientSession)
@@ -92,16 +90,8 @@ async def _serve(settings: ForwarderSettings) -> None:
     try:
         site = web.TCPSite(runner, settings.host, settings.port)
         await site.start()
-        if settings.port_file is not None:
-            port = runner.addresses[0][1]
-            tmp = settings.port_file.with_name(settings.port_file.name + ".tmp")
-            tmp.write_text(str(port))
-            tmp.replace(settings.port_file)
-        gc.freeze()  # as the proxy does after startup
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        await stop.wait()
+        announce(settings.port_file, runner.addresses[0][1])
+        await until_stopped()
     finally:
         await runner.cleanup()
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
-import signal
 from pathlib import Path
 from typing import cast
 
@@ -31,6 +29,7 @@ from pydantic_settings import SettingsConfigDict
 from yarl import URL
 
 from llmproxy.proxy import loops
+from llmproxy.proxy.bench.child import announce, until_stopped
 from llmproxy.proxy.config import LayeredSettings, add_settings_arguments, settings_from_args
 
 
@@ -152,16 +151,8 @@ async def _serve(settings: SpliceSettings) -> None:
     loop = asyncio.get_running_loop()
     server = await loop.create_server(relay.accept, settings.host, settings.port)
     try:
-        if settings.port_file is not None:
-            port = server.sockets[0].getsockname()[1]
-            tmp = settings.port_file.with_name(settings.port_file.name + ".tmp")
-            tmp.write_text(str(port))
-            tmp.replace(settings.port_file)
-        gc.freeze()  # as the proxy does after startup
-        stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        announce(settings.port_file, server.sockets[0].getsockname()[1])
+        await until_stopped()
     finally:
         server.close()
         relay.close()
