@@ -10,10 +10,12 @@ if this process dies without cleaning up (PR_SET_PDEATHSIG): never an orphan.
 The child's side of the same protocol: ``announce(port_file, port)`` once listening (the
 file appears atomically, so the parent never reads half a number), then
 ``until_stopped()``, which returns on SIGINT/SIGTERM so the child can close its server.
+``run_child_main`` is the command-line entry of a child that runs on ``--loop``.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import gc
@@ -21,10 +23,30 @@ import math
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
+from pydantic import Field
+
+from llmproxy.proxy import loops
+from llmproxy.proxy.config import LayeredSettings, add_settings_arguments, settings_from_args
 from llmproxy.proxy.embedded import child_preexec
+
+
+
+class ReferenceSettings(LayeredSettings):
+    """Options shared by the bench's reference relays (forwarder.py, splice.py); each
+    subclass sets its own ``env_prefix``."""
+
+    upstream: str = Field(description="Base URL to relay to")
+    host: str = Field("127.0.0.1", description="Address to bind")
+    port: int = Field(0, ge=0, le=65535, description="Port to bind; 0 picks a free port")
+    port_file: Path | None = Field(None, description="Write the bound port to this file once listening")
+    loop: loops.LoopChoice = Field("auto", description="Event loop, as the proxy's --loop")
+
+
+S = TypeVar("S", bound=ReferenceSettings)
 
 
 @contextlib.asynccontextmanager
@@ -88,3 +110,17 @@ async def until_stopped() -> None:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+def run_child_main(
+    module: str, description: str, settings_cls: type[S], serve: Callable[[S], Coroutine[Any, Any, None]],
+    argv: list[str] | None,
+) -> int:
+    """Parse ``argv`` into ``settings_cls`` and run ``serve`` on its ``--loop`` (the entry of
+    ``python -m MODULE``)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=description)
+    add_settings_arguments(parser, settings_cls)
+    settings = settings_from_args(settings_cls, parser.parse_args(argv))
+    factory = loops.choose(settings.loop, module.rsplit(".", 1)[-1])[1]
+    loops.run(serve(settings), factory)
+    return 0

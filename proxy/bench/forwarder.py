@@ -18,34 +18,23 @@ owns the server and the one ClientSession; SIGINT/SIGTERM stop both.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import aiohttp
 from aiohttp import web
-from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 from yarl import URL
 
-from llmproxy.proxy import loops
-from llmproxy.proxy.bench.child import announce, until_stopped
-from llmproxy.proxy.config import LayeredSettings, add_settings_arguments, settings_from_args
+from llmproxy.proxy.bench.child import ReferenceSettings, announce, run_child_main, until_stopped
 
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 UPSTREAM = web.AppKey("upstream", URL)
 
 
-class ForwarderSettings(LayeredSettings):
+class ForwarderSettings(ReferenceSettings):
     """Options of ``python -m llmproxy.proxy.bench.forwarder`` (env ``LLMPROXY_FORWARDER_*``)."""
 
     model_config = SettingsConfigDict(env_prefix="LLMPROXY_FORWARDER_", frozen=True, extra="forbid")
-
-    upstream: str = Field(description="Base URL to forward to")
-    host: str = Field("127.0.0.1", description="Address to bind")
-    port: int = Field(0, ge=0, le=65535, description="Port to bind; 0 picks a free port")
-    port_file: Path | None = Field(None, description="Write the bound port to this file once listening")
-    loop: loops.LoopChoice = Field("auto", description="Event loop, as the proxy's --loop")
 
 
 async def _forward(request: web.Request) -> web.StreamResponse:
@@ -97,14 +86,7 @@ async def _serve(settings: ForwarderSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m llmproxy.proxy.bench.forwarder", description="Featureless aiohttp forwarder (bench floor)."
-    )
-    add_settings_arguments(parser, ForwarderSettings)
-    settings = settings_from_args(ForwarderSettings, parser.parse_args(argv))
-    factory = loops.choose(settings.loop, "forwarder")[1]
-    loops.run(_serve(settings), factory)
-    return 0
+    return run_child_main("llmproxy.proxy.bench.forwarder", "Featureless aiohttp forwarder (bench floor).", ForwarderSettings, _serve, argv)
 
 
 if __name__ == "__main__":

@@ -19,30 +19,19 @@ until it drains. SIGINT/SIGTERM stop the server and close every pair.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-from pathlib import Path
 from typing import cast
 
-from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 from yarl import URL
 
-from llmproxy.proxy import loops
-from llmproxy.proxy.bench.child import announce, until_stopped
-from llmproxy.proxy.config import LayeredSettings, add_settings_arguments, settings_from_args
+from llmproxy.proxy.bench.child import ReferenceSettings, announce, run_child_main, until_stopped
 
 
-class SpliceSettings(LayeredSettings):
+class SpliceSettings(ReferenceSettings):
     """Options of ``python -m llmproxy.proxy.bench.splice`` (env ``LLMPROXY_SPLICE_*``)."""
 
     model_config = SettingsConfigDict(env_prefix="LLMPROXY_SPLICE_", frozen=True, extra="forbid")
-
-    upstream: str = Field(description="Base URL whose host and port to relay to (http only)")
-    host: str = Field("127.0.0.1", description="Address to bind")
-    port: int = Field(0, ge=0, le=65535, description="Port to bind; 0 picks a free port")
-    port_file: Path | None = Field(None, description="Write the bound port to this file once listening")
-    loop: loops.LoopChoice = Field("auto", description="Event loop, as the proxy's --loop")
 
 
 class _Side(asyncio.Protocol):
@@ -162,14 +151,7 @@ async def _serve(settings: SpliceSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m llmproxy.proxy.bench.splice", description="TCP byte relay (bench raw floor)."
-    )
-    add_settings_arguments(parser, SpliceSettings)
-    settings = settings_from_args(SpliceSettings, parser.parse_args(argv))
-    factory = loops.choose(settings.loop, "splice")[1]
-    loops.run(_serve(settings), factory)
-    return 0
+    return run_child_main("llmproxy.proxy.bench.splice", "TCP byte relay (bench raw floor).", SpliceSettings, _serve, argv)
 
 
 if __name__ == "__main__":
