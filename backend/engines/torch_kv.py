@@ -31,8 +31,13 @@ def _cache_keyword(model_type: type) -> str:
     """The forward keyword of a model class that takes its KV cache: ``cache`` from
     transformers 5.24 on, ``past_key_values`` before (5.24 still accepts it, with a
     FutureWarning, until 5.40)."""
-    params = inspect.signature(model_type.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    params = inspect.signature(model_type.forward).parameters  # follows functools.wraps
+    if "cache" in params or "past_key_values" in params:
+        return "cache" if "cache" in params else "past_key_values"
+    import transformers  # a forward that names neither (a wrapper): go by the release
+    from packaging.version import Version  # a dependency of transformers
+
+    return "cache" if Version(transformers.__version__).release[:2] >= (5, 24) else "past_key_values"
 
 
 def cache_kwarg(model: Any, cache: Cache) -> dict[str, Cache]:

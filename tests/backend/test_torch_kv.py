@@ -68,6 +68,8 @@ def test_cache_keyword_follows_the_model_signature() -> None:
     """transformers 5.24 renamed forward's ``past_key_values`` to ``cache`` (the old name
     warns, and the suite turns warnings into errors); older releases only know the old one.
     The engine tests run the installed release; this covers the other branch."""
+    from transformers.utils.deprecation import deprecate_kwarg
+
     from llmproxy.backend.engines.torch_kv import cache_kwarg
 
     class Old:
@@ -78,6 +80,12 @@ def test_cache_keyword_follows_the_model_signature() -> None:
         def forward(self, input_ids=None, cache=None, use_cache=None):  # type: ignore[no-untyped-def]
             return None
 
+    class Renamed:  # as transformers 5.24 declares it: the new name, the old one deprecated
+        @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")
+        def forward(self, input_ids=None, cache=None, use_cache=None):  # type: ignore[no-untyped-def]
+            return None
+
     marker = object()
     assert cache_kwarg(Old(), marker) == {"past_key_values": marker}  # type: ignore[arg-type]
     assert cache_kwarg(New(), marker) == {"cache": marker}  # type: ignore[arg-type]
+    assert cache_kwarg(Renamed(), marker) == {"cache": marker}  # type: ignore[arg-type]
