@@ -47,32 +47,74 @@ async def test_forwarder_relays_bytes_unchanged(tmp_path: Path) -> None:
                 assert await f.read() == await d.read()
 
 
-async def test_splice_relays_bytes_unchanged_and_keeps_connections(tmp_path: Path) -> None:
-    """The TCP relay: same bytes as the fake, keep-alive across requests on one client
-    connection (one upstream connection each), and a refused upstream closes the client."""
+def _splice_argv(upstream_url: str) -> list[str]:
+    return [sys.executable, "-m", "llmproxy.proxy.bench.splice", "--upstream", upstream_url]
+
+
+async def test_splice_relays_the_same_responses_over_one_kept_alive_connection(tmp_path: Path) -> None:
+    """The TCP relay: the fake's responses unchanged, and three requests on one client
+    connection (the relay keeps it and its upstream connection open between requests)."""
     fake_argv = [sys.executable, "-m", "llmproxy.proxy.bench.fake_upstream", "--port", "0", "--tokens", "3",
                  "--token-delay-ms", "0"]
+    opened: list[str] = []
+
+    async def on_connect(_session: object, _ctx: object, _params: object) -> None:
+        opened.append("connection")
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_create_end.append(on_connect)
     async with child("fake", fake_argv, tmp_path, 60) as (_fp, fake_url), child(
-        "splice", [sys.executable, "-m", "llmproxy.proxy.bench.splice", "--upstream", fake_url], tmp_path, 60
+        "splice", _splice_argv(fake_url), tmp_path, 60
     ) as (_sp, splice_url):
-        connector = aiohttp.TCPConnector(limit=1)
-        async with aiohttp.ClientSession(connector=connector) as http:
+        async with aiohttp.ClientSession() as direct_http, aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=1), trace_configs=[trace]
+        ) as http:
             for stream in (False, True, False):
                 body = json.dumps({"prompt": "x", "stream": stream}).encode()
-                async with http.post(fake_url + "/completion", data=body) as d:
-                    direct = (d.status, d.headers["Content-Type"], await d.read())
+                async with direct_http.post(fake_url + "/completion", data=body) as d:
+                    direct = (d.status, d.headers["Content-Type"], d.headers.get("Transfer-Encoding"), await d.read())
                 async with http.post(splice_url + "/completion", data=body) as r:
-                    assert (r.status, r.headers["Content-Type"], await r.read()) == direct
-        with socket.socket() as probe:  # a port nothing listens on
-            probe.bind(("127.0.0.1", 0))
-            dead_url = f"http://127.0.0.1:{probe.getsockname()[1]}"
-        async with child(
-            "splice-dead", [sys.executable, "-m", "llmproxy.proxy.bench.splice", "--upstream", dead_url], tmp_path, 60
-        ) as (_dp, dead_splice):
-            dead = URL(dead_splice)
-            reader, writer = await asyncio.open_connection(dead.host, dead.port)
+                    relayed = (r.status, r.headers["Content-Type"], r.headers.get("Transfer-Encoding"), await r.read())
+                assert relayed == direct
+    assert opened == ["connection"]
+
+
+async def test_splice_passes_a_half_close_on_and_closes_on_a_refused_upstream(tmp_path: Path) -> None:
+    """A client that half-closes (shutdown SHUT_WR) still gets the reply of an upstream that
+    reads to EOF before answering; with nothing listening upstream the client sees a close."""
+
+    async def answer_after_eof(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        data = await reader.read()
+        writer.write(b"got:" + data)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer_after_eof, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server, child("splice", _splice_argv(f"http://127.0.0.1:{port}"), tmp_path, 60) as (_sp, url):
+        relay = URL(url)
+        reader, writer = await asyncio.open_connection(relay.host, relay.port)
+        try:
+            writer.write(b"hello")
+            writer.write_eof()
+            assert await asyncio.wait_for(reader.read(), 30) == b"got:hello"
+        finally:
+            writer.close()
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        dead_url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    async with child("splice-dead", _splice_argv(dead_url), tmp_path, 60) as (_dp, dead_splice):
+        dead = URL(dead_splice)
+        reader, writer = await asyncio.open_connection(dead.host, dead.port)
+        try:
             writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert await asyncio.wait_for(reader.read(), 30) == b""  # closed, nothing relayed
+            try:
+                got = await asyncio.wait_for(reader.read(), 30)
+            except ConnectionResetError:  # the relay closed with our bytes unread: a reset, also a close
+                got = b""
+            assert got == b""  # closed, nothing relayed
+        finally:
             writer.close()
 
 

@@ -9,8 +9,9 @@ if this process dies without cleaning up (PR_SET_PDEATHSIG): never an orphan.
 
 The child's side of the same protocol: ``announce(port_file, port)`` once listening (the
 file appears atomically, so the parent never reads half a number), then
-``until_stopped()``, which returns on SIGINT/SIGTERM so the child can close its server.
-``run_child_main`` is the command-line entry of a child that runs on ``--loop``.
+wait on ``stop_event()`` (set by SIGINT/SIGTERM) and close its server.
+``ReferenceSettings`` and ``run_child_main`` are the options and command-line entry of the
+reference relays (forwarder.py, splice.py), which run on ``--loop``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from pydantic import Field
 from llmproxy.proxy import loops
 from llmproxy.proxy.config import LayeredSettings, add_settings_arguments, settings_from_args
 from llmproxy.proxy.embedded import child_preexec
-
 
 
 class ReferenceSettings(LayeredSettings):
@@ -99,17 +99,16 @@ def announce(port_file: Path | None, port: int) -> None:
     gc.freeze()
 
 
-async def until_stopped() -> None:
-    """Child side: return when SIGINT or SIGTERM arrives (the parent stops children with SIGTERM)."""
+def stop_event() -> asyncio.Event:
+    """Child side: an event set by SIGINT or SIGTERM (the parent stops children with
+    SIGTERM). Call it first thing, before the server starts, and wait on it once announced;
+    the handlers stay for the loop's lifetime, so a signal during cleanup cannot kill the
+    child half-way."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+    return stop
 
 
 def run_child_main(

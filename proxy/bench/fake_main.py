@@ -16,7 +16,7 @@ import structlog
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from llmproxy.proxy.bench.child import announce, until_stopped
+from llmproxy.proxy.bench.child import announce, stop_event
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Kind, Script
 from llmproxy.proxy.config import LayeredSettings, add_settings_arguments, settings_from_args
 from llmproxy.proxy.logs import configure_logging
@@ -41,6 +41,7 @@ class FakeUpstreamSettings(LayeredSettings):
 
 async def _serve(settings: FakeUpstreamSettings) -> None:
     """Run until SIGINT/SIGTERM; the port file is written atomically once listening."""
+    stop = stop_event()
     script = Script(tokens=settings.tokens, token_delay_s=settings.token_delay_ms / 1000)
     async with FakeUpstream(
         kind=settings.kind, slots=settings.slots, abort_linger_s=settings.abort_linger_s,
@@ -49,7 +50,7 @@ async def _serve(settings: FakeUpstreamSettings) -> None:
     ) as upstream:
         announce(settings.port_file, int(upstream.url.rsplit(":", 1)[1]))
         structlog.get_logger().info("fake_upstream_listening", url=upstream.url, kind=settings.kind)
-        await until_stopped()
+        await stop.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ from aiohttp import web
 from pydantic_settings import SettingsConfigDict
 from yarl import URL
 
-from llmproxy.proxy.bench.child import ReferenceSettings, announce, run_child_main, until_stopped
+from llmproxy.proxy.bench.child import ReferenceSettings, announce, run_child_main, stop_event
 
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 UPSTREAM = web.AppKey("upstream", URL)
@@ -70,6 +70,7 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _serve(settings: ForwarderSettings) -> None:
+    stop = stop_event()
     app = web.Application()
     app[UPSTREAM] = URL(settings.upstream)
     app.cleanup_ctx.append(_session_ctx)
@@ -80,7 +81,7 @@ async def _serve(settings: ForwarderSettings) -> None:
         site = web.TCPSite(runner, settings.host, settings.port)
         await site.start()
         announce(settings.port_file, runner.addresses[0][1])
-        await until_stopped()
+        await stop.wait()
     finally:
         await runner.cleanup()
 

@@ -67,7 +67,7 @@ class OverheadSettings(LayeredSettings):
     concurrency: list[int] = Field([1, 32], description="Concurrency levels (closed-loop workers)")
     duration: float = Field(60.0, gt=0, description="Time cap in seconds per phase (warm-up, measured) and target")
     rounds: int = Field(
-        3, ge=1, description="Measured blocks per target, run in turn (direct, floor, proxied, direct, ...)"
+        3, ge=1, description="Measured blocks per target, run in turn (direct, raw, floor, proxied, direct, ...)"
     )
     modes: list[str] = Field(["nonstream", "stream"], description="Request modes: nonstream, stream")
     route: str = Field("/completion", description="Upstream route to load (llama-server shape)")
@@ -83,8 +83,8 @@ class OverheadSettings(LayeredSettings):
     )
     raw: bool = Field(True, description="Also measure a TCP byte relay (splice.py): the loopback hop without HTTP")
     startup_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a child to write its port file")
-    log_level: str = Field("warning", description="Log level of this process, the fake upstream and the floor")
-    loop: loops.LoopChoice = Field("auto", description="Event loop of the proxy and floor children (their --loop)")
+    log_level: str = Field("warning", description="Log level of this process and the fake upstream")
+    loop: loops.LoopChoice = Field("auto", description="Event loop of the proxy and the two reference children (their --loop)")
     proxy_log_level: str = Field(
         "info", description="The proxy child's log level; info, its own default, measures its canonical line per request"
     )

@@ -53,6 +53,9 @@ def _goals(case: Case) -> tuple[float, float, float, list[str]]:
     ]
     if d.errors or p.errors:
         marks.append(f"ERRORS {d.errors}/{p.errors}")
+    for name, ref in (("raw", case.raw), ("floor", case.floor)):
+        if ref is not None and ref.errors:  # its columns count only the requests that succeeded
+            marks.append(f"{name} ERRORS {ref.errors}")
     return add50, add99, ratio, marks
 
 

@@ -11,10 +11,12 @@ measure against, not a product path: it never runs outside the bench.
 
 Concurrency contract: one ``_Pair`` per client connection, owning both transports. The
 upstream connect runs in a task tracked in the server's set (cancelled on shutdown);
-client bytes that arrive before it completes wait in a list. Either side closing closes
-the other (after what was written reaches the kernel: ``transport.close`` flushes), and a
-side whose peer's write buffer is full is paused (``pause_writing`` -> ``pause_reading``)
-until it drains. SIGINT/SIGTERM stop the server and close every pair.
+client bytes that arrive before it completes wait in a list (not flow-controlled: the
+connect is one loopback round trip). An EOF from either side is passed on as a half-close
+(``write_eof``) and the pair closes once both directions ended or either side's
+connection is lost (``transport.close`` flushes what was written first). A side whose
+peer's write buffer is full is paused (``pause_writing`` -> ``pause_reading``) until it
+drains. SIGINT/SIGTERM stop the server and close every pair.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import cast
 from pydantic_settings import SettingsConfigDict
 from yarl import URL
 
-from llmproxy.proxy.bench.child import ReferenceSettings, announce, run_child_main, until_stopped
+from llmproxy.proxy.bench.child import ReferenceSettings, announce, run_child_main, stop_event
 
 
 class SpliceSettings(ReferenceSettings):
@@ -40,12 +42,17 @@ class _Side(asyncio.Protocol):
     def __init__(self, pair: _Pair) -> None:
         self.pair = pair
         self.transport: asyncio.Transport | None = None
+        self.eof = False  # this end sent EOF (half-close): its reading direction is done
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport subclass
 
     def data_received(self, data: bytes) -> None:
         self.pair.forward(self, data)
+
+    def eof_received(self) -> bool:
+        self.pair.half_close(self)
+        return True  # keep our transport open: the other direction may still be writing to it
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.pair.close()
@@ -84,14 +91,28 @@ class _Pair:
         if target is not None and not target.is_closing():
             target.write(data)
 
+    def half_close(self, side: _Side) -> None:
+        """``side`` sent EOF: pass it on (after the pending bytes, if still connecting);
+        the pair closes once both directions are done."""
+        side.eof = True
+        if self.client.eof and self.upstream.eof:
+            self.close()
+        elif not (side is self.client and self.pending is not None):
+            target = self.other(side).transport
+            if target is not None and not target.is_closing() and target.can_write_eof():
+                target.write_eof()
+
     def connected(self) -> None:
         pending, self.pending = self.pending or [], None
-        assert self.upstream.transport is not None
+        transport = self.upstream.transport
+        assert transport is not None
         if self.closed:
-            self.upstream.transport.close()
+            transport.close()
             return
         for data in pending:
-            self.upstream.transport.write(data)
+            transport.write(data)
+        if self.client.eof and transport.can_write_eof():
+            transport.write_eof()
 
     def close(self) -> None:
         self.closed = True
@@ -120,7 +141,7 @@ class _Relay:
     async def _connect(self, pair: _Pair) -> None:
         try:
             await asyncio.get_running_loop().create_connection(lambda: pair.upstream, self.host, self.port)
-        except OSError:
+        except Exception:  # refused, unreachable, or anything else: the client sees a close
             pair.close()
         else:
             pair.connected()
@@ -136,12 +157,13 @@ async def _serve(settings: SpliceSettings) -> None:
     upstream = URL(settings.upstream)
     if upstream.scheme != "http" or upstream.host is None or upstream.port is None:
         raise SystemExit(f"splice: --upstream must be an http:// URL with a host, got {settings.upstream!r}")
+    stop = stop_event()
     relay = _Relay(upstream.host, upstream.port)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(relay.accept, settings.host, settings.port)
     try:
         announce(settings.port_file, server.sockets[0].getsockname()[1])
-        await until_stopped()
+        await stop.wait()
     finally:
         server.close()
         relay.close()
