@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
 import signal
-from pathlib import Path
 
 import structlog
 from aiohttp import web
@@ -22,16 +20,9 @@ from llmproxy.backend.app import create_app
 from llmproxy.backend.settings import BackendSettings
 from llmproxy.proxy import loops
 from llmproxy.proxy.config import describe
+from llmproxy.proxy.portfile import write_port_file
 
 log = structlog.get_logger("llmproxy.backend")
-
-
-def _write_port_file(path: Path, port: int) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, path)
 
 
 async def serve(settings: BackendSettings, stop: asyncio.Event | None = None) -> None:
@@ -52,7 +43,7 @@ async def serve(settings: BackendSettings, stop: asyncio.Event | None = None) ->
         await site.start()
         port = runner.addresses[0][1]
         if settings.port_file is not None:
-            _write_port_file(settings.port_file, port)
+            write_port_file(settings.port_file, port)
         log.info("backend_listening", host=settings.host, port=port, loop=loops.running(), settings=describe(settings))
         await stop.wait()
         log.info("backend_stopping")

@@ -21,12 +21,12 @@ import ipaddress
 import os
 import signal
 import socket
-from pathlib import Path
 
 import structlog
 from aiohttp import web
 
 from llmproxy.proxy import loops, parse_errors
+from llmproxy.proxy.portfile import write_port_file
 from llmproxy.proxy.settings import ProxySettings
 
 log = structlog.get_logger("llmproxy.server")
@@ -59,12 +59,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _write_port_file(path: Path, port: int) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(f"{port}\n")
-    tmp.replace(path)
 
 
 async def serve(settings: ProxySettings, app: web.Application) -> int:
@@ -118,7 +112,7 @@ async def serve(settings: ProxySettings, app: web.Application) -> int:
         bound = runner.addresses[0]
         port = bound[1]
         if settings.port_file is not None:
-            _write_port_file(settings.port_file, port)
+            write_port_file(settings.port_file, port)
         if sock is None and not _is_loopback(settings.host) and settings.api_key is None:
             log.warning("listening on a non-loopback address WITHOUT an API key: anyone on the network can use it",
                         host=settings.host)

@@ -33,6 +33,7 @@ from pydantic import Field
 from llmproxy.proxy import loops
 from llmproxy.proxy.config import LayeredSettings, add_settings_arguments, settings_from_args
 from llmproxy.proxy.embedded import child_preexec
+from llmproxy.proxy.portfile import write_port_file
 
 
 class ReferenceSettings(LayeredSettings):
@@ -93,9 +94,7 @@ def announce(port_file: Path | None, port: int) -> None:
     """Child side: write the bound port to ``port_file`` atomically (if given), then freeze
     the startup objects out of garbage collection, as the proxy does (server.py)."""
     if port_file is not None:
-        tmp = port_file.with_name(port_file.name + ".tmp")
-        tmp.write_text(str(port))
-        tmp.replace(port_file)
+        write_port_file(port_file, port)
     gc.freeze()
 
 
