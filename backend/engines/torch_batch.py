@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from llmproxy.backend.engines.torch_kv import SlotCache, cache_kwarg
+from llmproxy.backend.engines.torch_kv import SlotCache, cache_keyword
 
 INITIAL_COLUMNS = 256  # KV columns per slot before the first growth
 
@@ -61,6 +61,7 @@ class Batch:
 
     def __init__(self, model: Any, device: torch.device, max_batch: int, n_ctx: int) -> None:
         self.model = model
+        self.cache_keyword = cache_keyword(model)  # past_key_values | cache (by transformers release)
         self.device = device
         self.buffers = Buffers(max_batch, n_ctx, device)
         dtype = next(model.parameters()).dtype
@@ -105,7 +106,7 @@ class Batch:
         slot_t = torch.as_tensor(slots, dtype=torch.long, device=dev)
         self.kv.plan(slot_t, pos, width, contiguous=slots == list(range(n)))
         out = self.model(
-            input_ids=x, position_ids=pos, attention_mask=mask, use_cache=True, **cache_kwarg(self.model, self.kv),
+            input_ids=x, position_ids=pos, attention_mask=mask, use_cache=True, **{self.cache_keyword: self.kv},
             logits_to_keep=1,
         )  # fmt: skip
         return out.logits[:, -1].float().cpu()
@@ -147,7 +148,7 @@ class Batch:
         ids, pos, mask = self.buffers.inputs(tokens, self.lens, width)
         self.kv.plan(self.slots[:b], pos, width, contiguous=True)
         out = self.model(
-            input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **cache_kwarg(self.model, self.kv),
+            input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **{self.cache_keyword: self.kv},
             logits_to_keep=1,
         )  # fmt: skip
         self.lens = [n + 1 for n in self.lens]

@@ -18,7 +18,6 @@ Single-threaded: owned by ``torch_batch.Batch``, used from the worker loop's thr
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any
 
@@ -26,23 +25,17 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
-@functools.cache
-def _cache_keyword(model_type: type) -> str:
-    """The forward keyword of a model class that takes its KV cache: ``cache`` from
+def cache_keyword(model: Any) -> str:
+    """The forward keyword by which ``model`` takes its KV cache: ``cache`` from
     transformers 5.24 on, ``past_key_values`` before (5.24 still accepts it, with a
-    FutureWarning, until 5.40)."""
-    params = inspect.signature(model_type.forward).parameters  # follows functools.wraps
+    FutureWarning, until 5.40). Read once per model, not per forward."""
+    params = inspect.signature(type(model).forward).parameters  # follows functools.wraps
     if "cache" in params or "past_key_values" in params:
         return "cache" if "cache" in params else "past_key_values"
     import transformers  # a forward that names neither (a wrapper): go by the release
     from packaging.version import Version  # a dependency of transformers
 
     return "cache" if Version(transformers.__version__).release[:2] >= (5, 24) else "past_key_values"
-
-
-def cache_kwarg(model: Any, cache: Cache) -> dict[str, Cache]:
-    """``{keyword: cache}`` for ``model(...)``, whichever name its transformers version uses."""
-    return {_cache_keyword(type(model)): cache}
 
 
 class SlotLayer(CacheLayerMixin):

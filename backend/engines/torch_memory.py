@@ -42,7 +42,7 @@ def plan_memory(model: Any, device: torch.device, dtype: torch.dtype, max_batch:
         return MemoryPlan(per_tok, None, (("kv_bytes_per_token", str(per_tok)),))
     from transformers import DynamicCache
 
-    from llmproxy.backend.engines.torch_kv import cache_kwarg
+    from llmproxy.backend.engines.torch_kv import cache_keyword
 
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -51,7 +51,7 @@ def plan_memory(model: Any, device: torch.device, dtype: torch.dtype, max_batch:
     torch.cuda.reset_peak_memory_stats(device)
     vocab = model.config.get_text_config(decoder=True).vocab_size
     ids = torch.randint(0, vocab, (1, chunk), device=device)
-    model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache_kwarg(model, DynamicCache()))
+    model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_keyword(model): DynamicCache()})
     prefill_peak = torch.cuda.max_memory_allocated(device) - weights
     torch.cuda.reset_peak_memory_stats(device)
     # decode over a short stand-in cache; the attention part scales with n_ctx, counted below

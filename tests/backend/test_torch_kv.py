@@ -70,7 +70,7 @@ def test_cache_keyword_follows_the_model_signature() -> None:
     The engine tests run the installed release; this covers the other branch."""
     from transformers.utils.deprecation import deprecate_kwarg
 
-    from llmproxy.backend.engines.torch_kv import cache_kwarg
+    from llmproxy.backend.engines.torch_kv import cache_keyword
 
     class Old:
         def forward(self, input_ids=None, past_key_values=None, use_cache=None):  # type: ignore[no-untyped-def]
@@ -85,7 +85,6 @@ def test_cache_keyword_follows_the_model_signature() -> None:
         def forward(self, input_ids=None, cache=None, use_cache=None):  # type: ignore[no-untyped-def]
             return None
 
-    marker = object()
-    assert cache_kwarg(Old(), marker) == {"past_key_values": marker}  # type: ignore[arg-type]
-    assert cache_kwarg(New(), marker) == {"cache": marker}  # type: ignore[arg-type]
-    assert cache_kwarg(Renamed(), marker) == {"cache": marker}  # type: ignore[arg-type]
+    assert cache_keyword(Old()) == "past_key_values"
+    assert cache_keyword(New()) == "cache"
+    assert cache_keyword(Renamed()) == "cache"
