@@ -87,7 +87,8 @@ async def _serve(settings: ForwarderSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_child_main("llmproxy.proxy.bench.forwarder", "Featureless aiohttp forwarder (bench floor).", ForwarderSettings, _serve, argv)
+    description = "Featureless aiohttp forwarder (bench floor)."
+    return run_child_main("llmproxy.proxy.bench.forwarder", description, ForwarderSettings, _serve, argv)
 
 
 if __name__ == "__main__":

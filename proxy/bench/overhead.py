@@ -148,19 +148,23 @@ async def _profile(settings: OverheadSettings, delay_ms: float, workdir: Path) -
     ]
     cases: list[Case] = []
     async with contextlib.AsyncExitStack() as stack:
-        fake_pid, fake_url = await stack.enter_async_context(child("fake_upstream", fake_argv, workdir, settings.startup_timeout_s))
-        proxy_url, proxy_pid, floor_url, floor_pid = None, 0, None, 0
-        if settings.proxy:
-            proxy_argv = proxy_command(settings, fake_url)
-            proxy_pid, proxy_url = await stack.enter_async_context(child("proxy", proxy_argv, workdir, settings.startup_timeout_s))
-        if settings.proxy and settings.floor:
-            floor_argv = [sys.executable, "-m", "llmproxy.proxy.bench.forwarder", "--upstream", fake_url,
-                          "--loop", settings.loop]
-            floor_pid, floor_url = await stack.enter_async_context(child("forwarder", floor_argv, workdir, settings.startup_timeout_s))
-        raw_url, raw_pid = None, 0
-        if settings.proxy and settings.raw:
-            raw_argv = [sys.executable, "-m", "llmproxy.proxy.bench.splice", "--upstream", fake_url, "--loop", settings.loop]
-            raw_pid, raw_url = await stack.enter_async_context(child("splice", raw_argv, workdir, settings.startup_timeout_s))
+
+        async def start(name: str, argv: list[str], wanted: bool) -> tuple[str | None, int]:
+            """(URL, pid) of a child that runs for this profile; (None, 0) when not measured."""
+            if not wanted:
+                return None, 0
+            pid, url = await stack.enter_async_context(child(name, argv, workdir, settings.startup_timeout_s))
+            return url, pid
+
+        fake_url, fake_pid = await start("fake_upstream", fake_argv, True)
+        assert fake_url is not None
+        proxy_url, proxy_pid = await start("proxy", proxy_command(settings, fake_url), settings.proxy)
+
+        def reference(module: str) -> list[str]:  # forwarder.py and splice.py take the same options
+            return [sys.executable, "-m", f"llmproxy.proxy.bench.{module}", "--upstream", fake_url, "--loop", settings.loop]
+
+        floor_url, floor_pid = await start("forwarder", reference("forwarder"), settings.proxy and settings.floor)
+        raw_url, raw_pid = await start("splice", reference("splice"), settings.proxy and settings.raw)
         for mode in settings.modes:
             stream = mode == "stream"
             for c in settings.concurrency:
