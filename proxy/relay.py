@@ -20,11 +20,22 @@ from llmproxy.proxy.state import RECORD
 
 
 def stream_error_bytes(content_type: str, error: ProxyError) -> bytes | None:
-    payload = json.dumps(error.envelope(), separators=(",", ":"))
+    """The event that ends a started stream with ``error``, in the stream's own format.
+
+    SSE (llama.cpp, OpenAI): a ``data:`` line holding the error envelope, the shape those
+    servers use for their own in-stream errors. NDJSON (Ollama): Ollama's own error line,
+    whose ``error`` is the message string (its clients raise ``Error(line.error)``: an object
+    there reads "[object Object]"), with the envelope's other fields beside it. None for any
+    other body: it has no error event.
+    """
     if content_type.startswith("text/event-stream"):
+        payload = json.dumps(error.envelope(), separators=(",", ":"))
         return f"data: {payload}\n\n".encode()
     if content_type in ("application/x-ndjson", "application/jsonl", "application/json-seq"):
-        return f"{payload}\n".encode()
+        fields = error.envelope()["error"]
+        line = {"error": fields["message"]} | {k: v for k, v in fields.items() if k != "message"}
+        rs = "\x1e" if content_type == "application/json-seq" else ""  # RFC 7464 record separator
+        return (rs + json.dumps(line, separators=(",", ":")) + "\n").encode()
     return None
 
 

@@ -16,7 +16,9 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
+from llmproxy.proxy.errors import Superseded
 from llmproxy.proxy.headers import proxied_location, response_headers
+from llmproxy.proxy.relay import stream_error_bytes
 from tests.conftest import run_proxy
 from tests.helpers import closed_port, serve_app, wait_until
 
@@ -129,6 +131,33 @@ async def test_error_after_stream_start_is_an_event(http: aiohttp.ClientSession)
         assert last.startswith("data: ")
         assert json.loads(last[6:])["error"]["src"] == "llmproxy"
         await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+
+
+async def test_error_after_ndjson_stream_start_is_an_ollama_error_line(http: aiohttp.ClientSession) -> None:
+    """Ollama's own in-stream error is ``{"error": "<message>"}``; its clients throw
+    ``Error(line.error)``, so the message must be the string there."""
+    script = lambda _p, _b: Script(tokens=10, token_delay_s=0.01, fail="reset_mid_stream")  # noqa: E731
+    async with FakeUpstream(kind="ollama", slots=1, script=script) as fake, run_proxy(fake.url) as px:
+        async with http.post(px.url + "/api/generate", json={"model": "m", "prompt": "x"}) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("application/x-ndjson")
+            lines = (await r.read()).decode().splitlines()
+        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+    tokens, last = [json.loads(ln) for ln in lines[:-1]], json.loads(lines[-1])
+    assert tokens and all("response" in t and not t["done"] for t in tokens)  # relayed as sent
+    assert isinstance(last["error"], str) and last["error"]
+    assert last["src"] == "llmproxy" and last["code"] == 502 and last["type"] == "upstream_error"
+
+
+def test_stream_error_bytes_formats() -> None:
+    err = Superseded("superseded")
+    sse = stream_error_bytes("text/event-stream; charset=utf-8", err)
+    assert sse is not None and sse.startswith(b"data: ") and sse.endswith(b"\n\n") and sse.count(b"\n") == 2
+    assert json.loads(sse[6:]) == err.envelope()
+    for ctype, rs in [("application/x-ndjson", b""), ("application/json-seq", b"\x1e")]:
+        line = stream_error_bytes(ctype, err)
+        assert line is not None and line.startswith(rs) and line.endswith(b"\n") and line.count(b"\n") == 1
+        assert json.loads(line[len(rs):]) == {"error": "superseded", "type": "superseded", "code": 499, "src": "llmproxy"}
+    assert stream_error_bytes("application/json", err) is None  # no event format: the relay closes instead
 
 
 async def test_passthrough_is_ungated(http: aiohttp.ClientSession) -> None:
