@@ -66,6 +66,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
         gate.close()
         await jobs.drain(0)  # on_shutdown drained already: cut anything that started since
+        adapter.close()
 
 
 async def _on_shutdown(app: web.Application) -> None:

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError
 
 
 class ProxyError(Exception):
@@ -127,5 +128,7 @@ def map_client_errors(what: str = "upstream") -> Iterator[None]:
         raise UpstreamTimeout(f"{what} timed out") from exc
     except aiohttp.ClientResponseError as exc:
         raise UpstreamFailed(f"{what} error: {exc.status} {exc.message}") from exc
+    except HttpProcessingError as exc:  # aiohttp's response parser: not HTTP/1.1 as it knows it
+        raise UpstreamFailed(f"{what} sent a malformed response: {exc.message}") from exc
     except (aiohttp.ClientError, ConnectionError, OSError) as exc:
         raise UpstreamFailed(f"{what} failed: {exc.__class__.__name__}: {exc}") from exc

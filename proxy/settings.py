@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
+from yarl import URL
 
 from llmproxy.proxy.config import LayeredSettings
 from llmproxy.proxy.loops import LoopChoice
@@ -118,6 +119,21 @@ class ProxySettings(LayeredSettings):
         if unknown:
             raise ValueError(f"unknown session part(s) {', '.join(unknown)}; choose from {', '.join(SESSION_PARTS)}")
         return parts
+
+    @field_validator("upstream")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        if url is None:
+            return url
+        try:
+            parsed = URL(url)
+        except ValueError as exc:
+            raise ValueError(f"not a URL: {exc}") from None
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise ValueError("must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8012")
+        if parsed.query_string or parsed.fragment:
+            raise ValueError("must be a base URL without a query or fragment")
+        return url
 
     @model_validator(mode="after")
     def _check(self) -> ProxySettings:

@@ -1,20 +1,18 @@
 """One HTTP exchange with the upstream, as the event stream the relay understands.
 
-``upstream_events`` sends the request and yields ``Headers``, then one ``Chunk`` per piece
-of body as it arrives (no buffering), then ``End``. aiohttp client exceptions are mapped
-to ProxyErrors here (``map_client_errors``) and raised, not yielded: the caller decides
-whether they become an HTTP error or an in-stream error event. Close it with
-``contextlib.aclosing`` so that a consumer that stops early closes the upstream connection
-at once (that close is how a generation is cancelled). Redirects are relayed, never
-followed: the proxy talks to the configured upstream only, and what it sends there is
-what the gate admitted.
+``upstream_events`` sends the request through the adapter's ``UpstreamClient`` and yields
+``Headers``, then one ``Chunk`` per piece of body as it arrives (no buffering), then
+``End``. Client exceptions are mapped to ProxyErrors here (``map_client_errors``) and
+raised, not yielded: the caller decides whether they become an HTTP error or an
+in-stream error event. Close it with ``contextlib.aclosing`` so that a consumer that
+stops early closes the upstream connection at once (that close is how a generation is
+cancelled). Redirects are relayed, never followed: the proxy talks to the configured
+upstream only, and what it sends there is what the gate admitted.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
-from multidict import CIMultiDict
+from collections.abc import AsyncIterator, Mapping
 
 from llmproxy.proxy.adapters.base import Adapter
 from llmproxy.proxy.channel import Chunk, End, Event, Headers
@@ -23,12 +21,11 @@ from llmproxy.proxy.headers import response_headers
 
 
 async def upstream_events(
-    adapter: Adapter, method: str, raw_path: str, headers: CIMultiDict[str], body: bytes | None
+    adapter: Adapter, method: str, raw_path: str, headers: Mapping[str, str], body: bytes | None
 ) -> AsyncIterator[Event]:
-    """``method raw_path`` on the adapter's upstream, through its session, as events."""
-    url = adapter.url(raw_path)
+    """``method raw_path`` on the adapter's upstream, through its client, as events."""
     with map_client_errors():
-        async with adapter.session.request(method, url, headers=headers, data=body, allow_redirects=False) as resp:
+        async with adapter.client.exchange(method, raw_path, headers, body) as resp:
             yield Headers(resp.status, response_headers(resp.headers, adapter.base_url), resp.content_length)
             async for data in resp.content.iter_any():
                 yield Chunk(data)

@@ -55,6 +55,10 @@ def test_invalid_values_are_rejected(monkeypatch: pytest.MonkeyPatch, tmp_path: 
         load(["--session-parts", "peer,usr_agent"])
     with pytest.raises(SystemExit, match=r"invalid settings:\n  confirm_poll_max_s must be >= confirm_poll_min_s"):
         load(["--confirm-poll-min-s", "0.5", "--confirm-poll-max-s", "0.1"])
+    for bad in ("127.0.0.1:8012", "ftp://h/", "http://h/v1?x=1"):  # the proxy relays to http(s) origins only
+        with pytest.raises(SystemExit, match=r"--upstream \(env LLMPROXY_UPSTREAM.*(http:// or https://|without a query)"):
+            load(["--upstream", bad])
+    assert load(["--upstream", "https://u:p@h:1/base"]).upstream == "https://u:p@h:1/base"
     cfg = tmp_path / "typo.toml"
     cfg.write_text("max_queu = 3\n")
     with pytest.raises(SystemExit, match="unknown setting 'max_queu' in the config file"):

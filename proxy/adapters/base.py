@@ -4,6 +4,10 @@ An adapter knows three things about its backend: how to prepare a gated request 
 for a given permit/slot, whether it can *confirm* that a cancelled generation stopped
 (``can_confirm``), and how to wait for that confirmation. Cancelling is always "close the
 upstream connection" and is done by the job (jobs.py), not here.
+
+An adapter holds the two ways to its backend: ``client`` (upstream_client.py), which every
+relayed request goes through, and the app's ``session``, for its own probes and polls.
+The app's cleanup closes ``client`` (``close``).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import structlog
 from yarl import URL
 
 from llmproxy.proxy.settings import ProxySettings
+from llmproxy.proxy.upstream_client import UpstreamClient
 
 log = structlog.get_logger("llmproxy.adapter")
 
@@ -27,13 +32,12 @@ class Adapter:
     ) -> None:
         self.base_url = URL(base_url.rstrip("/"))
         self.session = session
+        self.client = UpstreamClient(
+            self.base_url, connect_timeout_s=settings.connect_timeout_s, read_timeout_s=settings.read_timeout_s
+        )
         self.settings = settings
         self.slots = slots
         self.can_confirm = False
-
-    def url(self, raw_path: str) -> URL:
-        """The upstream URL for an origin-form request target (path + query), encoded as sent."""
-        return URL(str(self.base_url) + raw_path, encoded=True)
 
     def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
         """Body to send upstream for a gated request holding permit ``slot``."""
@@ -48,6 +52,10 @@ class Adapter:
 
         ``answered``: the upstream had sent response headers, so its task had surely started."""
         return True
+
+    def close(self) -> None:
+        """Close the relay client's idle connections (app cleanup)."""
+        self.client.close()
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "url": str(self.base_url), "slots": self.slots, "can_confirm": self.can_confirm}

@@ -1,0 +1,181 @@
+"""The HTTP/1.1 client for requests relayed to the upstream: aiohttp's client protocol, pooled.
+
+Every relayed request (gated or passthrough) goes through ``UpstreamClient.exchange``. It is
+built from aiohttp's own client parts, the ones ``ClientSession`` uses underneath:
+``ResponseHandler`` (the connection protocol: aiohttp's C response parser, flow control,
+the ``sock_read`` inactivity timeout and aiohttp's exceptions) and ``StreamWriter`` (request
+serialization, with header validation). What it leaves out is ``ClientSession.request``'s
+per-request object layer, none of which a reverse proxy to one configured origin uses:
+cookie jars, redirects, auth, proxies, client middlewares, traces, payload type dispatch,
+and on Python < 3.12 a separate task that writes the body. ``llmproxy bench overhead``
+measured that layer at about a third of a millisecond per request on the critical path of
+a 2-core machine (see the README's benchmark section); the adapters' probes and ``/slots``
+polls, off that path, keep using the app's ``ClientSession``.
+
+What is this module's own: a keep-alive pool of connections to the one upstream origin
+(most recently used first, at most ``max_idle`` kept, none older than ``keepalive_s``),
+the request head (method, origin-form target under the base URL's path, ``Host``,
+``Content-Length``, and Basic ``Authorization`` when the base URL carries credentials; the
+caller's headers otherwise as given) and the connect timeout.
+Responses are never decompressed and redirects never followed.
+
+Concurrency contract: ``exchange`` is an async context manager used by one task at a time
+per call; the connection it holds belongs to that call alone. Leaving the block after
+the response body was read to its end returns the connection to the pool (if the
+upstream keeps it alive); leaving it any other way (an exception, a cancellation, a
+consumer that stops early) closes the connection, which is how the proxy cancels a
+generation at the upstream. Pool state is touched from the event loop's thread only and
+never across an ``await``. ``close()`` (the app's cleanup) closes the idle connections;
+connections in use are closed by their ``exchange`` blocks. Exceptions are aiohttp's
+(and ``OSError``/``TimeoutError`` from connecting); ``errors.map_client_errors`` is the
+boundary that turns them into ProxyErrors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from aiohttp import encode_basic_auth
+from aiohttp.client_exceptions import ClientConnectorError, ConnectionTimeoutError
+from aiohttp.client_proto import ResponseHandler
+from aiohttp.client_reqrep import ConnectionKey
+from aiohttp.http_writer import StreamWriter
+from aiohttp.streams import StreamReader
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+# Methods whose requests carry a body, so an empty one is sent as Content-Length: 0.
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamResponse:
+    status: int
+    headers: CIMultiDictProxy[str]
+    content: StreamReader  # the body as it arrives (aiohttp's reader, with flow control)
+
+    @property
+    def content_length(self) -> int | None:
+        value = self.headers.get("Content-Length")
+        return int(value) if value is not None and value.isdigit() else None
+
+
+class UpstreamClient:
+    """Keep-alive HTTP/1.1 connections to one upstream origin (see the module docstring)."""
+
+    def __init__(
+        self,
+        base_url: URL,
+        *,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        max_idle: int = 64,
+        keepalive_s: float = 15.0,
+    ) -> None:
+        if base_url.scheme not in ("http", "https") or not base_url.host:
+            raise ValueError(f"upstream URL must be http:// or https:// with a host, not {str(base_url)!r}")
+        self.base_url = base_url
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.max_idle = max_idle
+        self.keepalive_s = keepalive_s
+        self._host = base_url.host
+        self._port = base_url.port
+        self._ssl = ssl.create_default_context() if base_url.scheme == "https" else None
+        self._host_header = base_url.host_port_subcomponent or self._host  # default port left out, as aiohttp does
+        self._prefix = base_url.raw_path.rstrip("/")
+        self._authorization = (  # http://user:pass@host: sent on every request, as aiohttp does
+            encode_basic_auth(base_url.user, base_url.password or "") if base_url.user is not None else None
+        )
+        self._idle: deque[tuple[ResponseHandler, float]] = deque()  # (protocol, released at); newest last
+        self._closed = False
+
+    @property
+    def idle(self) -> int:
+        """Idle connections in the pool (for tests and status)."""
+        return len(self._idle)
+
+    @asynccontextmanager
+    async def exchange(
+        self, method: str, target: str, headers: Mapping[str, str], body: bytes | None
+    ) -> AsyncIterator[UpstreamResponse]:
+        """Send ``method target`` (origin-form, under the base URL's path) and yield the
+        response once its head has arrived; its body streams in ``content``."""
+        loop = asyncio.get_running_loop()
+        proto = self._take_idle(loop.time())
+        if proto is None:
+            proto = await self._connect(loop)
+        reusable = False
+        try:
+            proto.set_response_params(
+                skip_payload=method == "HEAD",
+                read_until_eof=True,  # a body with neither length nor chunking ends at close
+                auto_decompress=False,
+                read_timeout=self.read_timeout_s,
+            )
+            head = CIMultiDict(headers)
+            head["Host"] = self._host_header
+            if self._authorization is not None:
+                head["Authorization"] = self._authorization
+            if body or method in _BODY_METHODS:
+                head["Content-Length"] = str(len(body or b""))
+            writer = StreamWriter(proto, loop)
+            await writer.write_headers(f"{method} {self._prefix}{target} HTTP/1.1", head)
+            await writer.write_eof(body or b"")  # head and body in one write
+            proto.start_timeout()
+            message, payload = await proto.read()
+            yield UpstreamResponse(message.code, message.headers, payload)
+            reusable = payload.is_eof() and not proto.should_close
+        finally:
+            if reusable and proto.is_connected():
+                self._release(proto, loop.time())
+            else:
+                proto.close()
+
+    def close(self) -> None:
+        """Close the idle connections; later releases close theirs too."""
+        self._closed = True
+        while self._idle:
+            self._idle.pop()[0].close()
+
+    # -- the pool -----------------------------------------------------------------------
+    def _take_idle(self, now: float) -> ResponseHandler | None:
+        while self._idle:
+            proto, since = self._idle.pop()  # the most recently used: the warmest, least likely closed
+            if proto.is_connected() and not proto.should_close and now - since < self.keepalive_s:
+                return proto
+            proto.close()
+        return None
+
+    def _release(self, proto: ResponseHandler, now: float) -> None:
+        if self._closed:
+            proto.close()
+            return
+        idle = self._idle
+        while idle and (len(idle) >= self.max_idle or now - idle[0][1] >= self.keepalive_s):
+            idle.popleft()[0].close()  # the oldest go first
+        idle.append((proto, now))
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop) -> ResponseHandler:
+        """A new connection, as aiohttp's connector reports failures: ClientConnectorError
+        (refused, unreachable, name not resolved) or ConnectionTimeoutError."""
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, proto = await loop.create_connection(
+                    lambda: ResponseHandler(loop), self._host, self._port,
+                    ssl=self._ssl, server_hostname=self._host if self._ssl is not None else None,
+                )
+        except TimeoutError as exc:
+            raise ConnectionTimeoutError(f"connect to {self._host_header} timed out") from exc
+        except OSError as exc:
+            raise ClientConnectorError(self._connection_key, exc) from exc
+        return proto
+
+    @property
+    def _connection_key(self) -> ConnectionKey:
+        return ConnectionKey(self._host, self._port, self._ssl is not None, self._ssl or True, None, None, None)
