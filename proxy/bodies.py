@@ -49,7 +49,7 @@ async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """Parse a gated request body: a JSON object, else 400 with a clear message."""
-    if not raw.strip():
+    if not raw or raw.isspace():
         raise BadRequest("request body is empty; expected a JSON object")
     try:
         parsed = json.loads(raw.decode("utf-8"))  # strict UTF-8; a BOM is a JSON error

@@ -74,7 +74,6 @@ async def _wait_for_permit(st: ProxyState, ticket: Ticket, request: web.Request)
         rec.outcome = "cancelled_queued"
         raise
     rec.queue_wait_s = time.monotonic() - ticket.created
-    st.metrics.queue_wait.observe(rec.queue_wait_s)
 
 
 async def _forward(st: ProxyState, ticket: Ticket, request: web.Request, raw: bytes, probe: bool) -> web.StreamResponse:

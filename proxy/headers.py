@@ -36,7 +36,9 @@ def _filter(items: Iterable[tuple[str, str]], drop: frozenset[str] | set[str]) -
 
 def request_headers(headers: Mapping[str, str], strip: Iterable[str] = ()) -> CIMultiDict[str]:
     """Headers to send upstream: end-to-end ones only, minus ``strip`` (e.g. our API key)."""
-    drop = set(_REQUEST_DROP) | _connection_tokens(headers) | {s.lower() for s in strip}
+    drop: frozenset[str] | set[str] = _REQUEST_DROP
+    if strip or "Connection" in headers:
+        drop = drop | _connection_tokens(headers) | {s.lower() for s in strip}
     return _filter(headers.items(), drop)
 
 
@@ -70,7 +72,7 @@ def proxied_location(location: str, upstream: URL) -> str | None:
 def response_headers(headers: Mapping[str, str], upstream: URL | None = None) -> CIMultiDict[str]:
     """Headers to send back to the client (Content-Type, Content-Encoding... preserved);
     a Location into the ``upstream`` base URL is rewritten (``proxied_location``)."""
-    drop = set(_RESPONSE_DROP) | _connection_tokens(headers)
+    drop = _RESPONSE_DROP | _connection_tokens(headers) if "Connection" in headers else _RESPONSE_DROP
     out = _filter(headers.items(), drop)
     location = out.get("Location")
     if upstream is not None and location is not None:

@@ -122,7 +122,6 @@ class UpstreamJob:
             self.channel.finish(Error(ProxyError("upstream job ended without a response")))
             hold = time.monotonic() - (self.ticket.granted_at or time.monotonic())
             self.gate.release(self.ticket)
-            self.metrics.permit_hold.observe(hold)
             rec.permit_hold_s = hold
             rec.end_ref()
 
@@ -176,7 +175,6 @@ class UpstreamJob:
         elif self._stop_reason is not None and self.unconfirmed_hold_s > 0:
             await asyncio.sleep(self.unconfirmed_hold_s)  # policy cancel without a view: best effort
         waited = time.monotonic() - start
-        self.metrics.confirm_wait.observe(waited)
         self.record.confirm_wait_s = waited
 
     async def _transfer_body(self) -> None:
@@ -192,7 +190,6 @@ class UpstreamJob:
                         rec.upstream_status = ev.status
                     elif isinstance(ev, Chunk) and rec.upstream_ttfb_s is None:
                         rec.upstream_ttfb_s = time.monotonic() - start
-                        self.metrics.upstream_ttfb.observe(rec.upstream_ttfb_s)
                     elif isinstance(ev, End):
                         ended = time.monotonic()
                         self._finished = True
@@ -208,5 +205,4 @@ class UpstreamJob:
             self.channel.finish(Error(exc))
         finally:
             rec.upstream_s = (ended or time.monotonic()) - start
-            self.metrics.upstream_latency.observe(rec.upstream_s)
 

@@ -1,11 +1,22 @@
-"""Prometheus metrics, one registry per app (no module-level singletons)."""
+"""Prometheus metrics, one registry per app (no module-level singletons).
+
+A request's counts and timings are observed once, from its finished RequestRecord
+(``observe``, the record's ``on_done``), not while its response is still on the way:
+prometheus-client's histograms take a lock per bucket update, and on the critical path of
+a request that is time the client waits for.
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from llmproxy.proxy.breaker import CircuitBreaker
 from llmproxy.proxy.gate import Gate
+
+if TYPE_CHECKING:
+    from llmproxy.proxy.record import RequestRecord
 
 OUTCOMES = ("completed", "superseded", "cancelled_queued", "cancelled_inflight", "rejected", "error")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -43,6 +54,21 @@ class Metrics:
         self.breaker_state = Gauge(
             "llmproxy_breaker_state", "Upstream circuit breaker: 0 closed, 1 open, 2 half-open", registry=r
         )
+
+    def observe(self, rec: RequestRecord) -> None:
+        """Count a finished gated request by outcome and observe the timings it has."""
+        if not rec.gated:
+            return
+        self.requests.labels(outcome=rec.outcome, route=rec.path).inc()
+        for histogram, value in (
+            (self.queue_wait, rec.queue_wait_s),
+            (self.upstream_ttfb, rec.upstream_ttfb_s),
+            (self.upstream_latency, rec.upstream_s),
+            (self.permit_hold, rec.permit_hold_s),
+            (self.confirm_wait, rec.confirm_wait_s),
+        ):
+            if value is not None:
+                histogram.observe(value)
 
     def bind_breaker(self, breaker: CircuitBreaker) -> None:
         codes = {"closed": 0, "open": 1, "half_open": 2}

@@ -17,12 +17,12 @@ from llmproxy.proxy.errors import ProxyError
 from llmproxy.proxy.request_log import RequestLog
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class RequestRecord:
     request_id: str
     method: str
     path: str
-    on_done: Any = None  # callable(record) -> None: counts metrics
+    on_done: Any = None  # callable(record) -> None: observes metrics (Metrics.observe)
     request_log: RequestLog = field(default_factory=lambda: RequestLog(0))  # the app's (batched); default: at once
     session: str | None = None
     gated: bool = False
