@@ -25,8 +25,6 @@ class ProxyError(Exception):
     #: the request body was left half-read, so the connection cannot carry another
     #: request: the response says ``Connection: close``
     close_connection: bool = False
-    #: the upstream never got the request (no connection was made): nothing to confirm
-    not_sent: bool = False
 
     def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
@@ -95,8 +93,9 @@ class ShuttingDown(ProxyError):
 
 
 class UpstreamUnreachable(ProxyError):
+    """No connection could be made (refused, unreachable, unresolvable): the request never left."""
+
     status, type, outcome = 502, "upstream_unreachable", "error"
-    not_sent = True
 
 
 class UpstreamFailed(ProxyError):
@@ -109,8 +108,6 @@ class UpstreamTimeout(ProxyError):
 
 class UpstreamConnectTimeout(UpstreamTimeout):
     """No connection within ``connect_timeout_s`` (a black-holed host): the request never left."""
-
-    not_sent = True
 
 
 @contextmanager

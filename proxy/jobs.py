@@ -182,9 +182,10 @@ class UpstreamJob:
         body = self.adapter.prepare_body(req.path, req.body, rec.parsed_body, self.slot)
         start = time.monotonic()
         ended: float | None = None  # when the upstream body ended (before yielding to the relay)
-        rec.upstream_started = start
         try:
-            async with aclosing(upstream_events(self.adapter, req.method, req.raw_path, req.headers, body)) as events:
+            async with aclosing(
+                upstream_events(self.adapter, req.method, req.raw_path, req.headers, body, rec.mark_sent)
+            ) as events:
                 async for ev in events:
                     if isinstance(ev, Headers):
                         rec.upstream_status = ev.status

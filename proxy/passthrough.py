@@ -7,7 +7,6 @@ which closes the upstream request.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -31,10 +30,9 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
 
     async def events() -> AsyncIterator[Event]:
         started = False
-        rec.upstream_started = time.monotonic()  # for the log line: it (maybe) reached the upstream
         try:
             async with aclosing(
-                upstream_events(st.adapter, request.method, request.raw_path, headers, body or None)
+                upstream_events(st.adapter, request.method, request.raw_path, headers, body or None, rec.mark_sent)
             ) as upstream:
                 async for ev in upstream:
                     if isinstance(ev, Headers):

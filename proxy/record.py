@@ -33,7 +33,7 @@ class RequestRecord:
     outcome: str | None = None
     slot: int | None = None
     queue_wait_s: float | None = None
-    upstream_started: float | None = None
+    upstream_sent: bool = False  # its bytes were handed to the upstream connection (mark_sent)
     upstream_s: float | None = None
     upstream_ttfb_s: float | None = None
     upstream_status: int | None = None
@@ -47,9 +47,13 @@ class RequestRecord:
 
     @property
     def sent(self) -> bool:
-        """Did the request (possibly) reach the upstream? Not if it never left or could not connect."""
-        err = self.upstream_error
-        return self.upstream_started is not None and not (err is not None and err.not_sent)
+        """Did the request (possibly) reach the upstream? Not if it never left: stopped or failed
+        before its bytes were written (no connection, say)."""
+        return self.upstream_sent
+
+    def mark_sent(self) -> None:
+        """``on_send`` of the upstream exchange: from now on the upstream may have the request."""
+        self.upstream_sent = True
 
     def add_ref(self) -> None:
         self.refs += 1

@@ -12,7 +12,7 @@ upstream only, and what it sends there is what the gate admitted.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from llmproxy.proxy.adapters.base import Adapter
 from llmproxy.proxy.channel import Chunk, End, Event, Headers
@@ -21,11 +21,13 @@ from llmproxy.proxy.headers import response_headers
 
 
 async def upstream_events(
-    adapter: Adapter, method: str, raw_path: str, headers: Mapping[str, str], body: bytes | None
+    adapter: Adapter, method: str, raw_path: str, headers: Mapping[str, str], body: bytes | None,
+    on_send: Callable[[], None] | None = None,
 ) -> AsyncIterator[Event]:
-    """``method raw_path`` on the adapter's upstream, through its client, as events."""
+    """``method raw_path`` on the adapter's upstream, through its client, as events
+    (``on_send``: see ``UpstreamClient.exchange``)."""
     with map_client_errors():
-        async with adapter.client.exchange(method, raw_path, headers, body) as resp:
+        async with adapter.client.exchange(method, raw_path, headers, body, on_send) as resp:
             yield Headers(resp.status, response_headers(resp.headers, adapter.base_url), resp.content_length)
             async for data in resp.content.iter_any():
                 yield Chunk(data)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -102,10 +102,15 @@ class UpstreamClient:
 
     @asynccontextmanager
     async def exchange(
-        self, method: str, target: str, headers: Mapping[str, str], body: bytes | None
+        self, method: str, target: str, headers: Mapping[str, str], body: bytes | None,
+        on_send: Callable[[], None] | None = None,
     ) -> AsyncIterator[UpstreamResponse]:
         """Send ``method target`` (origin-form, under the base URL's path) and yield the
-        response once its head has arrived; its body streams in ``content``."""
+        response once its head has arrived; its body streams in ``content``.
+
+        ``on_send`` is called just before the request's bytes are handed to the connection:
+        from then on the upstream may have it. A failure or cancellation before that (while
+        connecting, say) means it certainly never left."""
         loop = asyncio.get_running_loop()
         proto = self._take_idle(loop.time())
         if proto is None:
@@ -126,6 +131,8 @@ class UpstreamClient:
                 head["Content-Length"] = str(len(body or b""))
             writer = StreamWriter(proto, loop)
             await writer.write_headers(f"{method} {self._prefix}{target} HTTP/1.1", head)
+            if on_send is not None:
+                on_send()
             await writer.write_eof(body or b"")  # head and body in one write
             proto.start_timeout()
             message, payload = await proto.read()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import ssl
 import subprocess
 from collections.abc import AsyncIterator
@@ -225,11 +226,42 @@ async def test_malformed_response_maps_to_a_502() -> None:
             await fetch(c, "GET", "/")
 
 
-async def test_refused_connection_is_unreachable_and_not_sent() -> None:
+async def test_refused_connection_is_unreachable_and_never_sent() -> None:
     c = client(f"http://127.0.0.1:{closed_port()}")
+    sent: list[bool] = []
     with pytest.raises(UpstreamUnreachable) as info, map_client_errors():
-        await fetch(c, "POST", "/completion", b"{}")
-    assert info.value.not_sent and info.value.status == 502
+        async with c.exchange("POST", "/completion", {}, b"{}", on_send=lambda: sent.append(True)):
+            pass
+    assert info.value.status == 502 and sent == []
+
+
+async def test_on_send_comes_before_the_bytes_leave_and_not_for_a_cancelled_connect() -> None:
+    async with recorder() as (rec, url):
+        c = client(url)
+        seen_at_send: list[int] = []
+        async with c.exchange("POST", "/x", {}, b"{}", on_send=lambda: seen_at_send.append(len(rec.seen))) as resp:
+            await resp.content.read()
+        assert seen_at_send == [0]
+        c.close()
+    # cancelled while connecting: never sent
+    with socket.socket() as hole, socket.socket() as filler:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(0)  # never accepts; one queued connection fills it ...
+        filler.connect(hole.getsockname())  # ... so the kernel drops every later SYN
+        c = client(f"http://127.0.0.1:{hole.getsockname()[1]}", connect=30.0)
+        sent: list[bool] = []
+        task = asyncio.create_task(fetch_with(c, sent))
+        await asyncio.sleep(0.2)
+        assert not task.done()  # still connecting
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert sent == []
+
+
+async def fetch_with(c: UpstreamClient, sent: list[bool]) -> None:
+    async with c.exchange("POST", "/x", {}, b"{}", on_send=lambda: sent.append(True)) as resp:
+        await resp.content.read()
 
 
 async def test_read_timeout_is_an_upstream_timeout() -> None:
