@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmproxy.proxy.errors import NotAllowed, NotFound
 from llmproxy.proxy.routes import GATED_ROUTES
-from llmproxy.proxy.state import STATE
+from llmproxy.proxy.state import REQUEST_LOG, STATE
 
 
 async def health(request: web.Request) -> web.Response:
@@ -60,6 +60,7 @@ async def status(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     st = request.app[STATE]
+    request.app[REQUEST_LOG].flush()  # requests that ended and wait in the batch count too
     body = generate_latest(st.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

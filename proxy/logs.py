@@ -10,6 +10,7 @@ renderer, so the stream stays one format. Secrets are never passed to the logger
 
 from __future__ import annotations
 
+import datetime
 import logging
 import sys
 from typing import Any
@@ -28,6 +29,13 @@ def stamp(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
     if "timestamp" in event:
         return event
     return _TIMESTAMPER(logger, method, event)
+
+
+def iso_utc(epoch: float | None) -> str:
+    """``epoch`` (``time.time()``; None: now) as ``stamp`` writes it: ISO 8601, UTC, ``Z``."""
+    when = datetime.datetime.now(datetime.timezone.utc) if epoch is None else (
+        datetime.datetime.fromtimestamp(epoch, datetime.timezone.utc))
+    return when.isoformat().replace("+00:00", "Z")
 
 
 def redact(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:

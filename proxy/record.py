@@ -1,10 +1,10 @@
 """RequestRecord: what one request did, for the canonical log line and metrics.
 
 A record is referenced by its handler and, for gated requests that got a permit, by
-their upstream job. Whoever finishes last (``end_ref``) emits the single canonical log
-line (through the app's RequestLog, which writes lines in batches) and counts the
-outcome, so a request whose client left while its job still drains is logged once, with
-the job's final numbers.
+their upstream job. Whoever finishes last (``end_ref``) settles its outcome and hands it
+to the app's RequestLog, which later (in a batch, off the request's path) observes its
+metrics (``on_done``) and writes its single canonical log line; so a request whose client
+left while its job still drains is logged and counted once, with the job's final numbers.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmproxy.proxy.errors import ProxyError
+from llmproxy.proxy.logs import iso_utc
 from llmproxy.proxy.request_log import RequestLog
 
 
@@ -44,6 +45,8 @@ class RequestRecord:
     superseded_inflight: bool = False
     client_gone: bool = False
     error: str | None = None
+    ended_at: float | None = None  # wall clock, for the line's timestamp
+    total_s: float | None = None
 
     @property
     def sent(self) -> bool:
@@ -76,10 +79,16 @@ class RequestRecord:
 
     def _emit(self) -> None:
         self.outcome = self._resolve_outcome()
+        self.total_s = time.monotonic() - self.started
+        self.ended_at = time.time()
+        self.request_log.write(self._account)
+
+    def _account(self, request_log: RequestLog) -> dict[str, Any] | None:
+        """Observe the metrics and build the canonical line (RequestLog calls it, in a batch)."""
         if self.on_done is not None:
             self.on_done(self)
-        if not self.request_log.enabled():
-            return
+        if not request_log.enabled():
+            return None
         ms = lambda v: None if v is None else round(v * 1000, 2)  # noqa: E731
         fields = {
             "request_id": self.request_id,
@@ -95,11 +104,12 @@ class RequestRecord:
             "upstream_status": self.upstream_status,
             "permit_hold_ms": ms(self.permit_hold_s),
             "confirm_wait_ms": ms(self.confirm_wait_s),
-            "total_ms": ms(time.monotonic() - self.started),
+            "total_ms": ms(self.total_s),
         }
         if self.confirm_timed_out:
             fields["confirm_timed_out"] = True
         error = self.error or (self.upstream_error.message if self.upstream_error is not None else None)
         if error:
             fields["error"] = error
-        self.request_log.write({k: v for k, v in fields.items() if v is not None})
+        fields["timestamp"] = iso_utc(self.ended_at)  # when it ended, whenever it is written
+        return {k: v for k, v in fields.items() if v is not None}
