@@ -36,8 +36,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from aiohttp import encode_basic_auth
@@ -100,49 +99,18 @@ class UpstreamClient:
         """Idle connections in the pool (for tests and status)."""
         return len(self._idle)
 
-    @asynccontextmanager
-    async def exchange(
+    def exchange(
         self, method: str, target: str, headers: Mapping[str, str], body: bytes | None,
         on_send: Callable[[], None] | None = None,
-    ) -> AsyncIterator[UpstreamResponse]:
-        """Send ``method target`` (origin-form, under the base URL's path) and yield the
-        response once its head has arrived; its body streams in ``content``.
+    ) -> Exchange:
+        """``async with client.exchange(...) as response``: send ``method target``
+        (origin-form, under the base URL's path) and get the response once its head has
+        arrived; its body streams in ``response.content``.
 
         ``on_send`` is called just before the request's bytes are handed to the connection:
         from then on the upstream may have it. A failure or cancellation before that (while
         connecting, say) means it certainly never left."""
-        loop = asyncio.get_running_loop()
-        proto = self._take_idle(loop.time())
-        if proto is None:
-            proto = await self._connect(loop)
-        reusable = False
-        try:
-            proto.set_response_params(
-                skip_payload=method == "HEAD",
-                read_until_eof=True,  # a body with neither length nor chunking ends at close
-                auto_decompress=False,
-                read_timeout=self.read_timeout_s,
-            )
-            head = CIMultiDict(headers)
-            head["Host"] = self._host_header
-            if self._authorization is not None:
-                head["Authorization"] = self._authorization
-            if body or method in _BODY_METHODS:
-                head["Content-Length"] = str(len(body or b""))
-            writer = StreamWriter(proto, loop)
-            await writer.write_headers(f"{method} {self._prefix}{target} HTTP/1.1", head)
-            if on_send is not None:
-                on_send()
-            await writer.write_eof(body or b"")  # head and body in one write
-            proto.start_timeout()
-            message, payload = await proto.read()
-            yield UpstreamResponse(message.code, message.headers, payload)
-            reusable = payload.is_eof() and not proto.should_close
-        finally:
-            if reusable and proto.is_connected():
-                self._release(proto, loop.time())
-            else:
-                proto.close()
+        return Exchange(self, method, target, headers, body, on_send)
 
     def close(self) -> None:
         """Close the idle connections; later releases close theirs too."""
@@ -151,6 +119,15 @@ class UpstreamClient:
             self._idle.pop()[0].close()
 
     # -- the pool -----------------------------------------------------------------------
+    def _head(self, method: str, target: str, headers: Mapping[str, str], body: bytes | None) -> tuple[str, CIMultiDict[str]]:
+        head = CIMultiDict(headers)
+        head["Host"] = self._host_header
+        if self._authorization is not None:
+            head["Authorization"] = self._authorization
+        if body or method in _BODY_METHODS:
+            head["Content-Length"] = str(len(body or b""))
+        return f"{method} {self._prefix}{target} HTTP/1.1", head
+
     def _take_idle(self, now: float) -> ResponseHandler | None:
         while self._idle:
             proto, since = self._idle.pop()  # the most recently used: the warmest, least likely closed
@@ -186,3 +163,56 @@ class UpstreamClient:
     @property
     def _connection_key(self) -> ConnectionKey:
         return ConnectionKey(self._host, self._port, self._ssl is not None, self._ssl or True, None, None, None)
+
+
+class Exchange:
+    """One request on one connection of an ``UpstreamClient`` (see ``UpstreamClient.exchange``).
+
+    A plain async context manager rather than a generator-based one: it is on every
+    relayed request's path."""
+
+    __slots__ = ("_client", "_method", "_target", "_headers", "_body", "_on_send", "_proto", "_payload")
+
+    def __init__(
+        self, client: UpstreamClient, method: str, target: str, headers: Mapping[str, str], body: bytes | None,
+        on_send: Callable[[], None] | None,
+    ) -> None:
+        self._client, self._method, self._target = client, method, target
+        self._headers, self._body, self._on_send = headers, body, on_send
+        self._proto: ResponseHandler | None = None
+        self._payload: StreamReader | None = None
+
+    async def __aenter__(self) -> UpstreamResponse:
+        client, loop = self._client, asyncio.get_running_loop()
+        proto = client._take_idle(loop.time())
+        if proto is None:
+            proto = await client._connect(loop)
+        try:
+            proto.set_response_params(
+                skip_payload=self._method == "HEAD",
+                read_until_eof=True,  # a body with neither length nor chunking ends at close
+                auto_decompress=False,
+                read_timeout=client.read_timeout_s,
+            )
+            status_line, head = client._head(self._method, self._target, self._headers, self._body)
+            writer = StreamWriter(proto, loop)
+            await writer.write_headers(status_line, head)
+            if self._on_send is not None:
+                self._on_send()
+            await writer.write_eof(self._body or b"")  # head and body in one write
+            proto.start_timeout()
+            message, payload = await proto.read()
+        except BaseException:
+            proto.close()
+            raise
+        self._proto, self._payload = proto, payload
+        return UpstreamResponse(message.code, message.headers, payload)
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_exc: object) -> None:
+        """Back to the pool only after a body read to its end, on a connection kept alive."""
+        proto, payload = self._proto, self._payload
+        assert proto is not None and payload is not None
+        if exc_type is None and payload.is_eof() and not proto.should_close and proto.is_connected():
+            self._client._release(proto, asyncio.get_running_loop().time())
+        else:
+            proto.close()

@@ -57,7 +57,8 @@ def set_top_level(raw: bytes, key: str, value: object, *, present: bool | None =
         brace = raw.index(b"{")
         rest = raw[brace + 1 :]
         sep = b"," if rest.strip()[:1] not in (b"}", b"") else b""
-        return raw[: brace + 1] + encoded_key + b":" + json.dumps(value, separators=(",", ":")).encode() + sep + rest
+        encoded_value = str(value) if type(value) is int else json.dumps(value, separators=(",", ":"))
+        return b"".join((raw[: brace + 1], encoded_key, b":", encoded_value.encode(), sep, rest))
     text = raw.decode("utf-8")
     spans = top_level_spans(text)
     if spans is None:
