@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
 import subprocess
@@ -37,6 +38,26 @@ async def test_lines_wait_for_the_timer_then_are_written_in_order() -> None:
         assert _lines(logs) == ["a", "b", "c"]
         rl.write(line("d"))  # a new batch arms a new timer
         await wait_until(lambda: len(_lines(logs)) == 4, what="the second flush")
+    rl.close()
+
+
+async def test_the_timer_flush_takes_a_few_per_loop_turn() -> None:
+    """A large batch does not hold the loop: other callbacks run between its slices."""
+    rl = RequestLog(flush_s=0.01, per_turn=2)
+    turns: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    def entry(rid: str) -> Callable[[RequestLog], None]:
+        def account(_log: RequestLog) -> None:
+            turns.append(rid)
+            if rid == "a":  # queued while the first slice runs: behind the second slice, ahead of the third
+                loop.call_soon(turns.append, "other")
+        return account
+
+    for rid in "abcde":
+        rl.write(entry(rid))
+    await wait_until(lambda: len(turns) == 6, what="the whole batch")
+    assert turns == ["a", "b", "c", "d", "other", "e"]  # all in one turn: a b c d e other
     rl.close()
 
 
