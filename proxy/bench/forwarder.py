@@ -1,33 +1,33 @@
 """The floor for ``llmproxy bench overhead``: a featureless aiohttp forwarder.
 
 ``python -m llmproxy.proxy.bench.forwarder --upstream URL`` forwards every request to the
-upstream with the same aiohttp server and client settings and event loop (``--loop``) the
-proxy uses, and relays the response chunk by chunk, with none of the proxy's work: no
-gate, no permits, no sessions, no job task, no metrics, no logging, no header filtering
-beyond the bare minimum. It writes like the proxy's relay (a body that arrived whole in
+upstream with the same aiohttp server settings, upstream client (upstream_client.py) and
+event loop (``--loop``) the proxy uses, and relays the response chunk by chunk, with none
+of the proxy's work: no gate, no permits, no sessions, no job task, no metrics, no
+logging, no header filtering beyond the bare minimum. It writes like the proxy's relay (a body that arrived whole in
 one send; a last chunk with the terminator), so the two differ only in the proxy's own
 work. The bench measures it next to the proxy in the same run, so the table shows how much
 of the added latency is the proxy's and how much is the stack's (two more loopback hops
 through an aiohttp server and client) on this machine. A reference to measure against, not
 a product path: it never runs outside the bench.
 
-Concurrency contract: one handler task per request, which owns its upstream response
-(closed when the handler ends or is cancelled by a client disconnect). The event loop
-owns the server and the one ClientSession; SIGINT/SIGTERM stop both.
+Concurrency contract: one handler task per request, which owns its upstream exchange
+(its connection is closed when the handler is cancelled by a client disconnect). The
+event loop owns the server and the one UpstreamClient; SIGINT/SIGTERM stop both.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import aiohttp
 from aiohttp import web
 from pydantic_settings import SettingsConfigDict
 from yarl import URL
 
 from llmproxy.proxy.bench.child import ReferenceSettings, announce, run_child_main, stop_event
+from llmproxy.proxy.upstream_client import UpstreamClient
 
-SESSION = web.AppKey("session", aiohttp.ClientSession)
+CLIENT = web.AppKey("client", UpstreamClient)
 UPSTREAM = web.AppKey("upstream", URL)
 
 
@@ -39,12 +39,11 @@ class ForwarderSettings(ReferenceSettings):
 
 async def _forward(request: web.Request) -> web.StreamResponse:
     body = await request.read()
-    url = request.app[UPSTREAM].with_path(request.path).with_query(request.query)
     headers = {"Content-Type": request.headers.get("Content-Type", "application/octet-stream")}
-    async with request.app[SESSION].request(request.method, url, data=body, headers=headers) as up:
+    async with request.app[CLIENT].exchange(request.method, request.raw_path, headers, body) as up:
         out = {"Content-Type": up.headers.get("Content-Type", "")}
         if up.content.is_eof():  # the whole body is here: one send, as the proxy's relay does
-            return web.Response(status=up.status, headers=out, body=await up.read())
+            return web.Response(status=up.status, headers=out, body=up.content.read_nowait())
         resp = web.StreamResponse(status=up.status, headers=out)
         if up.content_length is not None:
             resp.content_length = up.content_length
@@ -58,22 +57,18 @@ async def _forward(request: web.Request) -> web.StreamResponse:
         return resp
 
 
-async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=600)  # as the proxy's
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(
-        timeout=timeout, connector=connector, auto_decompress=False,
-        skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
-    ) as session:
-        app[SESSION] = session
-        yield
+async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
+    client = UpstreamClient(app[UPSTREAM], connect_timeout_s=5, read_timeout_s=600)  # as the proxy's
+    app[CLIENT] = client
+    yield
+    client.close()
 
 
 async def _serve(settings: ForwarderSettings) -> None:
     stop = stop_event()
     app = web.Application()
     app[UPSTREAM] = URL(settings.upstream)
-    app.cleanup_ctx.append(_session_ctx)
+    app.cleanup_ctx.append(_client_ctx)
     app.router.add_route("*", "/{tail:.*}", _forward)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()

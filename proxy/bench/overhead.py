@@ -10,9 +10,9 @@ proxy adds, throughput, the CPU time per request of the proxy and of the fake (f
 proxied throughput >= 50% of direct.
 
 The same load also goes through a featureless aiohttp forwarder (``forwarder.py``; off with
-``--no-floor``): the "floor" columns show what one extra hop through an aiohttp server and
-client costs on this machine before any of the proxy's work, so a goal the floor itself
-misses is visible as such. The "raw" columns (off with ``--no-raw``) run it through a TCP
+``--no-floor``): the "floor" columns show what one extra hop through the proxy's own HTTP
+stack (an aiohttp server and upstream_client.py) costs on this machine before any of the
+proxy's work, so a goal the floor itself misses is visible as such. The "raw" columns (off with ``--no-raw``) run it through a TCP
 byte relay (``splice.py``): the loopback hop with no HTTP stack at all, the least any
 Python proxy on this loop could add. Closed-loop workers start staggered (see loadgen.py),
 and each target is measured in ``--rounds`` blocks taken in turn, so machine drift hits

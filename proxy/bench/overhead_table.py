@@ -111,7 +111,8 @@ def format_table(cases: list[Case], loop: str) -> str:
     )
     lines.append(
         "floor: the same load through a featureless aiohttp forwarder (bench/forwarder.py): the latency it adds "
-        "over direct and its CPU us/req, i.e. what the aiohttp server + client hop costs here before any proxy logic"
+        "over direct and its CPU us/req, i.e. what a hop through the proxy's HTTP stack (aiohttp server, "
+        "upstream client) costs here before any proxy logic"
     )
     lines.append(
         "raw: the same load through a TCP byte relay (bench/splice.py): the loopback hop and one more process "
