@@ -13,8 +13,12 @@ a 2-core machine (see the README's benchmark section); the adapters' probes and 
 polls, off that path, keep using the app's ``ClientSession``.
 
 What is this module's own: a keep-alive pool of connections to the one upstream origin
-(most recently used first, at most ``max_idle`` kept, none older than ``keepalive_s``),
-the request head (method, origin-form target under the base URL's path, ``Host``,
+(most recently used first, at most ``max_idle`` kept, each closed ``keepalive_s`` after its
+last use: 4 s, under the 5 s idle timeout of llama-server and uvicorn, so a connection the
+upstream is about to close is never picked), one retry on a new connection when a reused
+one turns out to be closed and the method is idempotent (as ``ClientSession`` does; never
+for a POST, which may have started a generation), interim 1xx responses skipped, the
+request head (method, origin-form target under the base URL's path, ``Host``,
 ``Content-Length``, and Basic ``Authorization`` when the base URL carries credentials; the
 caller's headers otherwise as given) and the connect timeout.
 Responses are never decompressed and redirects never followed.
@@ -40,9 +44,16 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from aiohttp import encode_basic_auth
-from aiohttp.client_exceptions import ClientConnectorError, ConnectionTimeoutError
+from aiohttp.client_exceptions import (
+    ClientConnectionResetError,
+    ClientConnectorError,
+    ClientOSError,
+    ConnectionTimeoutError,
+    ServerDisconnectedError,
+)
 from aiohttp.client_proto import ResponseHandler
 from aiohttp.client_reqrep import ConnectionKey
+from aiohttp.http_parser import RawResponseMessage
 from aiohttp.http_writer import StreamWriter
 from aiohttp.streams import StreamReader
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -50,6 +61,9 @@ from yarl import URL
 
 # Methods whose requests carry a body, so an empty one is sent as Content-Length: 0.
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# Methods retried once on a new connection when a reused one was closed under them (aiohttp's list).
+_IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+KEEPALIVE_S = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +88,7 @@ class UpstreamClient:
         connect_timeout_s: float,
         read_timeout_s: float,
         max_idle: int = 64,
-        keepalive_s: float = 15.0,
+        keepalive_s: float = KEEPALIVE_S,
     ) -> None:
         if base_url.scheme not in ("http", "https") or not base_url.host:
             raise ValueError(f"upstream URL must be http:// or https:// with a host, not {str(base_url)!r}")
@@ -92,6 +106,7 @@ class UpstreamClient:
             encode_basic_auth(base_url.user, base_url.password or "") if base_url.user is not None else None
         )
         self._idle: deque[tuple[ResponseHandler, float]] = deque()  # (protocol, released at); newest last
+        self._expiry: asyncio.TimerHandle | None = None  # closes idle connections as they expire
         self._closed = False
 
     @property
@@ -115,6 +130,9 @@ class UpstreamClient:
     def close(self) -> None:
         """Close the idle connections; later releases close theirs too."""
         self._closed = True
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
         while self._idle:
             self._idle.pop()[0].close()
 
@@ -144,6 +162,16 @@ class UpstreamClient:
         while idle and (len(idle) >= self.max_idle or now - idle[0][1] >= self.keepalive_s):
             idle.popleft()[0].close()  # the oldest go first
         idle.append((proto, now))
+        if self._expiry is None:
+            self._expiry = asyncio.get_running_loop().call_at(idle[0][1] + self.keepalive_s, self._expire)
+
+    def _expire(self) -> None:
+        """Close the idle connections older than ``keepalive_s``; re-arm for the next one."""
+        loop = asyncio.get_running_loop()
+        idle, now = self._idle, loop.time()
+        while idle and now - idle[0][1] >= self.keepalive_s:
+            idle.popleft()[0].close()
+        self._expiry = loop.call_at(idle[0][1] + self.keepalive_s, self._expire) if idle else None
 
     async def _connect(self, loop: asyncio.AbstractEventLoop) -> ResponseHandler:
         """A new connection, as aiohttp's connector reports failures: ClientConnectorError
@@ -185,34 +213,58 @@ class Exchange:
     async def __aenter__(self) -> UpstreamResponse:
         client, loop = self._client, asyncio.get_running_loop()
         proto = client._take_idle(loop.time())
-        if proto is None:
-            proto = await client._connect(loop)
-        try:
-            proto.set_response_params(
-                skip_payload=self._method == "HEAD",
-                read_until_eof=True,  # a body with neither length nor chunking ends at close
-                auto_decompress=False,
-                read_timeout=client.read_timeout_s,
-            )
-            status_line, head = client._head(self._method, self._target, self._headers, self._body)
-            writer = StreamWriter(proto, loop)
-            await writer.write_headers(status_line, head)
-            if self._on_send is not None:
-                self._on_send()
-            await writer.write_eof(self._body or b"")  # head and body in one write
+        retry = proto is not None and self._method in _IDEMPOTENT
+        while True:
+            if proto is None:
+                proto = await client._connect(loop)
+            try:
+                message, payload = await self._attempt(proto, loop)
+            except (ServerDisconnectedError, ClientOSError, ClientConnectionResetError):
+                proto.close()
+                if not retry:
+                    raise
+                retry, proto = False, None  # the reused connection was closed under us: once more, on a new one
+                continue
+            except BaseException:
+                proto.close()
+                raise
+            self._proto, self._payload = proto, payload
+            return UpstreamResponse(message.code, message.headers, payload)
+
+    async def _attempt(self, proto: ResponseHandler, loop: asyncio.AbstractEventLoop) -> tuple[RawResponseMessage, StreamReader]:
+        client = self._client
+        proto.set_response_params(
+            skip_payload=self._method == "HEAD",
+            read_until_eof=True,  # a body with neither length nor chunking ends at close
+            auto_decompress=False,
+            read_timeout=client.read_timeout_s,
+        )
+        status_line, head = client._head(self._method, self._target, self._headers, self._body)
+        writer = StreamWriter(proto, loop)
+        await writer.write_headers(status_line, head)
+        if self._on_send is not None:
+            self._on_send()
+        # Head and body in one write, without waiting for the upstream to read it all: it may
+        # answer first (a 413) and stop reading, and its answer must not wait behind our body.
+        await writer.write(self._body or b"", drain=False)
+        writer.set_eof()
+        while True:
             proto.start_timeout()
             message, payload = await proto.read()
-        except BaseException:
-            proto.close()
-            raise
-        self._proto, self._payload = proto, payload
-        return UpstreamResponse(message.code, message.headers, payload)
+            if not 100 <= message.code < 200 or message.code == 101:
+                return message, payload
+            # an interim response (100 Continue, 103 Early Hints): the final one follows
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *_exc: object) -> None:
-        """Back to the pool only after a body read to its end, on a connection kept alive."""
+        """Back to the pool only after a body read to its end, on a connection kept alive
+        that has sent all of the request (an upstream may answer before reading it all)."""
         proto, payload = self._proto, self._payload
         assert proto is not None and payload is not None
-        if exc_type is None and payload.is_eof() and not proto.should_close and proto.is_connected():
+        transport = proto.transport
+        if (
+            exc_type is None and payload.is_eof() and not proto.should_close and proto.is_connected()
+            and transport is not None and not transport.get_write_buffer_size()
+        ):
             self._client._release(proto, asyncio.get_running_loop().time())
         else:
             proto.close()

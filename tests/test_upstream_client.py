@@ -14,7 +14,7 @@ import contextlib
 import socket
 import ssl
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -43,7 +43,7 @@ class Recorder:
         body = await request.read()
         self.seen.append({
             "line": f"{request.method} {request.raw_path}", "headers": request.headers.copy(), "body": body,
-            "conn": id(request.transport),
+            "conn": request.transport.get_extra_info("peername")[1] if request.transport else None,  # client port
         })
         if request.path == "/close":
             return web.Response(text="bye", headers={"Connection": "close"})
@@ -76,21 +76,36 @@ async def recorder() -> AsyncIterator[tuple[Recorder, str]]:
 
 
 @contextlib.asynccontextmanager
-async def raw_server(answer: bytes) -> AsyncIterator[str]:
-    """Reads one request head, writes ``answer`` and closes: what aiohttp's server would not send."""
+async def scripted_server(
+    handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[str]:
+    """A raw TCP server running ``handle`` per connection: what aiohttp's server would not send."""
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(answer)
-        await writer.drain()
-        writer.close()
+    async def run(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await handle(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    server = await asyncio.start_server(run, "127.0.0.1", 0)
     try:
         yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     finally:
         server.close()
         await server.wait_closed()
+
+
+def raw_server(answer: bytes) -> contextlib.AbstractAsyncContextManager[str]:
+    """Reads one request head, writes ``answer`` and closes."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(answer)
+        await writer.drain()
+
+    return scripted_server(handle)
 
 
 def client(url: str, **kw: float) -> UpstreamClient:
@@ -215,6 +230,99 @@ async def test_body_delimited_by_close_is_read_to_the_end() -> None:
         c = client(url)
         assert await fetch(c, "GET", "/") == (200, b"all of it")
         assert c.idle == 0
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    """One request (head + Content-Length body) off a raw connection; its request line."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(ln.split(b":")[1]) for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length:")), 0)
+    await reader.readexactly(length)
+    return head.split(b"\r\n", 1)[0]
+
+
+async def test_interim_1xx_responses_are_skipped_and_the_connection_stays_in_step() -> None:
+    """103 Early Hints (or 100 Continue) is not the answer: taking it as one would return the
+    connection with the real answer still coming, for the next request to read."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for n in (1, 2):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n")
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nanswer %d" % n)
+            await writer.drain()
+        await reader.read()
+
+    async with scripted_server(handle) as url:
+        c = client(url)
+        assert await fetch(c, "POST", "/completion", b"{}") == (200, b"answer 1")
+        assert await fetch(c, "POST", "/completion", b"{}") == (200, b"answer 2")
+        c.close()
+
+
+async def test_a_reused_connection_closed_under_a_request_is_retried_only_when_idempotent() -> None:
+    """The upstream closes a kept-alive connection just as the next request arrives on it
+    (its idle timeout racing our reuse): a GET is sent again on a new connection, as
+    aiohttp does; a POST is not (it may have started a generation) and fails as a 502."""
+    lines: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        lines.append(await read_request(reader))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        lines.append(await read_request(reader))  # the second request on this connection: dropped
+
+    async with scripted_server(handle) as url:
+        c = client(url)
+        assert await fetch(c, "GET", "/v1/models") == (200, b"ok")
+        assert await fetch(c, "GET", "/v1/models") == (200, b"ok")  # on a new connection
+        assert lines == [b"GET /v1/models HTTP/1.1"] * 3
+        c.close()
+        lines.clear()
+        c = client(url)
+        assert await fetch(c, "POST", "/completion", b"{}") == (200, b"ok")  # a new connection, kept alive
+        with pytest.raises(UpstreamFailed, match="ServerDisconnectedError"), map_client_errors():
+            await fetch(c, "POST", "/completion", b"{}")
+        assert lines == [b"POST /completion HTTP/1.1"] * 2  # sent once, never again
+        c.close()
+
+
+async def test_an_answer_before_the_whole_body_is_read_is_not_blocked_by_it() -> None:
+    """An upstream may refuse a large body (413) without reading it: the answer arrives while
+    most of the body is still unsent, and the connection is not reused."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")  # the head only; never reads the body
+        writer.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 4\r\n\r\nbig!")
+        await writer.drain()
+        await asyncio.sleep(30)
+
+    async with scripted_server(handle) as url:
+        c = client(url)
+        status, body = await asyncio.wait_for(fetch(c, "POST", "/completion", b"x" * (16 << 20)), 5)
+        assert (status, body) == (413, b"big!") and c.idle == 0
+        c.close()
+
+
+async def test_idle_connections_are_closed_when_they_expire_without_more_requests() -> None:
+    closed = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        assert await reader.read() == b""  # the client closed it
+        closed.set()
+
+    async with scripted_server(handle) as url:
+        c = client(url, keepalive_s=0.1)
+        assert await fetch(c, "GET", "/") == (200, b"ok")
+        assert c.idle == 1
+        await asyncio.wait_for(closed.wait(), 5)
+        assert c.idle == 0
+        c.close()
 
 
 async def test_malformed_response_maps_to_a_502() -> None:
