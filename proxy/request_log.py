@@ -85,6 +85,9 @@ class RequestLog:
         self.flush()
 
     def _account(self, entry: Entry) -> None:
-        fields = entry(self)
-        if fields is not None:
-            log.info("request", **fields)
+        try:
+            fields = entry(self)
+            if fields is not None:
+                log.info("request", **fields)
+        except Exception:  # a bug in one entry must not lose the rest of the batch
+            log.exception("request accounting failed")

@@ -26,9 +26,10 @@ Responses are never decompressed and redirects never followed.
 Concurrency contract: ``exchange`` is an async context manager used by one task at a time
 per call; the connection it holds belongs to that call alone. Leaving the block after
 the response body was read to its end returns the connection to the pool (if the
-upstream keeps it alive); leaving it any other way (an exception, a cancellation, a
-consumer that stops early) closes the connection, which is how the proxy cancels a
-generation at the upstream. Pool state is touched from the event loop's thread only and
+upstream keeps it alive and all of the request went out); leaving it any other way (an
+exception, a cancellation, a consumer that stops early) aborts the connection, dropping
+request bytes not yet sent, which is how the proxy cancels a generation at the upstream:
+a cancelled request can never still arrive whole afterwards. Pool state is touched from the event loop's thread only and
 never across an ``await``. ``close()`` (the app's cleanup) closes the idle connections;
 connections in use are closed by their ``exchange`` blocks. Exceptions are aiohttp's
 (and ``OSError``/``TimeoutError`` from connecting); ``errors.map_client_errors`` is the
@@ -64,6 +65,8 @@ _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 # Methods retried once on a new connection when a reused one was closed under them (aiohttp's list).
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 KEEPALIVE_S = 4.0
+# Request bodies up to this size are all out once written (a transport's default high-water mark).
+_TLS_SURE_SENT = 64 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +202,7 @@ class Exchange:
     A plain async context manager rather than a generator-based one: it is on every
     relayed request's path."""
 
-    __slots__ = ("_client", "_method", "_target", "_headers", "_body", "_on_send", "_proto", "_payload")
+    __slots__ = ("_client", "_method", "_target", "_headers", "_body", "_on_send", "_proto", "_payload", "_status")
 
     def __init__(
         self, client: UpstreamClient, method: str, target: str, headers: Mapping[str, str], body: bytes | None,
@@ -209,26 +212,31 @@ class Exchange:
         self._headers, self._body, self._on_send = headers, body, on_send
         self._proto: ResponseHandler | None = None
         self._payload: StreamReader | None = None
+        self._status = 0
 
     async def __aenter__(self) -> UpstreamResponse:
         client, loop = self._client, asyncio.get_running_loop()
         proto = client._take_idle(loop.time())
         retry = proto is not None and self._method in _IDEMPOTENT
+        if proto is None:
+            proto = await client._connect(loop)
         while True:
-            if proto is None:
-                proto = await client._connect(loop)
             try:
                 message, payload = await self._attempt(proto, loop)
-            except (ServerDisconnectedError, ClientOSError, ClientConnectionResetError):
-                proto.close()
+            except (ServerDisconnectedError, ClientOSError, ClientConnectionResetError) as exc:
+                proto.abort()
                 if not retry:
                     raise
-                retry, proto = False, None  # the reused connection was closed under us: once more, on a new one
+                retry = False  # the reused connection was closed under us: once more, on a new one
+                try:
+                    proto = await client._connect(loop)
+                except (ClientConnectorError, ConnectionTimeoutError):
+                    raise exc from None  # what happened to the request: it was sent, and the connection lost
                 continue
             except BaseException:
-                proto.close()
+                proto.abort()  # drops request bytes not yet sent: the upstream never gets the rest
                 raise
-            self._proto, self._payload = proto, payload
+            self._proto, self._payload, self._status = proto, payload, message.code
             return UpstreamResponse(message.code, message.headers, payload)
 
     async def _attempt(self, proto: ResponseHandler, loop: asyncio.AbstractEventLoop) -> tuple[RawResponseMessage, StreamReader]:
@@ -248,23 +256,33 @@ class Exchange:
         # answer first (a 413) and stop reading, and its answer must not wait behind our body.
         await writer.write(self._body or b"", drain=False)
         writer.set_eof()
+        proto.start_timeout()
         while True:
-            proto.start_timeout()
             message, payload = await proto.read()
             if not 100 <= message.code < 200 or message.code == 101:
                 return message, payload
-            # an interim response (100 Continue, 103 Early Hints): the final one follows
+            # An interim response (100 Continue, 103 Early Hints): the final one follows. Its
+            # arrival stopped the read timeout; restart it unless the answer came with it.
+            if not len(proto):
+                proto.start_timeout()
 
     async def __aexit__(self, exc_type: type[BaseException] | None, *_exc: object) -> None:
         """Back to the pool only after a body read to its end, on a connection kept alive
-        that has sent all of the request (an upstream may answer before reading it all)."""
+        that has sent all of the request (an upstream may answer before reading it all).
+        Otherwise closed; aborted (unsent request bytes dropped, the upstream sees a reset)
+        when the exchange was cut or the request is not all out, so that a cancelled request
+        can never still arrive whole after its cancel."""
         proto, payload = self._proto, self._payload
         assert proto is not None and payload is not None
         transport = proto.transport
-        if (
-            exc_type is None and payload.is_eof() and not proto.should_close and proto.is_connected()
-            and transport is not None and not transport.get_write_buffer_size()
-        ):
-            self._client._release(proto, asyncio.get_running_loop().time())
-        else:
+        sent_all = transport is not None and not transport.get_write_buffer_size() and not proto.writing_paused
+        if sent_all and self._client._ssl is not None and self._status >= 400 and len(self._body or b"") > _TLS_SURE_SENT:
+            # A TLS transport's buffer size leaves out the TCP buffer under it, so an error
+            # answer to a large body may have come before the body was all out: not reused.
+            sent_all = False
+        if exc_type is not None or not payload.is_eof() or not sent_all:
+            proto.abort()
+        elif proto.should_close or not proto.is_connected():
             proto.close()
+        else:
+            self._client._release(proto, asyncio.get_running_loop().time())

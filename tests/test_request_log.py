@@ -61,6 +61,22 @@ async def test_the_timer_flush_takes_a_few_per_loop_turn() -> None:
     rl.close()
 
 
+async def test_an_entry_that_fails_loses_nothing_else() -> None:
+    rl = RequestLog(flush_s=3600)
+
+    def broken(_log: RequestLog) -> None:
+        raise RuntimeError("bug in one entry")
+
+    with structlog.testing.capture_logs() as logs:
+        rl.write(line("a"))
+        rl.write(broken)
+        rl.write(line("c"))
+        rl.flush()  # does not raise
+    assert _lines(logs) == ["a", "c"]
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["request accounting failed"]
+    rl.close()
+
+
 async def test_a_full_batch_is_written_at_once_and_close_writes_the_rest() -> None:
     rl = RequestLog(flush_s=3600, max_lines=3)
     with structlog.testing.capture_logs() as logs:

@@ -261,6 +261,29 @@ async def test_interim_1xx_responses_are_skipped_and_the_connection_stays_in_ste
         c.close()
 
 
+async def test_an_answer_in_the_same_packet_as_its_1xx_leaves_no_read_timer_behind() -> None:
+    """The read timeout restarts after a 1xx only if the answer is still to come: armed on a
+    finished exchange, it would fire on the idle pooled connection and spoil it."""
+    conns: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conns.append(writer.get_extra_info("peername")[1])
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async with scripted_server(handle) as url:
+        c = client(url, read=0.1)
+        assert await fetch(c, "POST", "/a", b"{}") == (200, b"ok")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 0.3  # well past the read timeout, well within the keep-alive
+        await wait_until(lambda: loop.time() > deadline, what="the read timeout to pass")
+        assert await fetch(c, "POST", "/b", b"{}") == (200, b"ok")
+        c.close()
+    assert len(conns) == 1, "the pooled connection was spoiled by a stale read timer"
+
+
 async def test_a_reused_connection_closed_under_a_request_is_retried_only_when_idempotent() -> None:
     """The upstream closes a kept-alive connection just as the next request arrives on it
     (its idle timeout racing our reuse): a GET is sent again on a new connection, as
@@ -288,6 +311,29 @@ async def test_a_reused_connection_closed_under_a_request_is_retried_only_when_i
         c.close()
 
 
+async def test_a_retry_that_cannot_connect_reports_the_lost_connection() -> None:
+    """The request went out on the reused connection and was lost with it; that the retry
+    then finds the upstream gone must not read as 'never sent' (upstream_unreachable)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await read_request(reader)  # the second request: dropped, and the server is gone
+        server_gone.set()
+
+    server_gone = asyncio.Event()
+    async with scripted_server(handle) as url:
+        c = client(url)
+        assert await fetch(c, "GET", "/v1/models") == (200, b"ok")
+        port = int(url.rsplit(":", 1)[1])
+    # the listener is closed now; the kept-alive connection is still open until the handler drops it
+    with pytest.raises(UpstreamFailed, match="ServerDisconnectedError"), map_client_errors():
+        await fetch(c, "GET", "/v1/models")
+    assert server_gone.is_set() and port > 0
+    c.close()
+
+
 async def test_an_answer_before_the_whole_body_is_read_is_not_blocked_by_it() -> None:
     """An upstream may refuse a large body (413) without reading it: the answer arrives while
     most of the body is still unsent, and the connection is not reused."""
@@ -308,6 +354,35 @@ async def test_an_answer_before_the_whole_body_is_read_is_not_blocked_by_it() ->
         finally:
             done.set()
             c.close()
+
+
+async def test_a_cancelled_request_never_arrives_whole_afterwards() -> None:
+    """Cancelling an exchange whose large body is still going out drops the unsent bytes (a
+    reset, not a graceful close that would deliver the rest): the upstream can never get
+    the complete request after the proxy gave it up, and start a generation nobody holds."""
+    head_read, go, ended, total = asyncio.Event(), asyncio.Event(), asyncio.Event(), [0]
+    size = 16 << 20
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        head_read.set()
+        await go.wait()  # reads the body only after the client gave the request up
+        try:
+            while chunk := await reader.read(1 << 16):
+                total[0] += len(chunk)
+        finally:
+            ended.set()  # end of stream or reset: nothing more can arrive
+
+    async with scripted_server(handle) as url:
+        c = client(url)
+        task = asyncio.create_task(fetch(c, "POST", "/completion", b"x" * size))
+        await asyncio.wait_for(head_read.wait(), 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        go.set()
+        await asyncio.wait_for(ended.wait(), 10)
+    assert c.idle == 0 and 0 < total[0] < size, total
 
 
 async def test_idle_connections_are_closed_when_they_expire_without_more_requests() -> None:
@@ -401,6 +476,39 @@ def tls_cert(tmp_path: Path) -> tuple[Path, Path]:
         check=True, capture_output=True,
     )
     return cert, key
+
+
+async def test_an_early_error_answer_over_tls_does_not_pool_the_connection(
+    tls_cert: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over TLS the unsent part of a large body cannot be seen (the TLS transport does not
+    count the TCP buffer under it): a connection answered with an error before its large body
+    was read is not reused, so the next request does not queue behind that body."""
+    cert, key = tls_cert
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    done = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")  # the head only, for now
+            writer.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\n\r\n")
+            await writer.drain()
+            await done.wait()
+        finally:
+            writer.transport.abort()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=ctx)
+    c = client(f"https://localhost:{server.sockets[0].getsockname()[1]}")
+    try:
+        assert await asyncio.wait_for(fetch(c, "POST", "/completion", b"x" * (16 << 20)), 10) == (413, b"")
+        assert c.idle == 0
+    finally:
+        done.set()
+        c.close()
+        server.close()
+        await server.wait_closed()
 
 
 async def test_https_upstream_is_verified(tls_cert: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
