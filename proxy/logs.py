@@ -67,7 +67,8 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
     structlog.configure(
         processors=[*shared, *tail],
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),  # one write per line (print() makes two): lines of processes sharing stderr never interleave
+        # one write per line (print() makes two): lines of processes sharing stderr never interleave
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
     # aiohttp and asyncio log through stdlib: warnings and above, rendered like our own lines.
