@@ -27,16 +27,17 @@ log = structlog.get_logger("llmproxy.app")
 
 
 async def dispatch(request: web.Request) -> web.StreamResponse:
+    """Everything the gated routes' own resources do not take: passed through."""
+    if is_gated(request.method, request.path):  # the router sends these to dispatch_gated; kept as a guard
+        return await dispatch_gated(request)
     request.app[STATE].jobs.track_current()  # a graceful stop waits for this response too
-    if is_gated(request.method, request.path):
-        return await gated(request)
     return await passthrough(request)
 
 
 async def dispatch_gated(request: web.Request) -> web.StreamResponse:
     """POST on a gated route as written (the router finds it in its index, not by the
     catch-all's regex); anything else on these paths falls through to ``dispatch``."""
-    request.app[STATE].jobs.track_current()
+    request.app[STATE].jobs.track_current()  # a graceful stop waits for this response too
     return await gated(request)
 
 

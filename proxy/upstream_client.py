@@ -8,8 +8,8 @@ serialization, with header validation). What it leaves out is ``ClientSession.re
 per-request object layer, none of which a reverse proxy to one configured origin uses:
 cookie jars, redirects, auth, proxies, client middlewares, traces, payload type dispatch,
 and on Python < 3.12 a separate task that writes the body. ``llmproxy bench overhead``
-measured that layer at about a third of a millisecond per request on the critical path of
-a 2-core machine (see the README's benchmark section); the adapters' probes and ``/slots``
+measured that layer at about a quarter of a millisecond per request on the critical path
+of a 2-core machine (see the README's benchmark section); the adapters' probes and ``/slots``
 polls, off that path, keep using the app's ``ClientSession``.
 
 What is this module's own: a keep-alive pool of connections to the one upstream origin
@@ -29,8 +29,8 @@ the response body was read to its end returns the connection to the pool (if the
 upstream keeps it alive and all of the request went out); leaving it any other way (an
 exception, a cancellation, a consumer that stops early) aborts the connection, dropping
 request bytes not yet sent, which is how the proxy cancels a generation at the upstream:
-a cancelled request can never still arrive whole afterwards. Pool state is touched from the event loop's thread only and
-never across an ``await``. ``close()`` (the app's cleanup) closes the idle connections;
+a cancelled request can never still arrive whole afterwards. Pool state is touched from
+the event loop's thread only and never across an ``await``. ``close()`` (the app's cleanup) closes the idle connections;
 connections in use are closed by their ``exchange`` blocks. Exceptions are aiohttp's
 (and ``OSError``/``TimeoutError`` from connecting); ``errors.map_client_errors`` is the
 boundary that turns them into ProxyErrors.
