@@ -29,6 +29,7 @@ async def status(request: web.Request) -> web.Response:
         {
             "id": t.id,
             "slot": t.slot,
+            "slots": list(t.slots),
             "state": t.state,
             "route": t.route,
             "session": t.session[:8],  # redacted: a prefix of the hashed key
@@ -37,7 +38,7 @@ async def status(request: web.Request) -> web.Response:
         for t in gate.inflight_snapshot()
     ]
     queued = [
-        {"id": t.id, "route": t.route, "session": t.session[:8], "age_s": round(now - t.created, 3)}
+        {"id": t.id, "route": t.route, "permits": t.permits, "session": t.session[:8], "age_s": round(now - t.created, 3)}
         for t in gate.queue_snapshot()
     ]
     return web.json_response(

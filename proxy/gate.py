@@ -15,6 +15,11 @@ Pure asyncio logic, no sockets (tested directly). Concurrency contract:
   releases a permit.
 - Permits are slot ids 0..N-1. A grant prefers the slot the session used last when it is
   free (prompt-cache affinity); FIFO order between waiters is never changed by that.
+- A ticket may need several permits at once (``permits``: llama-server's ``n_cmpl``, which
+  runs one request on that many slots). It is granted all of them together or waits; the
+  queue stays strictly FIFO, so a smaller request behind it waits too (no overtaking, so
+  a wide request cannot starve). Its first slot is the affinity choice; the others are the
+  lowest free ids, the ones llama-server gives a request's extra completions.
 """
 
 from __future__ import annotations
@@ -42,15 +47,17 @@ class Ticket:
     supersedable: bool
     route: str
     future: asyncio.Future[int]
+    permits: int = 1
     created: float = field(default_factory=time.monotonic)
     state: State = "queued"
-    slot: int | None = None
+    slot: int | None = None  # the first granted slot (the one ``id_slot`` names)
+    slots: tuple[int, ...] = ()  # every granted slot, ``slot`` first
     granted_at: float | None = None
     on_supersede: Callable[[], None] | None = None
     superseded: bool = False  # set if superseded after the grant but before the job took it
 
     async def wait(self) -> int:
-        """Block until granted; returns the slot id. Raises Superseded/ShuttingDown."""
+        """Block until granted; returns the (first) slot id. Raises Superseded/ShuttingDown."""
         return await self.future
 
 
@@ -94,18 +101,23 @@ class Gate:
         await self._idle.wait()
 
     # -- the protocol ---------------------------------------------------------------
-    def submit(self, session: str, *, supersedable: bool, route: str = "") -> Ticket:
+    def submit(self, session: str, *, supersedable: bool, route: str = "", permits: int = 1) -> Ticket:
         """Admit a new request (never blocks). Admission is decided first; only an admitted
-        newcomer supersedes anything, so a 429 never costs the session its running request."""
+        newcomer supersedes anything, so a 429 never costs the session its running request.
+
+        ``permits``: how many slots the request runs on at once (1 to ``capacity``; the
+        handler answers 400 above that, as the upstream would)."""
+        if not 1 <= permits <= self.capacity:
+            raise ValueError(f"permits must be 1..{self.capacity}, got {permits}")
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
         replaced = self._queued_index(session) if supersedable else None
-        grant_now = replaced is None and bool(self._free) and not self._queue
+        grant_now = replaced is None and len(self._free) >= permits and not self._queue
         if replaced is None and not grant_now and len(self._queue) >= self.max_queue:
             raise QueueFull(
                 f"queue full ({self.max_queue} waiting)", headers={"Retry-After": str(self.retry_after_s)}
             )
-        ticket = Ticket(next(self._ids), session, supersedable, route, asyncio.get_running_loop().create_future())
+        ticket = Ticket(next(self._ids), session, supersedable, route, asyncio.get_running_loop().create_future(), permits)
         self._idle.clear()
         if supersedable:
             self._supersede_inflight(session)
@@ -116,6 +128,7 @@ class Gate:
             if not old.future.done():  # done = its waiter was cancelled meanwhile
                 old.future.set_exception(Superseded("superseded by a newer request from the same session"))
                 old.future.exception()  # retrieved: the waiter may already be gone
+            self._grant_waiters()  # the newcomer may need fewer permits than the one it replaced
         elif grant_now:
             self._grant(ticket)
         else:
@@ -157,20 +170,20 @@ class Gate:
             ticket.state = "done"
             if not ticket.future.done():
                 ticket.future.cancel()
+            self._grant_waiters()  # a wide head leaving may let the next waiters through
             self._check_idle()
         elif ticket.state == "granted":
             self.release(ticket)
 
     def release(self, ticket: Ticket) -> None:
-        """Return the ticket's permit; only once the upstream is idle for it."""
+        """Return the ticket's permits; only once the upstream is idle for it."""
         if ticket.state not in ("granted", "running", "stopping"):
             return
-        slot = ticket.slot
-        assert slot is not None
+        assert ticket.slots
         del self._inflight[ticket.id]
         ticket.state = "done"
         ticket.on_supersede = None
-        self._free.append(slot)
+        self._free.extend(ticket.slots)
         self._grant_waiters()
         self._check_idle()
 
@@ -193,26 +206,33 @@ class Gate:
         while its ``abandon`` runs only when that task resumes; such tickets are dropped
         here (state "done", so the later ``abandon`` is a no-op), never granted.
         """
-        while self._queue and self._free:
-            ticket = self._queue.pop(0)
+        while self._queue:
+            ticket = self._queue[0]
             if ticket.future.done():
+                self._queue.pop(0)
                 ticket.state = "done"
                 continue
+            if len(self._free) < ticket.permits:
+                return  # strict FIFO: nobody overtakes a waiter that needs more permits
+            self._queue.pop(0)
             self._grant(ticket)
 
     def _grant(self, ticket: Ticket) -> None:
         preferred = self._affinity.get(ticket.session)
+        self._free.sort()
         if preferred is not None and preferred in self._free:
             self._free.remove(preferred)
             slot = preferred
         else:
-            self._free.sort()
             slot = self._free.pop(0)
+        extra = self._free[: ticket.permits - 1]  # lowest ids: where llama-server puts extra completions
+        del self._free[: ticket.permits - 1]
         self._affinity[ticket.session] = slot
         self._affinity.move_to_end(ticket.session)
         if len(self._affinity) > _AFFINITY_MAX:
             self._affinity.popitem(last=False)
         ticket.slot = slot
+        ticket.slots = (slot, *extra)
         ticket.state = "granted"
         ticket.granted_at = time.monotonic()
         self._inflight[ticket.id] = ticket

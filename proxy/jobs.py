@@ -169,7 +169,7 @@ class UpstreamJob:
         start = time.monotonic()
         if self.adapter.confirms(self.request.path):
             answered = self.record.upstream_status is not None
-            if not await self.adapter.confirm_stopped(self.slot, answered=answered):
+            if not await self.adapter.confirm_stopped(self.ticket.slots, answered=answered):
                 self.metrics.confirm_timeouts.inc()
                 self.record.confirm_timed_out = True
         elif self._stop_reason is not None and self.unconfirmed_hold_s > 0:

@@ -33,6 +33,7 @@ class RequestRecord:
     status: int | None = None
     outcome: str | None = None
     slot: int | None = None
+    permits: int = 1  # slots the request runs on at once (n_cmpl); ``slot`` is the first
     queue_wait_s: float | None = None
     upstream_sent: bool = False  # its bytes were handed to the upstream connection (mark_sent)
     upstream_s: float | None = None
@@ -98,6 +99,7 @@ class RequestRecord:
             "outcome": self.outcome,
             "session": self.session,
             "slot": self.slot,
+            "permits": self.permits if self.permits > 1 else None,
             "reached_upstream": self.sent,
             "queue_wait_ms": ms(self.queue_wait_s),
             "upstream_ms": ms(self.upstream_s),

@@ -165,6 +165,41 @@ async def test_id_slot_busy_defers_while_other_slot_free(session: aiohttp.Client
         assert up.completed == [2, 0, 1] and up.max_concurrent == 3
 
 
+async def test_n_cmpl_runs_on_that_many_slots_at_once(session: aiohttp.ClientSession) -> None:
+    """llama-server's n_cmpl: id_slot's slot plus the lowest other idle ones, launched only
+    when all are idle (the request is deferred until then), k generations in ``concurrent``."""
+    scripts = {"slow": Script(tokens=2, token_delay_s=0.3), "fast": Script(tokens=2, token_delay_s=0)}
+    async with FakeUpstream(slots=3, script=by_prompt(scripts), abort_linger_s=0.3) as up:
+        url = up.url + "/infill"
+        async with session.post(url, json={"prompt": "fast", "id_slot": 2, "n_cmpl": 2}) as r:
+            both = await r.json()
+        assert [(c["index"], c["id_slot"], c["content"]) for c in both] == [(0, 2, "t0 t1 "), (1, 0, "t0 t1 ")]
+        assert up.max_concurrent == 2 and up.deferred == []
+        a = asyncio.create_task(session.post(url, json={"prompt": "slow", "id_slot": 1}))
+        await up.wait_for(lambda u: u.slot_busy == [False, True, False])
+        b = asyncio.create_task(session.post(url, json={"prompt": "fast", "id_slot": 0, "n_cmpl": 3}))
+        await up.wait_for(lambda u: len(u.received) == 3)
+        assert up.slot_busy == [False, True, False] and up.concurrent == 4  # all or nothing: b waits
+        assert up.deferred == [2]
+        rb = await b
+        assert up.completed == [0, 1, 2] and [c["id_slot"] for c in await rb.json()] == [0, 1, 2]
+        (await a).release()
+        async with session.post(url, json={"prompt": "x", "n_cmpl": 4}) as r:  # more than the slots
+            assert r.status == 400 and "n_cmpl" in (await r.json())["error"]["message"]
+        async with session.post(up.url + "/v1/completions", json={"prompt": "fast", "n": 2}) as r:
+            assert [c["index"] for c in (await r.json())["choices"]] == [0, 1]
+        async with session.post(url, json={"prompt": "fast", "n_cmpl": 2, "stream": True}) as r:
+            events = [json.loads(e) for e in sse_events(await r.read())]
+        assert [(e["index"], e["content"], e["stop"]) for e in events] == [
+            (0, "t0 ", False), (1, "t0 ", False), (0, "t1 ", False), (1, "t1 ", False), (0, "", True), (1, "", True)]
+        r = await session.post(url, json={"prompt": "slow", "n_cmpl": 2, "stream": True})
+        await r.content.readline()
+        r.close()  # an abort keeps every slot of the request busy for the linger
+        await up.wait_for(lambda u: len(u.aborted) == 1)
+        assert up.slot_busy == [True, True, False] and up.concurrent == 2
+        await up.wait_for(lambda u: u.slot_busy == [False, False, False] and u.concurrent == 0)
+
+
 async def test_max_concurrent_counts_waiting_generations(session: aiohttp.ClientSession) -> None:
     async with FakeUpstream(slots=2, script=lambda _p, _b: Script(tokens=4, token_delay_s=0.05)) as up:
 

@@ -133,3 +133,93 @@ async def test_close_fails_queued_and_refuses_new() -> None:
         await q.wait()
     with pytest.raises(ShuttingDown):
         gate.submit("c", supersedable=False)
+
+
+# -- requests on several slots at once (llama-server's n_cmpl) ------------------------------
+
+
+async def test_wide_request_gets_all_its_permits_together_or_waits() -> None:
+    gate = Gate(3, 5)
+    one = gate.submit("a", supersedable=False)
+    assert await one.wait() == 0 and one.slots == (0,)
+    gate.take(one)
+    wide = gate.submit("b", supersedable=False, permits=3)
+    assert not wide.future.done() and gate.free == 2  # two free is not enough: nothing taken
+    gate.release(one)
+    assert await wide.wait() == 0 and wide.slots == (0, 1, 2) and gate.free == 0
+    gate.take(wide)
+    gate.release(wide)
+    assert gate.free == 3
+    await asyncio.wait_for(gate.wait_quiescent(), 1)
+
+
+async def test_wide_request_first_slot_keeps_affinity_others_are_lowest_free() -> None:
+    """llama-server runs n_cmpl on ``id_slot``'s slot plus the lowest idle ids: the gate's
+    choice must be the same slots, or the server's picture and the proxy's drift apart."""
+    gate = Gate(4, 5)
+    first = [gate.submit(s, supersedable=False) for s in ("a", "b", "c", "d")]
+    for tk in first:
+        await tk.wait()
+        gate.take(tk)
+    for tk in first[1:]:
+        gate.release(tk)  # slots 1, 2, 3 free; session "c" last used slot 2
+    wide = gate.submit("c", supersedable=False, permits=2)
+    assert await wide.wait() == 2 and wide.slots == (2, 1)
+
+
+async def test_queue_stays_fifo_behind_a_wide_waiter() -> None:
+    gate = Gate(2, 5)
+    holder = gate.submit("h", supersedable=False)
+    gate.take(holder)
+    wide = gate.submit("w", supersedable=False, permits=2)
+    narrow = gate.submit("n", supersedable=False)
+    assert gate.free == 1 and not wide.future.done()
+    assert not narrow.future.done()  # one permit is free, but the wide request is first in line
+    gate.release(holder)
+    assert await wide.wait() == 0 and not narrow.future.done()
+    gate.take(wide)
+    gate.release(wide)
+    assert await narrow.wait() == 0
+
+
+async def test_wide_waiter_leaving_lets_the_next_one_through() -> None:
+    gate = Gate(2, 5)
+    holder = gate.submit("h", supersedable=False)
+    gate.take(holder)
+    wide = gate.submit("w", supersedable=False, permits=2)
+    narrow = gate.submit("n", supersedable=False)
+    gate.abandon(wide)
+    assert await asyncio.wait_for(narrow.wait(), 1) == 1
+
+
+async def test_cancelled_wide_waiter_is_skipped_when_permits_return() -> None:
+    gate = Gate(2, 5)
+    holder = gate.submit("h", supersedable=False)
+    gate.take(holder)
+    wide = gate.submit("w", supersedable=False, permits=2)
+    narrow = gate.submit("n", supersedable=False)
+    wide.future.cancel()  # its waiter was cancelled; its abandon() has not run yet
+    gate.release(holder)
+    assert narrow.future.done() and narrow.future.result() in (0, 1) and gate.free == 1
+    gate.abandon(wide)  # late: a no-op
+    assert gate.free == 1 and gate.queued == 0
+
+
+async def test_narrow_newcomer_replacing_a_wide_waiter_is_granted_at_once() -> None:
+    gate = Gate(2, 5)
+    holder = gate.submit("h", supersedable=False)
+    gate.take(holder)
+    wide = gate.submit("editor", supersedable=True, permits=2)
+    newer = gate.submit("editor", supersedable=True)
+    with pytest.raises(Superseded):
+        await wide.wait()
+    assert await asyncio.wait_for(newer.wait(), 1) == 1 and gate.queued == 0
+
+
+async def test_more_permits_than_capacity_is_refused() -> None:
+    gate = Gate(2, 5)
+    for bad in (0, 3):
+        with pytest.raises(ValueError):
+            gate.submit("a", supersedable=False, permits=bad)
+    assert gate.queued == 0 and gate.free == 2
+    await asyncio.wait_for(gate.wait_quiescent(), 1)

@@ -220,3 +220,87 @@ async def test_llamacpp_embeddings_are_finished_not_cancelled(http: aiohttp.Clie
         async with http.post(px.url + "/v1/embeddings", json={"input": "x"}) as r:
             assert r.status == 200
             assert len((await r.json())["data"][0]["embedding"]) == 40
+
+
+async def test_n_cmpl_holds_one_permit_per_slot_it_runs_on(http: aiohttp.ClientSession) -> None:
+    """llama.vscode's ``n_cmpl: 2`` runs on two llama-server slots at once: it must hold two
+    permits, so that the upstream never has to defer a request the gate let through (its
+    queue is unbounded and blind to supersede) and never runs more than N generations."""
+    script = lambda _p, _b: Script(tokens=6, token_delay_s=0.02)  # noqa: E731
+    async with FakeUpstream(slots=2, script=script) as fake, run_proxy(fake.url) as px:
+        with structlog.testing.capture_logs() as logs:
+
+            async def post(seq: int, session: str, **extra: Any) -> tuple[int, Any]:
+                body = {"input_prefix": "x", "prompt": "", "seq": seq, **extra}
+                async with http.post(px.url + "/infill", json=body, headers={"X-LLMProxy-Session": session,
+                                     "X-Request-Id": f"n{seq}"}) as r:
+                    return r.status, await r.json()
+
+            first = asyncio.create_task(post(0, "a"))
+            await fake.wait_for(lambda f: len(f.generations) == 1)
+            wide = asyncio.create_task(post(1, "b", n_cmpl=2))
+            await wait_until(lambda: px.state.gate.queued == 1, what="the wide request queued")
+            third = asyncio.create_task(post(2, "c"))
+            await wait_until(lambda: px.state.gate.queued == 2, what="the third request queued behind it")
+            assert px.state.gate.free == 1  # free, but the wide request needs two and is first in line
+            await fake.wait_for(lambda f: len(f.generations) == 2)
+            async with http.get(px.url + "/llmproxy/status") as r:
+                [running] = (await r.json())["inflight"]
+            assert sorted(running["slots"]) == [0, 1]
+            results = await asyncio.gather(first, wide, third)
+            await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+            await wait_until(lambda: len(request_events(logs)) == 3, what="three canonical log lines")
+
+        assert [s for s, _ in results] == [200, 200, 200]
+        assert [c["index"] for c in results[1][1]] == [0, 1]
+        assert fake.deferred == [] and fake.max_concurrent == 2
+        assert [g.body["seq"] for g in fake.generations] == [0, 1, 2]  # FIFO: nobody overtook the wide one
+        assert fake.generations[1].body["id_slot"] == running["slot"] == running["slots"][0]
+        events = request_events(logs)
+        assert events["n1"]["permits"] == 2 and "permits" not in events["n0"]
+        assert px.state.gate.free == 2
+
+
+async def test_n_cmpl_over_capacity_is_refused_before_the_upstream(http: aiohttp.ClientSession) -> None:
+    async with FakeUpstream(slots=2) as fake, run_proxy(fake.url) as px:
+        for path, body in (("/infill", {"input_prefix": "x", "n_cmpl": 3}), ("/v1/completions", {"prompt": "x", "n": 3})):
+            async with http.post(px.url + path, json=body) as r:
+                assert r.status == 400, path
+                err = (await r.json())["error"]
+            assert err["type"] == "invalid_request_error" and "n_cmpl=3" in err["message"] and "capacity is 2" in err["message"]
+        async with http.post(px.url + "/infill", json={"input_prefix": "x", "n_cmpl": 2, "n_predict": 2}) as r:
+            assert r.status == 200 and len(await r.json()) == 2
+        assert len(fake.generations) == 1 and px.state.gate.free == 2
+
+
+async def test_cancelled_n_cmpl_holds_its_permits_until_every_slot_is_idle(http: aiohttp.ClientSession) -> None:
+    """The client leaves a two-slot request: both permits stay held until /slots shows both
+    slots idle (the upstream keeps aborted slots busy for a while), so the next request
+    never waits inside the upstream."""
+    script = lambda _p, _b: Script(tokens=200, token_delay_s=0.01)  # noqa: E731
+    async with FakeUpstream(slots=2, script=script, abort_linger_s=0.3) as fake, run_proxy(fake.url) as px:
+        r = await http.post(px.url + "/completion", json={"prompt": "a", "n_cmpl": 2, "stream": True},
+                            headers={"X-LLMProxy-Session": "one"})
+        await r.content.readline()
+        r.close()
+        await fake.wait_for(lambda f: len(f.aborted) == 1)
+        assert fake.slot_busy == [True, True]
+        async with http.post(px.url + "/completion", json={"prompt": "b", "n_predict": 2},
+                             headers={"X-LLMProxy-Session": "two"}) as r2:
+            assert r2.status == 200
+        assert fake.deferred == [] and fake.max_concurrent == 2
+        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+
+
+async def test_stop_confirmation_waits_for_every_slot_of_the_request(http: aiohttp.ClientSession) -> None:
+    script = lambda _p, _b: Script(tokens=30, token_delay_s=0.01)  # noqa: E731
+    async with FakeUpstream(slots=2, script=script) as fake, run_proxy(fake.url, confirm_timeout_s=0.1) as px:
+        adapter = px.state.adapter
+        busy = asyncio.create_task(http.post(fake.url + "/completion", json={"prompt": "x", "id_slot": 1}))
+        await fake.wait_for(lambda f: f.slot_busy == [False, True])
+        assert await adapter.confirm_stopped((0,)) is True
+        assert await adapter.confirm_stopped((0, 1)) is False  # slot 1 still busy: timed out
+        (await busy).release()
+        await fake.wait_for(lambda f: f.slot_busy == [False, False])
+        assert await adapter.confirm_stopped((0, 1)) is True
+        assert await adapter.confirm_stopped((0, 5)) is False  # a slot the server does not list

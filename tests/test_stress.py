@@ -1,7 +1,8 @@
 """Property-based stress of the gate's invariants under random load (real loopback servers).
 
-Random arrivals, sessions, client aborts, upstream errors and slow aborts. Invariants
-(DESIGN.md): requests at the upstream <= N at every instant; all N permits free at
+Random arrivals, sessions, client aborts, upstream errors, slow aborts and requests on
+several slots at once (``n_cmpl``). Invariants (DESIGN.md): generations at the upstream
+(each ``n_cmpl`` completion counts) <= N at every instant; all N permits free at
 quiescence; exactly one outcome per request; what the proxy says reached the upstream is
 exactly what the upstream saw, so superseded / queue-cancelled requests never reach it.
 """
@@ -31,6 +32,7 @@ class Op:
     tokens: int
     upstream: str  # "ok" | "500" | "reset"
     warmup: bool
+    n_cmpl: int  # completions at once (slots); more than the capacity must be refused (400)
 
 
 ops_strategy = st.lists(
@@ -43,6 +45,7 @@ ops_strategy = st.lists(
         tokens=st.integers(1, 12),
         upstream=st.sampled_from(["ok", "ok", "ok", "500", "reset"]),
         warmup=st.booleans(),
+        n_cmpl=st.sampled_from([1, 1, 1, 2, 3]),
     ),
     min_size=1,
     max_size=14,
@@ -60,17 +63,19 @@ async def scenario(ops: list[Op], capacity: int, linger: float, policy: str) -> 
     async with FakeUpstream(slots=capacity, abort_linger_s=linger, script=script_for) as fake, run_proxy(
         fake.url, max_queue=4, queue_timeout_s=3, supersede_inflight=policy, on_disconnect=policy
     ) as px, aiohttp.ClientSession() as http:
+        statuses: dict[int, int] = {}
         with structlog.testing.capture_logs() as logs:
 
             async def client(i: int, op: Op) -> None:
                 await asyncio.sleep(op.delay_ms / 1000 * i)
                 body = {"prompt": "p", "seq": i, "stream": op.stream, "tokens": op.tokens, "upstream": op.upstream,
-                        "n_predict": 0 if op.warmup else 64}
+                        "n_predict": 0 if op.warmup else 64, "n_cmpl": op.n_cmpl}
 
                 async def call() -> None:
                     async with http.post(px.url + "/completion", json=body,
                                          headers={"X-LLMProxy-Session": str(op.session), "X-Request-Id": f"r{i}"}) as r:
                         await r.read()
+                        statuses[i] = r.status
 
                 task = asyncio.create_task(call())
                 if op.abort_ms is not None:
@@ -102,6 +107,9 @@ async def scenario(ops: list[Op], capacity: int, linger: float, policy: str) -> 
         for e in events:
             if not e["reached_upstream"]:
                 assert e["outcome"] in ("superseded", "cancelled_queued", "rejected"), e
+        too_wide = {i for i, op in enumerate(ops) if op.n_cmpl > capacity}
+        assert all(statuses[i] == 400 for i in too_wide if i in statuses), statuses
+        assert not too_wide & reached_fake
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], phases=[Phase.explicit, Phase.reuse, Phase.generate])

@@ -12,6 +12,7 @@ The app's cleanup closes ``client`` (``close``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import aiohttp
@@ -43,12 +44,16 @@ class Adapter:
         """Body to send upstream for a gated request holding permit ``slot``."""
         return raw
 
+    def permits(self, path: str, parsed: Any) -> int:
+        """How many slots a gated request on ``path`` occupies at once (see llamacpp's)."""
+        return 1
+
     def confirms(self, path: str) -> bool:
         """Can a stopped request on ``path`` be confirmed (``confirm_stopped``) on this backend?"""
         return self.can_confirm
 
-    async def confirm_stopped(self, slot: int, *, answered: bool = True) -> bool:
-        """Wait until the backend shows ``slot`` idle. Adapters without a view return True.
+    async def confirm_stopped(self, slots: Sequence[int], *, answered: bool = True) -> bool:
+        """Wait until the backend shows every slot in ``slots`` idle. Adapters without a view return True.
 
         ``answered``: the upstream had sent response headers, so its task had surely started."""
         return True

@@ -8,11 +8,18 @@ from ``confirm_poll_min_s`` to ``confirm_poll_max_s``. If that takes longer than
 and counted in metrics (never silently). Without ``/slots`` (``--no-slots``), the adapter
 cannot confirm and the policies fall back to ``finish``; so do routes that carry no
 ``id_slot`` (``/v1/embeddings``), whose slot the proxy cannot know.
+
+``n_cmpl`` (alias ``n``; llama.vscode sends it) asks llama-server for that many completions
+of one prompt, run at once on that many slots: the one ``id_slot`` names and, for the
+others, the lowest idle ids. Such a request holds that many permits (``permits``), which
+the gate grants as ``id_slot``'s slot plus the lowest free ones, so the proxy's picture
+and the server's stay the same; a stop is confirmed once all of them are idle.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -39,6 +46,18 @@ class LlamaCppAdapter(Adapter):
             return set_top_level(raw, "id_slot", slot, present="id_slot" in parsed)
         return raw
 
+    def permits(self, path: str, parsed: Any) -> int:
+        """``n_cmpl`` (else ``n``) on a slot route when it is a positive integer, else 1.
+
+        As llama-server reads it: ``n_cmpl`` wins over ``n``. A value it would refuse
+        (0, a string) counts as 1; the server answers that request with its own 400."""
+        if path not in SLOT_ROUTES or not isinstance(parsed, dict):
+            return 1
+        value = parsed.get("n_cmpl", parsed.get("n"))
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return 1
+        return value
+
     def confirms(self, path: str) -> bool:
         """Only where ``id_slot`` pins the request to the permit's slot: llama-server runs an
         /v1/embeddings request on any free slot(s), so slot i idle would prove nothing."""
@@ -56,8 +75,9 @@ class LlamaCppAdapter(Adapter):
             log.warning("upstream /slots unavailable: cannot confirm stops, in-flight policy falls back to finish")
         return ok
 
-    async def _slot_state(self, slot: int) -> str:
-        """'busy' | 'idle' | 'down' (connection refused: nothing can run) | 'unknown'."""
+    async def _slots_state(self, slots: Sequence[int]) -> str:
+        """'busy' (any of ``slots``) | 'idle' (all) | 'down' (connection refused: nothing can
+        run) | 'unknown'."""
         try:
             async with self.session.get(self.base_url / "slots", timeout=_POLL_TIMEOUT, allow_redirects=False) as resp:
                 if resp.status != 200:
@@ -67,13 +87,17 @@ class LlamaCppAdapter(Adapter):
             return "down"
         except (aiohttp.ClientError, ValueError, TimeoutError):
             return "unknown"
-        for entry in data if isinstance(data, list) else ():
-            if isinstance(entry, dict) and entry.get("id") == slot:
-                return "busy" if slot_busy(entry) else "idle"
-        return "unknown"
+        busy = {
+            entry["id"]: slot_busy(entry)
+            for entry in (data if isinstance(data, list) else ())
+            if isinstance(entry, dict) and isinstance(entry.get("id"), int)
+        }
+        if any(busy.get(slot) for slot in slots):
+            return "busy"
+        return "idle" if all(slot in busy for slot in slots) else "unknown"
 
-    async def confirm_stopped(self, slot: int, *, answered: bool = True) -> bool:
-        """Poll /slots until slot ``slot`` is idle (backing off), bounded by confirm_timeout_s.
+    async def confirm_stopped(self, slots: Sequence[int], *, answered: bool = True) -> bool:
+        """Poll /slots until every slot in ``slots`` is idle (backing off), bounded by confirm_timeout_s.
 
         Before the upstream answered, its task may not have reached the slot yet, so an idle
         slot must then be seen twice, one poll interval apart. A refused connection means
@@ -86,7 +110,7 @@ class LlamaCppAdapter(Adapter):
         try:
             async with asyncio.timeout(s.confirm_timeout_s):
                 while True:
-                    state = await self._slot_state(slot)
+                    state = await self._slots_state(slots)
                     if state == "down":
                         return True
                     idle_seen = idle_seen + 1 if state == "idle" else 0
@@ -97,7 +121,7 @@ class LlamaCppAdapter(Adapter):
         except TimeoutError:
             log.error(
                 "stop confirmation timed out: releasing the permit although the slot may still be busy",
-                slot=slot,
+                slots=list(slots),
                 timeout_s=s.confirm_timeout_s,
             )
             return False

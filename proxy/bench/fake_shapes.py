@@ -90,13 +90,15 @@ class Shape:
             return self._oai(f"t{i} ", rid, None, chunk=True)
         return self._piece(f"t{i} ", rid, slot, False, i + 1)
 
-    def final(self, n: int, rid: int, slot: int) -> list[Any]:
-        """The closing stream pieces: a stop/finish_reason/done piece (then [DONE] for OpenAI)."""
+    def final(self, n: int, rid: int, slots: tuple[int, ...]) -> list[Any]:
+        """The closing stream pieces: a stop/finish_reason/done piece per completion (one per
+        slot; then [DONE] for OpenAI)."""
         if self.fmt.startswith("oai"):
-            last = self._oai(None, rid, "length", chunk=True)
-            last["usage"] = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
-            return [last, "[DONE]"]
-        return [self._piece("", rid, slot, True, n)]
+            lasts = [indexed(self._oai(None, rid, "length", chunk=True), j) for j in range(len(slots))]
+            tokens = n * len(slots)
+            lasts[-1]["usage"] = {"prompt_tokens": 1, "completion_tokens": tokens, "total_tokens": tokens + 1}
+            return [*lasts, "[DONE]"]
+        return [indexed(self._piece("", rid, s, True, n), j) for j, s in enumerate(slots)]
 
     def whole(self, n: int, rid: int, slot: int) -> dict[str, Any]:
         """Non-streamed body with all ``n`` tokens (embeddings: a vector of ``n`` numbers)."""
@@ -108,6 +110,27 @@ class Shape:
             obj["usage"] = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
             return obj
         return self._piece(text(n), rid, slot, True, n)
+
+    def whole_all(self, n: int, rid: int, slots: tuple[int, ...]) -> Any:
+        """``whole`` for one completion per slot (llama-server's ``n_cmpl``): one body for a
+        single slot, else a JSON array (native routes) or one body with a choice each (OpenAI)."""
+        if len(slots) == 1:
+            return self.whole(n, rid, slots[0])
+        bodies = [indexed(self.whole(n, rid, s), j) for j, s in enumerate(slots)]
+        if not self.fmt.startswith("oai"):
+            return bodies
+        merged = bodies[0]
+        merged["choices"] = [b["choices"][0] for b in bodies]
+        return merged
+
+
+def indexed(obj: Any, j: int) -> Any:
+    """Completion ``j``'s copy of a piece: its ``index`` (OpenAI: its choice's) set to ``j``."""
+    if isinstance(obj, dict):
+        target = obj["choices"][0] if obj.get("choices") else obj
+        if "index" in target:
+            target["index"] = j
+    return obj
 
 
 _LLAMA = frozenset({"llamacpp"})

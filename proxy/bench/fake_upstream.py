@@ -13,7 +13,13 @@ Concurrency contract:
   moment its request is received (including while it waits for a slot, like llama-server's
   deferred queue) until its slot is idle again. ``id_slot`` >= 0 waits for that slot,
   otherwise the lowest free slot is taken; waiting requests are woken in arrival order
-  (a newcomer that finds a slot free takes it at once, as in llama-server).
+  (a newcomer that finds a slot free takes it at once, as in llama-server). A request that
+  found no slot for it on arrival is recorded in ``deferred``.
+- ``n_cmpl`` (alias ``n``; llamacpp kind) = k > 1 asks for k completions at once, as
+  llama-server runs them: on k slots together (``id_slot``'s, or the lowest idle, plus
+  the lowest other idle ones), waiting until all k are idle; it counts k in ``concurrent``.
+  More than the slot count is a 400. The answer is a JSON array (llama-server's native
+  routes) or k ``choices`` (OpenAI routes); streamed, each token comes once per completion.
 - The app runs with ``handler_cancellation=True``: a client disconnect cancels the handler.
   The abort is recorded at once; the slot stays busy for ``abort_linger_s`` more (llama-server
   notices disconnects by polling) in a background task owned by this object, which
@@ -43,7 +49,9 @@ from typing import Any, Literal
 from aiohttp import web
 from multidict import CIMultiDict
 
-from llmproxy.proxy.bench.fake_shapes import Shape, dumps, error_body, info_routes, json_response, shape_for, token_count
+from llmproxy.proxy.bench.fake_shapes import (
+    Shape, dumps, error_body, indexed, info_routes, json_response, shape_for, token_count,
+)
 
 Kind = Literal["llamacpp", "openai", "ollama"]
 FailMode = Literal[None, "reset_mid_stream", "hang_before_headers", "hang_mid_body", "malformed"]
@@ -105,6 +113,7 @@ class FakeUpstream:
         self.aborted: list[int] = []
         self.completed: list[int] = []
         self.failed: list[int] = []  # ids the fake itself broke off (reset_mid_stream)
+        self.deferred: list[int] = []  # generations that found no slot free for them on arrival
         self.concurrent = 0
         self.max_concurrent = 0
         self._slots = [_Slot() for _ in range(slots)]
@@ -158,6 +167,7 @@ class FakeUpstream:
             "completed": self.completed,
             "aborted": self.aborted,
             "failed": self.failed,
+            "deferred": self.deferred,
             "concurrent": self.concurrent,
             "max_concurrent": self.max_concurrent,
             "slot_busy": self.slot_busy,
@@ -214,64 +224,81 @@ class FakeUpstream:
         return handler()
 
     # ----------------------------------------------------------------- generations
+    def _completions(self, body: dict[str, Any]) -> int:
+        """``n_cmpl`` (else ``n``) of a llama-server request when a positive int, else 1."""
+        value = body.get("n_cmpl", body.get("n")) if self.kind == "llamacpp" else None
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
+
     async def _generation(self, request: web.Request, rec: Received, body: dict[str, Any], shape: Shape) -> web.StreamResponse:
         script = self.script(rec.path, body)
+        k = self._completions(body)
+        if k > len(self._slots):
+            msg = "n_cmpl cannot be greater than the number of slots, please increase -np"  # llama-server's
+            return json_response(error_body(msg, "invalid_request_error", 400), 400)
         if not 200 <= script.status < 300:
             self.completed.append(rec.id)
             self._notify()
             return json_response(error_body(f"scripted error {script.status}", "server_error", script.status), script.status)
-        self.concurrent += 1
+        self.concurrent += k
         self.max_concurrent = max(self.max_concurrent, self.concurrent)
         self._notify()
-        slot: int | None = None
+        slots: tuple[int, ...] = ()
         try:
-            slot = await self._take_slot(body.get("id_slot"), rec.id)
-            return await self._respond(request, rec, body, shape, script, slot)
+            slots = await self._take_slots(body.get("id_slot"), k, rec.id)
+            return await self._respond(request, rec, body, shape, script, slots)
         except (asyncio.CancelledError, ConnectionError):
             self.aborted.append(rec.id)
             self._notify()
-            if slot is not None and self.abort_linger_s > 0:
-                self._spawn(self._linger(slot))
-                slot = -1  # the linger task frees it
+            if slots and self.abort_linger_s > 0:
+                self._spawn(self._linger(slots, k))
+                k = 0  # the linger task frees them
             raise
         finally:
-            if slot != -1:
-                self._free(slot)
+            if k:
+                self._free(slots, k)
 
-    async def _take_slot(self, want: Any, task_id: int) -> int:
-        """Wait for slot ``want`` (or any slot when absent or < 0), mark it busy, return it."""
+    async def _take_slots(self, want: Any, k: int, task_id: int) -> tuple[int, ...]:
+        """Wait until slot ``want`` (or any slot when absent or < 0) and k - 1 others are idle
+        (all at once, as llama-server launches a request with its extra completions), mark
+        them busy and return them, the first one ``want``'s."""
         wanted = want if isinstance(want, int) and 0 <= want < len(self._slots) else None
 
-        def free() -> int | None:
+        def free() -> tuple[int, ...] | None:
+            idle = [i for i, s in enumerate(self._slots) if not s.busy]
             if wanted is not None:
-                return wanted if not self._slots[wanted].busy else None
-            return next((i for i, s in enumerate(self._slots) if not s.busy), None)
+                if wanted not in idle:
+                    return None
+                idle.remove(wanted)
+                idle.insert(0, wanted)
+            return tuple(idle[:k]) if len(idle) >= k else None
 
-        i = free()
-        if i is None:
+        got = free()
+        if got is None:
+            self.deferred.append(task_id)
             self._waiters += 1
             try:
                 async with self._cond:
                     await self._cond.wait_for(lambda: free() is not None)
             finally:
                 self._waiters -= 1
-            i = free()
-            assert i is not None
-        self._slots[i] = _Slot(busy=True, id_task=task_id)
+            got = free()
+            assert got is not None
+        for i in got:
+            self._slots[i] = _Slot(busy=True, id_task=task_id)
         self._notify()
-        return i
+        return got
 
-    def _free(self, slot: int | None) -> None:
-        """End a generation now (synchronously): free its slot, drop it from ``concurrent``."""
-        if slot is not None:
-            self._slots[slot] = _Slot()
-        self.concurrent -= 1
+    def _free(self, slots: tuple[int, ...], k: int) -> None:
+        """End a generation now (synchronously): free its slots, drop its k from ``concurrent``."""
+        for i in slots:
+            self._slots[i] = _Slot()
+        self.concurrent -= k
         self._notify()
 
-    async def _linger(self, slot: int) -> None:
-        """After an abort, keep the slot busy ``abort_linger_s`` (cancelled by ``stop()``)."""
+    async def _linger(self, slots: tuple[int, ...], k: int) -> None:
+        """After an abort, keep the slots busy ``abort_linger_s`` (cancelled by ``stop()``)."""
         await asyncio.sleep(self.abort_linger_s)
-        self._free(slot)
+        self._free(slots, k)
 
     def _notify(self) -> None:
         """Publish a state change to ``wait_for``/slot waiters (state is mutated synchronously).
@@ -291,7 +318,7 @@ class FakeUpstream:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _tick(self, script: Script, slot: int, due: float) -> None:
+    async def _tick(self, script: Script, slots: tuple[int, ...], due: float) -> None:
         """Decode one token: wait until ``due`` (loop time), the token's place on the schedule.
 
         Tokens are paced against the generation's start, not by relative sleeps, so timer
@@ -299,13 +326,15 @@ class FakeUpstream:
         wake-up, however busy the machine (relative sleeps made it drift by +-2 ms of 80).
         """
         await asyncio.sleep(max(0.0, due - asyncio.get_running_loop().time()))
-        self._slots[slot].n_decoded += 1
+        for i in slots:
+            self._slots[i].n_decoded += 1
 
     async def _hang(self) -> None:
         await self._stopping.wait()
 
     async def _respond(
-        self, request: web.Request, rec: Received, body: dict[str, Any], shape: Shape, script: Script, slot: int
+        self, request: web.Request, rec: Received, body: dict[str, Any], shape: Shape, script: Script,
+        slots: tuple[int, ...],
     ) -> web.StreamResponse:
         n = token_count(script.tokens, body)
         stream = shape.wants_stream(body)
@@ -318,20 +347,20 @@ class FakeUpstream:
             resp.content_type = shape.stream_type
             await resp.prepare(request)
             for i in range(n):
-                await self._tick(script, slot, start + (i + 1) * delay)
+                await self._tick(script, slots, start + (i + 1) * delay)
                 if script.fail == "reset_mid_stream" and i == max(1, n // 2):
                     return self._reset(request, rec, resp)
-                await resp.write(shape.frame(shape.chunk(i, rec.id, slot)))
+                await resp.write(b"".join(shape.frame(indexed(shape.chunk(i, rec.id, s), j)) for j, s in enumerate(slots)))
                 if i == 0 and script.fail == "malformed":
                     await resp.write(b'data: {"content":"t1 ",\n\n' if shape.stream_type != "application/x-ndjson" else b'{"response":\n')
                 if i == 0 and script.fail == "hang_mid_body":
                     await self._hang()
                     return self._cut(request, resp)
-            await resp.write(b"".join(shape.frame(obj) for obj in shape.final(n, rec.id, slot)))
+            await resp.write(b"".join(shape.frame(obj) for obj in shape.final(n, rec.id, slots)))
         else:
             for i in range(n):
-                await self._tick(script, slot, start + (i + 1) * delay)
-            payload = dumps(shape.whole(n, rec.id, slot)).encode()
+                await self._tick(script, slots, start + (i + 1) * delay)
+            payload = dumps(shape.whole_all(n, rec.id, slots)).encode()
             if script.fail == "malformed":
                 payload = payload[: len(payload) // 2]
             resp.content_type = "application/json"
