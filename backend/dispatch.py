@@ -38,7 +38,7 @@ from llmproxy.backend.settings import WORKER_JOIN_S
 from llmproxy.backend.supervisor import Supervisor, WorkerHandle
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
+    from collections.abc import AsyncIterator, Sequence
 
     from llmproxy.backend.settings import BackendSettings
 
@@ -220,25 +220,34 @@ class Dispatcher:
     def any_ready(self) -> bool:
         return any(w.ready for w in self.workers)
 
-    def _pick(self, id_slot: int) -> Slot | None:
+    def _pick(self, id_slot: int, count: int) -> list[Slot] | None:
+        """``count`` free slots, ``id_slot``'s (or the lowest free) first, then the lowest
+        other free ones (llama-server's choice for a request's extra completions); None
+        unless all are free."""
+        free = [s for s in self.slots if not s.busy and s.worker.ready]  # in id order
         if id_slot >= 0:
-            s = self.slots[id_slot]
-            return s if (not s.busy and s.worker.ready) else None
-        free = [s for s in self.slots if not s.busy and s.worker.ready]
-        return min(free, key=lambda s: s.id) if free else None
+            first = self.slots[id_slot]
+            if first.busy or not first.worker.ready:
+                return None
+            free = [first, *(s for s in free if s is not first)]
+        return free[:count] if len(free) >= count else None
 
-    async def acquire(self, id_slot: int = -1) -> Slot:
-        """A free slot (``id_slot`` or any); waits while all candidates are busy."""
+    async def acquire(self, id_slot: int = -1, count: int = 1) -> list[Slot]:
+        """``count`` free slots at once (``id_slot``'s first, see ``_pick``); waits while they
+        are not all free. Returns without suspending when they are, so a caller that submits
+        right after gets exactly these slots."""
         if id_slot >= len(self.slots):
             raise ValueError(f"id_slot {id_slot} out of range (total_slots={len(self.slots)})")
+        if not 1 <= count <= len(self.slots):
+            raise ValueError(f"count {count} out of range (total_slots={len(self.slots)})")
         while True:
             if id_slot >= 0 and not self.slots[id_slot].worker.ready:
                 raise Unavailable(self._unavailable_message())
             if id_slot < 0 and not self.any_ready():
                 raise Unavailable(self._unavailable_message())
-            slot = self._pick(id_slot)
-            if slot is not None:
-                return slot
+            slots = self._pick(id_slot, count)
+            if slots is not None:
+                return slots
             changed = self._changed
             assert changed is not None
             await changed.wait()
@@ -266,8 +275,14 @@ class Dispatcher:
         return req
 
     async def start_request(self, prompt: Prompt, params: SamplingParams, id_slot: int = -1) -> Request:
-        slot = await self.acquire(id_slot)
+        [slot] = await self.acquire(id_slot)
         return self.submit(slot, prompt, params)
+
+    async def start_requests(self, prompt: Prompt, params: Sequence[SamplingParams], id_slot: int = -1) -> list[Request]:
+        """One request per ``params`` on as many slots, started together once all are free
+        (llama-server's ``n_cmpl``): ``id_slot``'s slot runs the first."""
+        slots = await self.acquire(id_slot, len(params))
+        return [self.submit(slot, prompt, p) for slot, p in zip(slots, params, strict=True)]
 
     def cancel(self, req: Request) -> None:
         """Ask the worker to stop (between tokens). The slot stays busy until it answers."""

@@ -33,19 +33,23 @@ FINISH = {"eos": "stop", "word": "stop", "limit": "length", "time": "length", "c
 class Gen:
     """Runs one request; tracks the text and final event for the response builders."""
 
-    def __init__(self, request: web.Request, prompt: Prompt, params: SamplingParams, id_slot: int) -> None:
+    def __init__(
+        self, request: web.Request, prompt: Prompt, params: SamplingParams, id_slot: int, req: Request | None = None
+    ) -> None:
+        """``req``: a request already started on its slot (``Dispatcher.start_requests``)."""
         self.http = request
         self.dispatcher = request.app[DISPATCHER]
         self.prompt = prompt
         self.params = params
         self.id_slot = id_slot
-        self.req: Request | None = None
+        self.req: Request | None = req
         self.content: list[str] = []
         self.done: Done | None = None
         self.failed: Failed | None = None
 
     async def __aenter__(self) -> Gen:
-        self.req = await self.dispatcher.start_request(self.prompt, self.params, self.id_slot)
+        if self.req is None:
+            self.req = await self.dispatcher.start_request(self.prompt, self.params, self.id_slot)
         return self
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

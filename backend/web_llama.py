@@ -4,20 +4,23 @@ Response shapes follow llama-server: a non-streamed request gets one JSON object
 ``content``, ``stop_type``, ``timings`` and the ``generation_settings``; a streamed one
 gets SSE events with one ``content`` piece each and then the same final object (empty
 ``content``). ``n_cmpl`` > 1 (llama.vscode; up to the slot count, as in llama-server)
-gets a JSON array of that many final objects (``index`` 0..n-1), generated one after the
-other on the request's slot, so the proxy's one permit still covers one slot; not
-streamed. A stream that fails before its first token gets a plain JSON error with the
+gets a JSON array of that many final objects (``index`` 0..n-1), generated at once on that
+many slots, as llama-server does: the request's ``id_slot`` (or the lowest free slot) runs
+the first, the lowest other free slots the rest, all started together once all are free
+(the proxy holds one permit per slot and grants the same slots); not streamed. A stream that fails before its first token gets a plain JSON error with the
 right status; after the first token, an SSE event ``data: {"error": {...}}``.
 Cancellation is ``Gen``'s (web_gen.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
-from llmproxy.backend.protocol import Done, Prompt, SamplingParams, Token
+from llmproxy.backend.protocol import Done, Failed, Prompt, SamplingParams, Token
 from llmproxy.backend.web_context import DISPATCHER, alias
 from llmproxy.backend.web_errors import BadRequest, failed_response, json_response
 from llmproxy.backend.web_gen import STOP_TYPE, Gen, collect, gen_settings, stream_sse, timings
@@ -89,16 +92,31 @@ async def _run_llama(request: web.Request, body: dict[str, Any], prompt: Prompt)
 
 
 async def _several(request: web.Request, prompt: Prompt, params: SamplingParams, slot: int, count: int) -> web.Response:
-    """``count`` completions of one prompt in turn (a fixed seed advances by one for each)."""
-    results = []
-    for i in range(count):
-        p = params if params.seed is None or params.seed < 0 else replace(params, seed=params.seed + i)
-        async with Gen(request, prompt, p, slot) as g:
-            failed = await collect(g)
-            if failed:
-                return failed_response(failed)
-            results.append({**_final_llama(request.app, g, "".join(g.content)), "index": i})
-    return json_response(results)
+    """``count`` completions of one prompt at once on ``count`` slots (a fixed seed advances
+    by one for each). Each runs in its own ``Gen``; a client that leaves cancels them all
+    (the handler's cancellation reaches every ``Gen`` through the exit stack), and one that
+    fails stops the others, as in llama-server: the answer is that failure."""
+    dispatcher = request.app[DISPATCHER]
+    each = [params if params.seed is None or params.seed < 0 else replace(params, seed=params.seed + i) for i in range(count)]
+    reqs = await dispatcher.start_requests(prompt, each, slot)
+    gens = [Gen(request, prompt, p, r.slot.id, req=r) for p, r in zip(each, reqs, strict=True)]
+
+    async def run(g: Gen) -> Failed | None:
+        failed = await collect(g)
+        if failed is not None:
+            for r in reqs:
+                dispatcher.cancel(r)  # a no-op for those already finished
+        return failed
+
+    async with contextlib.AsyncExitStack() as stack:
+        for g in gens:
+            await stack.enter_async_context(g)
+        async with asyncio.TaskGroup() as tg:
+            runs = [tg.create_task(run(g)) for g in gens]
+    failed = next((f for f in (r.result() for r in runs) if f is not None), None)
+    if failed:
+        return failed_response(failed)
+    return json_response([{**_final_llama(request.app, g, "".join(g.content)), "index": i} for i, g in enumerate(gens)])
 
 
 async def completion(request: web.Request) -> web.StreamResponse:

@@ -13,6 +13,8 @@ import aiohttp
 import pytest
 from backend_helpers import LONG, kill_worker_mid_stream, parallel_flags, processes_in, wait_until
 
+from tests.conftest import run_proxy
+
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +77,59 @@ def two_slots(engine: str, start_backend: Any) -> Any:
     return start_backend(engine, *parallel_flags(engine, 2))
 
 
+async def test_n_cmpl_runs_its_completions_at_once_and_a_client_leaving_stops_them(two_slots: Any) -> None:
+    req = {**LONG, "n_predict": 200, "stream": False, "n_cmpl": 2}
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.ensure_future(s.post(two_slots.url + "/completion", json=req))
+        t_end = time.monotonic() + 30
+        while True:
+            async with s.get(two_slots.url + "/slots") as r:
+                sl = await r.json()
+            if all(x["is_processing"] and x["n_decoded"] > 0 for x in sl):
+                break  # both completions decoding at the same time
+            assert time.monotonic() < t_end and not task.done(), sl
+            await asyncio.sleep(0.01)
+        task.cancel()  # the client leaves
+        await asyncio.gather(task, return_exceptions=True)
+        t_end = time.monotonic() + 30
+        while True:
+            async with s.get(two_slots.url + "/slots") as r:
+                sl = await r.json()
+            if not any(x["is_processing"] for x in sl):
+                break
+            assert time.monotonic() < t_end, sl
+            await asyncio.sleep(0.01)
+        assert all(x["n_decoded"] < 200 for x in sl), sl  # stopped, not run to the end
+    assert two_slots.post("/completion", {"prompt": "Hi", "n_predict": 2})[0] == 200
+
+
+async def test_n_cmpl_through_the_proxy_runs_on_the_slots_the_gate_granted(two_slots: Any) -> None:
+    """Proxy + real backend: a two-slot request waits in the proxy's queue for both permits
+    (not in the backend's), then runs on exactly the two slots the gate granted."""
+    async with run_proxy(two_slots.url) as px, aiohttp.ClientSession() as s:
+        assert px.state.gate.capacity == 2
+
+        async def post(session: str, **extra: Any) -> tuple[int, Any]:
+            async with s.post(px.url + "/completion", json={"prompt": "x =", "n_predict": 8, **extra},
+                              headers={"X-LLMProxy-Session": session}) as r:
+                return r.status, await r.json()
+
+        long = asyncio.ensure_future(post("a", n_predict=120, ignore_eos=True))
+        t_end = time.monotonic() + 30
+        while not px.state.gate.inflight:
+            assert time.monotonic() < t_end
+            await asyncio.sleep(0.01)
+        wide = asyncio.ensure_future(post("b", n_cmpl=2))
+        while not px.state.gate.queued:
+            assert time.monotonic() < t_end and not wide.done()
+            await asyncio.sleep(0.01)
+        assert [x["is_processing"] for x in two_slots.slots()].count(True) == 1  # waits in the proxy
+        (status_a, a), (status_b, b) = await asyncio.gather(long, wide)
+        assert status_a == 200 and status_b == 200, (a, b)
+        assert a["id_slot"] == 0 and [c["id_slot"] for c in b] == [0, 1]  # the injected id_slot's first
+        assert px.state.gate.free == 2
+
+
 async def test_parallel_slots_run_at_once(two_slots: Any) -> None:
     assert [s["id"] for s in two_slots.slots()] == [0, 1]
     req = {**LONG, "n_predict": 200, "stream": False}
@@ -134,11 +189,16 @@ def test_stop_right_after_a_worker_death(engine: str, start_backend: Any, tmp_pa
 
 def test_n_cmpl_gives_an_array_of_completions(two_slots: Any) -> None:
     """llama.vscode's ``n_cmpl``: that many completions of the prompt as a JSON array
-    (llama-server's shape), 1 still a single object, more than the slots a 400."""
+    (llama-server's shape), each on its own slot as llama-server places them (``id_slot``'s
+    first, then the lowest other free one), 1 still a single object, more than the slots a 400."""
     req = {"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n", "n_predict": 6, "seed": 7, "temperature": 0.8}
     status, body = two_slots.post("/infill", {**req, "n_cmpl": 2})
     assert status == 200, body
     assert isinstance(body, list) and [r["index"] for r in body] == [0, 1]
+    assert [r["id_slot"] for r in body] == [0, 1]
+    status, pinned = two_slots.post("/infill", {**req, "n_cmpl": 2, "id_slot": 1})
+    assert status == 200 and [r["id_slot"] for r in pinned] == [1, 0], pinned
+    assert [r["generation_settings"]["seed"] for r in pinned] == [7, 8]
     assert all(r["stop"] is True and isinstance(r["content"], str) and r["tokens_predicted"] >= 1 for r in body)
     assert [r["generation_settings"]["seed"] for r in body] == [7, 8]
     status, one = two_slots.post("/infill", {**req, "n_cmpl": 1})
