@@ -245,6 +245,8 @@ class Dispatcher:
                 raise Unavailable(self._unavailable_message())
             if id_slot < 0 and not self.any_ready():
                 raise Unavailable(self._unavailable_message())
+            if count > 1 and sum(s.worker.ready for s in self.slots) < count:
+                raise Unavailable(self._unavailable_message())  # not enough live slots for them all
             slots = self._pick(id_slot, count)
             if slots is not None:
                 return slots

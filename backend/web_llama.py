@@ -111,6 +111,8 @@ async def _several(request: web.Request, prompt: Prompt, params: SamplingParams,
     async with contextlib.AsyncExitStack() as stack:
         for g in gens:
             await stack.enter_async_context(g)
+        # unwound first: on any early exit every request is told to stop before any Gen waits
+        stack.callback(lambda: [dispatcher.cancel(r) for r in reqs])
         async with asyncio.TaskGroup() as tg:
             runs = [tg.create_task(run(g)) for g in gens]
     failed = next((f for f in (r.result() for r in runs) if f is not None), None)

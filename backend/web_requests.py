@@ -90,11 +90,15 @@ def id_slot(body: dict[str, Any], dispatcher: Dispatcher) -> int:
 
 
 def n_cmpl(body: dict[str, Any], dispatcher: Dispatcher) -> int:
-    """Completions wanted for the prompt: 1 to the slot count, as llama-server allows."""
-    v = body.get("n_cmpl", 1)
+    """Completions wanted for the prompt: 1 to the slot count, as llama-server allows.
+
+    ``n`` is its alias (OpenAI's name; llama-server reads ``n_cmpl`` first, then ``n``)."""
+    key = "n_cmpl" if body.get("n_cmpl") is not None else "n"
+    v = body.get(key)
+    v = 1 if v is None else v
     total = len(dispatcher.slots)
     if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= total:
-        raise BadRequest(f"'n_cmpl' must be an integer from 1 to {total} (total_slots)")
+        raise BadRequest(f"'{key}' must be an integer from 1 to {total} (total_slots)")
     return v
 
 

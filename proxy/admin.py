@@ -43,7 +43,7 @@ async def status(request: web.Request) -> web.Response:
     ]
     return web.json_response(
         {
-            "permits": {"total": gate.capacity, "free": gate.free, "held": gate.inflight},
+            "permits": {"total": gate.capacity, "free": gate.free, "held": gate.held},
             "queue": {"depth": gate.queued, "max": gate.max_queue, "requests": queued},
             "inflight": inflight,
             "upstream": st.adapter.describe(),

@@ -83,11 +83,17 @@ class Gate:
         return len(self._free)
 
     @property
+    def held(self) -> int:
+        """Permits held (a request on several slots holds several)."""
+        return self.capacity - len(self._free)
+
+    @property
     def queued(self) -> int:
         return len(self._queue)
 
     @property
     def inflight(self) -> int:
+        """Requests holding permits (granted, running or being stopped)."""
         return len(self._inflight)
 
     def queue_snapshot(self) -> list[Ticket]:

@@ -17,7 +17,7 @@ import structlog
 from aiohttp import web
 
 from llmproxy.proxy.bodies import parse_json_object, read_body
-from llmproxy.proxy.errors import BadRequest, ProxyError, QueueTimeout
+from llmproxy.proxy.errors import ProxyError, QueueTimeout
 from llmproxy.proxy.gate import Ticket
 from llmproxy.proxy.headers import request_headers
 from llmproxy.proxy.jobs import UpstreamJob, UpstreamRequest
@@ -46,13 +46,9 @@ async def gated(request: web.Request) -> web.StreamResponse:
         body=parsed,
     )
     supersedable = s.supersede and request.path in s.supersede_routes and not is_warmup(parsed)
-    permits = st.adapter.permits(request.path, parsed)
+    rec.permits = permits = st.adapter.permits(request.path, parsed)
     if permits > st.gate.capacity:
-        raise BadRequest(
-            f"n_cmpl={permits} runs on {permits} slots at once; llmproxy's capacity is {st.gate.capacity}"
-            " (--capacity, at most the upstream's slots)"
-        )
-    rec.permits = permits
+        raise st.adapter.too_many(permits, st.gate.capacity, parsed)
     probe = st.breaker.admit()  # raises UpstreamUnavailable (503) while the breaker is open
     try:
         ticket = st.gate.submit(rec.session, supersedable=supersedable, route=request.path, permits=permits)

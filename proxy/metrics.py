@@ -48,7 +48,9 @@ class Metrics:
             "llmproxy_confirm_timeouts", "Stop confirmations that timed out (permit released unconfirmed)", registry=r
         )
         self.queue_depth = Gauge("llmproxy_queue_depth", "Requests waiting for a permit", registry=r)
-        self.inflight = Gauge("llmproxy_inflight", "Permits held (requests at the upstream)", registry=r)
+        self.inflight = Gauge(
+            "llmproxy_inflight", "Requests holding permits (at the upstream or being stopped)", registry=r
+        )
         self.permits_free = Gauge("llmproxy_permits_free", "Free permits", registry=r)
         self.permits_total = Gauge("llmproxy_permits_total", "Gate capacity", registry=r)
         self.breaker_state = Gauge(

@@ -226,8 +226,10 @@ async def test_n_cmpl_holds_one_permit_per_slot_it_runs_on(http: aiohttp.ClientS
     """llama.vscode's ``n_cmpl: 2`` runs on two llama-server slots at once: it must hold two
     permits, so that the upstream never has to defer a request the gate let through (its
     queue is unbounded and blind to supersede) and never runs more than N generations."""
-    script = lambda _p, _b: Script(tokens=6, token_delay_s=0.02)  # noqa: E731
+    holds = {0: asyncio.Event(), 1: asyncio.Event()}  # the first two generations run until released
+    script = lambda _p, b: Script(tokens=6, token_delay_s=0.001, hold=holds.get(b["seq"]))  # noqa: E731
     async with FakeUpstream(slots=2, script=script) as fake, run_proxy(fake.url) as px:
+        gate = px.state.gate
         with structlog.testing.capture_logs() as logs:
 
             async def post(seq: int, session: str, **extra: Any) -> tuple[int, Any]:
@@ -237,40 +239,73 @@ async def test_n_cmpl_holds_one_permit_per_slot_it_runs_on(http: aiohttp.ClientS
                     return r.status, await r.json()
 
             first = asyncio.create_task(post(0, "a"))
-            await fake.wait_for(lambda f: len(f.generations) == 1)
+            await fake.wait_for(lambda f: f.slot_busy == [True, False])
             wide = asyncio.create_task(post(1, "b", n_cmpl=2))
-            await wait_until(lambda: px.state.gate.queued == 1, what="the wide request queued")
+            await wait_until(lambda: gate.queued == 1, what="the wide request queued")
             third = asyncio.create_task(post(2, "c"))
-            await wait_until(lambda: px.state.gate.queued == 2, what="the third request queued behind it")
-            assert px.state.gate.free == 1  # free, but the wide request needs two and is first in line
-            await fake.wait_for(lambda f: len(f.generations) == 2)
+            await wait_until(lambda: gate.queued == 2, what="the third request queued behind it")
+            assert gate.free == 1 and gate.held == 1  # free, but the wide request needs two and is first
+            holds[0].set()
+            await fake.wait_for(lambda f: len(f.generations) == 2 and f.slot_busy == [True, True])
             async with http.get(px.url + "/llmproxy/status") as r:
-                [running] = (await r.json())["inflight"]
-            assert sorted(running["slots"]) == [0, 1]
+                status = await r.json()
+            assert status["permits"] == {"total": 2, "free": 0, "held": 2} and gate.queued == 1
+            [running] = status["inflight"]
+            assert running["slots"] == [0, 1]
+            holds[1].set()
             results = await asyncio.gather(first, wide, third)
-            await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
-            await wait_until(lambda: len(request_events(logs)) == 3, what="three canonical log lines")
+            await asyncio.wait_for(gate.wait_quiescent(), 5)
+            px.flush_log()
+            assert {"n0", "n1", "n2"} <= request_events(logs).keys()
 
         assert [s for s, _ in results] == [200, 200, 200]
-        assert [c["index"] for c in results[1][1]] == [0, 1]
+        assert [(c["index"], c["id_slot"]) for c in results[1][1]] == [(0, 0), (1, 1)]
         assert fake.deferred == [] and fake.max_concurrent == 2
         assert [g.body["seq"] for g in fake.generations] == [0, 1, 2]  # FIFO: nobody overtook the wide one
-        assert fake.generations[1].body["id_slot"] == running["slot"] == running["slots"][0]
+        assert fake.generations[1].body["id_slot"] == running["slot"] == 0
         events = request_events(logs)
         assert events["n1"]["permits"] == 2 and "permits" not in events["n0"]
-        assert px.state.gate.free == 2
+        assert gate.free == 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "permits"),
+    [({"n_cmpl": 2}, 2), ({"n": 2}, 2), ({"n_cmpl": None, "n": 2}, 2), ({"n_cmpl": "x", "n": 2}, 2),
+     ({"n_cmpl": 2.7}, 2), ({"n_cmpl": 1, "n": 2}, 1), ({"n_cmpl": True}, 1), ({"n_cmpl": 0}, 1), ({}, 1)],
+)
+async def test_n_cmpl_is_read_as_llama_server_reads_it(http: aiohttp.ClientSession, extra: dict[str, Any],
+                                                       permits: int) -> None:
+    """``json_value(data, "n_cmpl", json_value(data, "n", 1))``: whatever makes the server run
+    k completions makes the proxy hold k permits; the fake upstream runs them on k slots."""
+    hold = asyncio.Event()
+    async with FakeUpstream(slots=2, script=lambda _p, _b: Script(tokens=1, hold=hold)) as fake, \
+            run_proxy(fake.url) as px:
+        task = asyncio.create_task(http.post(px.url + "/completion", json={"prompt": "x", **extra}))
+        await fake.wait_for(lambda f: len(f.generations) == 1)
+        assert px.state.gate.held == permits and fake.slot_busy.count(True) == permits
+        hold.set()
+        async with await task as r:
+            assert r.status == 200
+        assert fake.deferred == []
 
 
 async def test_n_cmpl_over_capacity_is_refused_before_the_upstream(http: aiohttp.ClientSession) -> None:
     async with FakeUpstream(slots=2) as fake, run_proxy(fake.url) as px:
-        for path, body in (("/infill", {"input_prefix": "x", "n_cmpl": 3}), ("/v1/completions", {"prompt": "x", "n": 3})):
+        for path, body, field in (("/infill", {"input_prefix": "x", "n_cmpl": 3}, "n_cmpl"),
+                                  ("/v1/completions", {"prompt": "x", "n": 3}, "n")):
             async with http.post(px.url + path, json=body) as r:
                 assert r.status == 400, path
                 err = (await r.json())["error"]
-            assert err["type"] == "invalid_request_error" and "n_cmpl=3" in err["message"] and "capacity is 2" in err["message"]
+            assert err["type"] == "invalid_request_error"
+            assert err["message"].startswith(f"'{field}' = 3 needs 3 slots at once, llmproxy has 2: "), err
         async with http.post(px.url + "/infill", json={"input_prefix": "x", "n_cmpl": 2, "n_predict": 2}) as r:
             assert r.status == 200 and len(await r.json()) == 2
         assert len(fake.generations) == 1 and px.state.gate.free == 2
+    async with FakeUpstream(slots=2) as fake, run_proxy(fake.url, capacity=1) as px:
+        async with http.post(px.url + "/infill", json={"input_prefix": "x", "n_cmpl": 2}) as r:
+            assert r.status == 400
+            assert "--capacity is below the upstream's 2 slots" in (await r.json())["error"]["message"]
+        assert fake.generations == []
 
 
 async def test_cancelled_n_cmpl_holds_its_permits_until_every_slot_is_idle(http: aiohttp.ClientSession) -> None:
@@ -293,13 +328,15 @@ async def test_cancelled_n_cmpl_holds_its_permits_until_every_slot_is_idle(http:
 
 
 async def test_stop_confirmation_waits_for_every_slot_of_the_request(http: aiohttp.ClientSession) -> None:
-    script = lambda _p, _b: Script(tokens=30, token_delay_s=0.01)  # noqa: E731
+    hold = asyncio.Event()
+    script = lambda _p, _b: Script(tokens=3, hold=hold)  # noqa: E731
     async with FakeUpstream(slots=2, script=script) as fake, run_proxy(fake.url, confirm_timeout_s=0.1) as px:
         adapter = px.state.adapter
         busy = asyncio.create_task(http.post(fake.url + "/completion", json={"prompt": "x", "id_slot": 1}))
         await fake.wait_for(lambda f: f.slot_busy == [False, True])
         assert await adapter.confirm_stopped((0,)) is True
         assert await adapter.confirm_stopped((0, 1)) is False  # slot 1 still busy: timed out
+        hold.set()
         (await busy).release()
         await fake.wait_for(lambda f: f.slot_busy == [False, False])
         assert await adapter.confirm_stopped((0, 1)) is True

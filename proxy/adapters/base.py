@@ -19,6 +19,7 @@ import aiohttp
 import structlog
 from yarl import URL
 
+from llmproxy.proxy.errors import BadRequest
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream_client import UpstreamClient
 
@@ -47,6 +48,10 @@ class Adapter:
     def permits(self, path: str, parsed: Any) -> int:
         """How many slots a gated request on ``path`` occupies at once (see llamacpp's)."""
         return 1
+
+    def too_many(self, permits: int, capacity: int, parsed: Any) -> BadRequest:
+        """The 400 for a request that needs more permits than the gate has."""
+        return BadRequest(f"the request needs {permits} slots at once; llmproxy has {capacity}")
 
     def confirms(self, path: str) -> bool:
         """Can a stopped request on ``path`` be confirmed (``confirm_stopped``) on this backend?"""

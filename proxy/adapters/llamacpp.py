@@ -11,9 +11,14 @@ cannot confirm and the policies fall back to ``finish``; so do routes that carry
 
 ``n_cmpl`` (alias ``n``; llama.vscode sends it) asks llama-server for that many completions
 of one prompt, run at once on that many slots: the one ``id_slot`` names and, for the
-others, the lowest idle ids. Such a request holds that many permits (``permits``), which
-the gate grants as ``id_slot``'s slot plus the lowest free ones, so the proxy's picture
-and the server's stay the same; a stop is confirmed once all of them are idle.
+others, the lowest idle ids (they cannot be pinned). Such a request holds that many
+permits (``permits``), which the gate grants as ``id_slot``'s slot plus the lowest free
+ones: the slots the server picks, since a free permit is an idle slot. A stop is confirmed
+once all of them are idle. One race remains: if a wide request reaches the server before
+a request granted a lower slot just before it, its extra completion takes that slot and
+the other request waits in the server until it is free. The count of generations still
+never exceeds the permits; only that request is delayed (and, if stopped meanwhile, its
+stop confirmation waits for the slot too).
 """
 
 from __future__ import annotations
@@ -26,9 +31,18 @@ import aiohttp
 
 from llmproxy.proxy.adapters.base import Adapter, log
 from llmproxy.proxy.adapters.body import set_top_level
+from llmproxy.proxy.errors import BadRequest
 from llmproxy.proxy.routes import SLOT_ROUTES
 
 _POLL_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
+
+
+def _json_int(body: dict[str, Any], key: str, default: int) -> int:
+    """nlohmann's ``json_value(body, key, default)`` for an int field (llama-server's reader)."""
+    value = body.get(key)
+    if isinstance(value, (bool, int, float)):
+        return int(value)
+    return default  # absent, null, or a type it cannot convert
 
 
 def slot_busy(entry: dict[str, Any]) -> bool:
@@ -47,16 +61,22 @@ class LlamaCppAdapter(Adapter):
         return raw
 
     def permits(self, path: str, parsed: Any) -> int:
-        """``n_cmpl`` (else ``n``) on a slot route when it is a positive integer, else 1.
-
-        As llama-server reads it: ``n_cmpl`` wins over ``n``. A value it would refuse
-        (0, a string) counts as 1; the server answers that request with its own 400."""
+        """Completions (slots) a request on a slot route asks for, read as llama-server reads
+        it: ``json_value(data, "n_cmpl", json_value(data, "n", 1))``. A missing or null field
+        gives the default; a number is cut to an int (2.7 -> 2, true -> 1); another type
+        gives the default. Below 1 counts as 1 (the server refuses or ignores it)."""
         if path not in SLOT_ROUTES or not isinstance(parsed, dict):
             return 1
-        value = parsed.get("n_cmpl", parsed.get("n"))
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            return 1
-        return value
+        return max(1, _json_int(parsed, "n_cmpl", _json_int(parsed, "n", 1)))
+
+    def too_many(self, permits: int, capacity: int, parsed: Any) -> BadRequest:
+        """The 400 for more completions than the gate's permits, naming the field the client sent."""
+        field = "n_cmpl" if isinstance(parsed, dict) and parsed.get("n_cmpl") is not None else "n"
+        if self.slots is not None and capacity < self.slots:
+            hint = f"--capacity is below the upstream's {self.slots} slots"
+        else:
+            hint = "the upstream has no more (llama-server: raise -np)"
+        return BadRequest(f"'{field}' = {permits} needs {permits} slots at once, llmproxy has {capacity}: {hint}")
 
     def confirms(self, path: str) -> bool:
         """Only where ``id_slot`` pins the request to the permit's slot: llama-server runs an

@@ -14,7 +14,9 @@ Concurrency contract:
   deferred queue) until its slot is idle again. ``id_slot`` >= 0 waits for that slot,
   otherwise the lowest free slot is taken; waiting requests are woken in arrival order
   (a newcomer that finds a slot free takes it at once, as in llama-server). A request that
-  found no slot for it on arrival is recorded in ``deferred``.
+  found no slot for it on arrival is recorded in ``deferred``. A generation gives its slots
+  back right before its last bytes go out, as llama-server releases a slot before it
+  answers. ``Script.hold`` keeps a generation on its slots until the test sets it.
 - ``n_cmpl`` (alias ``n``; llamacpp kind) = k > 1 asks for k completions at once, as
   llama-server runs them: on k slots together (``id_slot``'s, or the lowest idle, plus
   the lowest other idle ones), waiting until all k are idle; it counts k in ``concurrent``.
@@ -65,6 +67,7 @@ class Script:
     token_delay_s: float = 0.005
     status: int = 200
     fail: FailMode = None
+    hold: asyncio.Event | None = None  # once on its slots, generate only after this is set
 
 
 @dataclass(frozen=True)
@@ -225,9 +228,22 @@ class FakeUpstream:
 
     # ----------------------------------------------------------------- generations
     def _completions(self, body: dict[str, Any]) -> int:
-        """``n_cmpl`` (else ``n``) of a llama-server request when a positive int, else 1."""
-        value = body.get("n_cmpl", body.get("n")) if self.kind == "llamacpp" else None
-        return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
+        """Completions (slots) a llama-server request asks for, read as llama-server reads it:
+        ``json_value(data, "n_cmpl", json_value(data, "n", 1))``, where a missing or null
+        field gives the default, a number of the wrong type is cut to an int (2.7 -> 2,
+        true -> 1) and any other type gives the default."""
+        if self.kind != "llamacpp":
+            return 1
+
+        def json_value(key: str, default: int) -> int:
+            v = body.get(key)
+            if v is None:
+                return default
+            if isinstance(v, (bool, int, float)):
+                return int(v)
+            return default
+
+        return max(1, json_value("n_cmpl", json_value("n", 1)))
 
     async def _generation(self, request: web.Request, rec: Received, body: dict[str, Any], shape: Shape) -> web.StreamResponse:
         script = self.script(rec.path, body)
@@ -243,19 +259,27 @@ class FakeUpstream:
         self.max_concurrent = max(self.max_concurrent, self.concurrent)
         self._notify()
         slots: tuple[int, ...] = ()
+        held = True  # its slots (and its k in ``concurrent``) not given back yet
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self._free(slots, k)
+
         try:
             slots = await self._take_slots(body.get("id_slot"), k, rec.id)
-            return await self._respond(request, rec, body, shape, script, slots)
+            return await self._respond(request, rec, body, shape, script, slots, release)
         except (asyncio.CancelledError, ConnectionError):
-            self.aborted.append(rec.id)
-            self._notify()
-            if slots and self.abort_linger_s > 0:
-                self._spawn(self._linger(slots, k))
-                k = 0  # the linger task frees them
+            if held:  # not after the generation completed (a client gone during the last write)
+                self.aborted.append(rec.id)
+                self._notify()
+                if slots and self.abort_linger_s > 0:
+                    held = False  # the linger task frees them
+                    self._spawn(self._linger(slots, k))
             raise
         finally:
-            if k:
-                self._free(slots, k)
+            release()
 
     async def _take_slots(self, want: Any, k: int, task_id: int) -> tuple[int, ...]:
         """Wait until slot ``want`` (or any slot when absent or < 0) and k - 1 others are idle
@@ -334,9 +358,14 @@ class FakeUpstream:
 
     async def _respond(
         self, request: web.Request, rec: Received, body: dict[str, Any], shape: Shape, script: Script,
-        slots: tuple[int, ...],
+        slots: tuple[int, ...], release: Callable[[], None],
     ) -> web.StreamResponse:
+        """Generate and answer; ``release()`` frees the slots right before the last bytes go
+        out, as llama-server releases a slot before its HTTP thread sends the final result
+        (so a client that sends its next request at once never finds the slot still busy)."""
         n = token_count(script.tokens, body)
+        if script.hold is not None:
+            await script.hold.wait()
         stream = shape.wants_stream(body)
         if script.fail == "hang_before_headers":
             await self._hang()
@@ -356,6 +385,8 @@ class FakeUpstream:
                 if i == 0 and script.fail == "hang_mid_body":
                     await self._hang()
                     return self._cut(request, resp)
+            self.completed.append(rec.id)
+            release()
             await resp.write(b"".join(shape.frame(obj) for obj in shape.final(n, rec.id, slots)))
         else:
             for i in range(n):
@@ -372,9 +403,10 @@ class FakeUpstream:
                     return self._reset(request, rec, resp)
                 await self._hang()
                 return self._cut(request, resp)
+            self.completed.append(rec.id)
+            release()
             await resp.write(payload)
         await resp.write_eof()
-        self.completed.append(rec.id)  # published by _free() in _generation's finally
         return resp
 
     def _reset(self, request: web.Request, rec: Received, resp: web.StreamResponse) -> web.StreamResponse:

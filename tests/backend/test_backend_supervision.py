@@ -107,27 +107,31 @@ async def test_n_cmpl_through_the_proxy_runs_on_the_slots_the_gate_granted(two_s
     """Proxy + real backend: a two-slot request waits in the proxy's queue for both permits
     (not in the backend's), then runs on exactly the two slots the gate granted."""
     async with run_proxy(two_slots.url) as px, aiohttp.ClientSession() as s:
-        assert px.state.gate.capacity == 2
+        gate = px.state.gate
+        assert gate.capacity == 2
 
         async def post(session: str, **extra: Any) -> tuple[int, Any]:
             async with s.post(px.url + "/completion", json={"prompt": "x =", "n_predict": 8, **extra},
                               headers={"X-LLMProxy-Session": session}) as r:
                 return r.status, await r.json()
 
-        long = asyncio.ensure_future(post("a", n_predict=120, ignore_eos=True))
+        endless = asyncio.ensure_future(post("a", n_predict=1800, ignore_eos=True))  # until its client leaves
         t_end = time.monotonic() + 30
-        while not px.state.gate.inflight:
-            assert time.monotonic() < t_end
+        while not gate.inflight:
+            assert time.monotonic() < t_end and not endless.done()
             await asyncio.sleep(0.01)
         wide = asyncio.ensure_future(post("b", n_cmpl=2))
-        while not px.state.gate.queued:
+        while not gate.queued:
             assert time.monotonic() < t_end and not wide.done()
             await asyncio.sleep(0.01)
-        assert [x["is_processing"] for x in two_slots.slots()].count(True) == 1  # waits in the proxy
-        (status_a, a), (status_b, b) = await asyncio.gather(long, wide)
-        assert status_a == 200 and status_b == 200, (a, b)
-        assert a["id_slot"] == 0 and [c["id_slot"] for c in b] == [0, 1]  # the injected id_slot's first
-        assert px.state.gate.free == 2
+        assert [x["is_processing"] for x in two_slots.slots()] == [True, False]  # it waits in the proxy
+        endless.cancel()  # its client leaves: the proxy stops it, confirms slot 0 idle, then grants both
+        await asyncio.gather(endless, return_exceptions=True)
+        status, b = await wide
+        assert status == 200 and [c["id_slot"] for c in b] == [0, 1], b  # the injected id_slot's first
+        assert all(c["stop"] for c in b)
+        await asyncio.wait_for(gate.wait_quiescent(), 30)
+        assert gate.free == 2
 
 
 async def test_parallel_slots_run_at_once(two_slots: Any) -> None:
@@ -173,6 +177,22 @@ async def test_id_slot_honoured_and_busy_slot_waits(two_slots: Any) -> None:
     assert first_body["id_slot"] == 1 and short["id_slot"] == 1
 
 
+def test_n_cmpl_with_a_slot_down_is_503_not_a_wait(engine: str, start_backend: Any, tmp_path: Path) -> None:
+    """llama-cpp runs one worker per slot: with one of two restarting, two completions at
+    once cannot start, so the request is answered 503 (like one pinned to a dead slot)
+    instead of waiting through the restart's back-off while its caller holds two permits."""
+    if engine != "llama-cpp":
+        pytest.skip("one worker process per slot: llama-cpp only (torch runs its slots in one)")
+    b = start_backend(engine, *parallel_flags(engine, 2), "--restart-backoff-min-s", "60",
+                      "--restart-backoff-max-s", "60", cwd=tmp_path)
+    os.kill(b.worker_pids()[1], signal.SIGKILL)
+    assert wait_until(lambda: "worker_died" in b.log_tail(), 10), b.log_tail()
+    status, body = b.post("/completion", {"prompt": "x", "n_predict": 2, "n_cmpl": 2, "id_slot": 0}, timeout=20)
+    assert status == 503, body
+    status, body = b.post("/completion", {"prompt": "x", "n_predict": 2, "n": 1, "id_slot": 0})
+    assert status == 200 and isinstance(body, dict), body  # one completion on the live slot still runs
+
+
 @pytest.mark.parametrize("backoff_s", ["5", "0"])
 def test_stop_right_after_a_worker_death(engine: str, start_backend: Any, tmp_path: Path, backoff_s: str) -> None:
     """SIGTERM once a worker's death was handled: its restart ends first (``5``: cancelled in
@@ -206,5 +226,9 @@ def test_n_cmpl_gives_an_array_of_completions(two_slots: Any) -> None:
     for bad in (3, 0, "2"):
         status, err = two_slots.post("/infill", {**req, "n_cmpl": bad})
         assert status == 400 and "n_cmpl" in err["error"]["message"], (bad, err)
+    status, alias = two_slots.post("/infill", {**req, "n": 2})  # llama-server's alias
+    assert status == 200 and [r["index"] for r in alias] == [0, 1], alias
+    status, err = two_slots.post("/infill", {**req, "n": 3})
+    assert status == 400 and "'n'" in err["error"]["message"], err
     status, err = two_slots.post("/completion", {"prompt": "x", "n_cmpl": 2, "stream": True})
     assert status == 400 and "stream" in err["error"]["message"]
