@@ -165,6 +165,21 @@ class Gate:
         ticket.on_supersede = on_supersede
         return ticket.slot
 
+    def settle_extras(self, ticket: Ticket) -> set[int]:
+        """Before a wide ticket's request is sent: its extra slots become the lowest among
+        them and the free ones (a free permit is an idle slot, and llama-server puts extra
+        completions on the lowest idle slots). Returns the slots below its highest extra
+        that other requests hold: each must be busy at the server before the send, or the
+        server, seeing it idle, would put an extra completion there."""
+        if len(ticket.slots) < 2 or ticket.state != "running":
+            return set()
+        pool = sorted([*self._free, *ticket.slots[1:]])
+        extras, self._free = pool[: len(ticket.slots) - 1], pool[len(ticket.slots) - 1 :]
+        ticket.slots = (ticket.slots[0], *extras)
+        top = extras[-1]
+        mine = set(ticket.slots)
+        return {s for t in self._inflight.values() if t is not ticket for s in t.slots if s < top and s not in mine}
+
     def mark_stopping(self, ticket: Ticket) -> None:
         if ticket.state == "running":
             ticket.state = "stopping"

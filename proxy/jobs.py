@@ -179,6 +179,8 @@ class UpstreamJob:
 
     async def _transfer_body(self) -> None:
         rec, req = self.record, self.request
+        if len(self.ticket.slots) > 1:  # n_cmpl: see LlamaCppAdapter.settle
+            await self.adapter.settle(self.gate, self.ticket)
         body = self.adapter.prepare_body(req.path, req.body, rec.parsed_body, self.slot)
         start = time.monotonic()
         ended: float | None = None  # when the upstream body ended (before yielding to the relay)

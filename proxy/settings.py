@@ -81,6 +81,9 @@ class ProxySettings(LayeredSettings):
     )
     confirm_poll_min_s: float = Field(0.005, gt=0, description="First /slots poll interval after a cancel")
     confirm_poll_max_s: float = Field(0.025, gt=0, description="Poll interval cap (backs off from min)")
+    settle_timeout_s: float = Field(
+        1.0, ge=0, description="Longest wait before sending an n_cmpl request until the lower slots other requests hold are busy (llamacpp)"
+    )
     unconfirmed_cancel_hold_s: float = Field(
         1.0, ge=0, description="With policy 'cancel' on an adapter that cannot confirm stops, hold the permit this long"
     )

@@ -223,3 +223,20 @@ async def test_more_permits_than_capacity_is_refused() -> None:
             gate.submit("a", supersedable=False, permits=bad)
     assert gate.queued == 0 and gate.free == 2
     await asyncio.wait_for(gate.wait_quiescent(), 1)
+
+
+async def test_settle_extras_watches_lower_slots_of_others_and_takes_lower_free_ones() -> None:
+    """Before a wide request is sent: slots below its highest extra that others hold must be
+    busy at the server first; one freed meanwhile is swapped in (the server would pick it)."""
+    gate = Gate(3, 5)
+    x = gate.submit("x", supersedable=False)
+    gate.take(x)
+    wide = gate.submit("w", supersedable=False, permits=2)
+    gate.take(wide)
+    assert (x.slots, wide.slots) == ((0,), (1, 2))
+    assert gate.settle_extras(wide) == {0}  # x's slot: idle at the server until x is there
+    gate.release(x)
+    assert gate.settle_extras(wide) == set() and wide.slots == (1, 0) and gate.free == 1
+    gate.release(wide)
+    assert gate.free == 3
+    await asyncio.wait_for(gate.wait_quiescent(), 1)

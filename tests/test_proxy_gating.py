@@ -289,6 +289,37 @@ async def test_n_cmpl_is_read_as_llama_server_reads_it(http: aiohttp.ClientSessi
         assert fake.deferred == []
 
 
+async def test_n_cmpl_waits_for_a_lower_slot_granted_just_before_it_to_be_taken(http: aiohttp.ClientSession) -> None:
+    """Two grants at once: x (a large body, still on its way) gets slot 0, the wide request
+    slots 1 and 2. Sent at once, the small wide request would reach the server first and its
+    extra completion would take slot 0, still idle there, so x would wait in the server's
+    queue. The wide request is sent only once slot 0 is busy with x."""
+    holds = {0: asyncio.Event(), 1: asyncio.Event()}  # x stays on its slot until the wide one is done
+    script = lambda _p, b: Script(tokens=2, token_delay_s=0.001, hold=holds.get(b["seq"]))  # noqa: E731
+    async with FakeUpstream(slots=3, script=script) as fake, run_proxy(fake.url) as px:
+        gate = px.state.gate
+
+        async def post(seq: int, session: str, **extra: Any) -> tuple[int, Any]:
+            async with http.post(px.url + "/completion", json={"prompt": "p", "seq": seq, **extra},
+                                 headers={"X-LLMProxy-Session": session}) as r:
+                return r.status, await r.json()
+
+        first = asyncio.create_task(post(0, "h", n_cmpl=3))  # holds every slot until released
+        await fake.wait_for(lambda f: f.slot_busy == [True, True, True])
+        x = asyncio.create_task(post(1, "x", pad="y" * 900_000))
+        await wait_until(lambda: gate.queued == 1, what="x queued")
+        wide = asyncio.create_task(post(2, "w", n_cmpl=2))
+        await wait_until(lambda: gate.queued == 2, what="the wide request queued")
+        holds[0].set()
+        (s2, bw) = await wide
+        holds[1].set()
+        (s0, _), (s1, bx) = await asyncio.gather(first, x)
+        assert (s0, s1, s2) == (200, 200, 200)
+        assert bx["id_slot"] == 0 and [c["id_slot"] for c in bw] == [1, 2]
+        assert fake.deferred == [] and fake.max_concurrent == 3
+        await asyncio.wait_for(gate.wait_quiescent(), 5)
+
+
 async def test_n_cmpl_over_capacity_is_refused_before_the_upstream(http: aiohttp.ClientSession) -> None:
     async with FakeUpstream(slots=2) as fake, run_proxy(fake.url) as px:
         for path, body, field in (("/infill", {"input_prefix": "x", "n_cmpl": 3}, "n_cmpl"),

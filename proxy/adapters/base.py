@@ -20,6 +20,7 @@ import structlog
 from yarl import URL
 
 from llmproxy.proxy.errors import BadRequest
+from llmproxy.proxy.gate import Gate, Ticket
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream_client import UpstreamClient
 
@@ -52,6 +53,9 @@ class Adapter:
     def too_many(self, permits: int, capacity: int, parsed: Any) -> BadRequest:
         """The 400 for a request that needs more permits than the gate has."""
         return BadRequest(f"the request needs {permits} slots at once; llmproxy has {capacity}")
+
+    async def settle(self, gate: Gate, ticket: Ticket) -> None:
+        """Called before a request holding several permits is sent (see llamacpp's)."""
 
     def confirms(self, path: str) -> bool:
         """Can a stopped request on ``path`` be confirmed (``confirm_stopped``) on this backend?"""

@@ -13,12 +13,12 @@ cannot confirm and the policies fall back to ``finish``; so do routes that carry
 of one prompt, run at once on that many slots: the one ``id_slot`` names and, for the
 others, the lowest idle ids (they cannot be pinned). Such a request holds that many
 permits (``permits``), which the gate grants as ``id_slot``'s slot plus the lowest free
-ones: the slots the server picks, since a free permit is an idle slot. A stop is confirmed
-once all of them are idle. One race remains: if a wide request reaches the server before
-a request granted a lower slot just before it, its extra completion takes that slot and
-the other request waits in the server until it is free. The count of generations still
-never exceeds the permits; only that request is delayed (and, if stopped meanwhile, its
-stop confirmation waits for the slot too).
+ones: the slots the server picks, since a free permit is an idle slot. Before it is sent,
+``settle`` waits until the lower slots other requests hold are busy at the server (one
+granted just before it may still be on its way) and swaps in lower slots freed meanwhile.
+A stop is confirmed once all of its slots are idle. What is left is a narrower race (a
+lower slot freed and granted again between ``settle`` and the arrival): the count of
+generations still never exceeds the permits; only that other request waits in the server.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import aiohttp
 from llmproxy.proxy.adapters.base import Adapter, log
 from llmproxy.proxy.adapters.body import set_top_level
 from llmproxy.proxy.errors import BadRequest
+from llmproxy.proxy.gate import Gate, Ticket
 from llmproxy.proxy.routes import SLOT_ROUTES
 
 _POLL_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
@@ -95,9 +96,9 @@ class LlamaCppAdapter(Adapter):
             log.warning("upstream /slots unavailable: cannot confirm stops, in-flight policy falls back to finish")
         return ok
 
-    async def _slots_state(self, slots: Sequence[int]) -> str:
-        """'busy' (any of ``slots``) | 'idle' (all) | 'down' (connection refused: nothing can
-        run) | 'unknown'."""
+    async def _busy_map(self) -> dict[int, bool] | str:
+        """Slot id -> busy, from one GET /slots; else 'down' (connection refused: nothing
+        can run) or 'unknown'."""
         try:
             async with self.session.get(self.base_url / "slots", timeout=_POLL_TIMEOUT, allow_redirects=False) as resp:
                 if resp.status != 200:
@@ -107,14 +108,47 @@ class LlamaCppAdapter(Adapter):
             return "down"
         except (aiohttp.ClientError, ValueError, TimeoutError):
             return "unknown"
-        busy = {
+        return {
             entry["id"]: slot_busy(entry)
             for entry in (data if isinstance(data, list) else ())
             if isinstance(entry, dict) and isinstance(entry.get("id"), int)
         }
+
+    async def _slots_state(self, slots: Sequence[int]) -> str:
+        """'busy' (any of ``slots``) | 'idle' (all) | 'down' | 'unknown'."""
+        busy = await self._busy_map()
+        if isinstance(busy, str):
+            return busy
         if any(busy.get(slot) for slot in slots):
             return "busy"
         return "idle" if all(slot in busy for slot in slots) else "unknown"
+
+    async def settle(self, gate: Gate, ticket: Ticket) -> None:
+        """Before a request on several slots is sent, make the server's choice of slots for
+        its extra completions (the lowest idle ones) the gate's: take lower free permits in
+        exchange (``Gate.settle_extras``) and wait, polling /slots for at most
+        ``settle_timeout_s``, until every lower slot another request holds is busy at the
+        server. A request granted just before this one but not there yet (a large body still
+        on its way) would otherwise lose its slot to an extra completion and wait in the
+        server's queue. Cancelled with the job (it runs in the job's transfer scope)."""
+        if not self.can_confirm:
+            return
+        s = self.settings
+        interval = s.confirm_poll_min_s
+        try:
+            async with asyncio.timeout(s.settle_timeout_s):
+                while True:
+                    watch = gate.settle_extras(ticket)
+                    if not watch:
+                        return
+                    busy = await self._busy_map()
+                    if isinstance(busy, str) or all(busy.get(slot) for slot in watch):
+                        return
+                    await asyncio.sleep(interval)
+                    interval = min(interval * 2, s.confirm_poll_max_s)
+        except TimeoutError:
+            log.warning("sending a request on several slots before the lower slots held by others "
+                        "were busy: an extra completion may take one of them", slots=list(ticket.slots))
 
     async def confirm_stopped(self, slots: Sequence[int], *, answered: bool = True) -> bool:
         """Poll /slots until every slot in ``slots`` is idle (backing off), bounded by confirm_timeout_s.
