@@ -71,6 +71,7 @@ class Gate:
         self._free: list[int] = list(range(capacity))
         self._queue: list[Ticket] = []
         self._inflight: dict[int, Ticket] = {}  # ticket id -> ticket (granted/running/stopping)
+        self._settling: dict[int, Ticket] = {}  # wide tickets about to be sent (settle_extras)
         self._affinity: OrderedDict[str, int] = OrderedDict()
         self._ids = itertools.count(1)
         self._closed = False
@@ -165,20 +166,34 @@ class Gate:
         ticket.on_supersede = on_supersede
         return ticket.slot
 
-    def settle_extras(self, ticket: Ticket) -> set[int]:
+    def settle_extras(self, ticket: Ticket, pinned: Callable[[Ticket], bool]) -> set[int]:
         """Before a wide ticket's request is sent: its extra slots become the lowest among
         them and the free ones (a free permit is an idle slot, and llama-server puts extra
-        completions on the lowest idle slots). Returns the slots below its highest extra
-        that other requests hold: each must be busy at the server before the send, or the
+        completions on the lowest idle slots), and until ``settled`` it gets the first pick
+        of slots freed meanwhile (so two wide tickets settling at once never wait on each
+        other: the later one's slots are all above the earlier one's extras). Returns the
+        slots below its highest extra that other ``pinned`` requests (those the server runs
+        on their own slot) hold: each must be busy at the server before the send, or the
         server, seeing it idle, would put an extra completion there."""
         if len(ticket.slots) < 2 or ticket.state != "running":
+            self._settling.pop(ticket.id, None)
             return set()
+        self._settling[ticket.id] = ticket
+        self._take_lower_free(ticket)
+        top = max(ticket.slots[1:])
+        mine = set(ticket.slots)
+        return {
+            s for t in self._inflight.values() if t is not ticket and pinned(t) for s in t.slots if s < top and s not in mine
+        }
+
+    def settled(self, ticket: Ticket) -> None:
+        """The settling ticket's request was sent (or given up): its slots are fixed now."""
+        self._settling.pop(ticket.id, None)
+
+    def _take_lower_free(self, ticket: Ticket) -> None:
         pool = sorted([*self._free, *ticket.slots[1:]])
         extras, self._free = pool[: len(ticket.slots) - 1], pool[len(ticket.slots) - 1 :]
         ticket.slots = (ticket.slots[0], *extras)
-        top = extras[-1]
-        mine = set(ticket.slots)
-        return {s for t in self._inflight.values() if t is not ticket for s in t.slots if s < top and s not in mine}
 
     def mark_stopping(self, ticket: Ticket) -> None:
         if ticket.state == "running":
@@ -202,9 +217,12 @@ class Gate:
             return
         assert ticket.slots
         del self._inflight[ticket.id]
+        self._settling.pop(ticket.id, None)
         ticket.state = "done"
         ticket.on_supersede = None
         self._free.extend(ticket.slots)
+        for settling in self._settling.values():  # oldest first: see settle_extras
+            self._take_lower_free(settling)
         self._grant_waiters()
         self._check_idle()
 

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from llmproxy.proxy.errors import QueueFull, ShuttingDown, Superseded
-from llmproxy.proxy.gate import Gate
+from llmproxy.proxy.gate import Gate, Ticket
 
 
 async def test_grants_up_to_capacity_then_queues_fifo() -> None:
@@ -225,6 +225,10 @@ async def test_more_permits_than_capacity_is_refused() -> None:
     await asyncio.wait_for(gate.wait_quiescent(), 1)
 
 
+def pinned(_t: Ticket) -> bool:
+    return True
+
+
 async def test_settle_extras_watches_lower_slots_of_others_and_takes_lower_free_ones() -> None:
     """Before a wide request is sent: slots below its highest extra that others hold must be
     busy at the server first; one freed meanwhile is swapped in (the server would pick it)."""
@@ -234,9 +238,41 @@ async def test_settle_extras_watches_lower_slots_of_others_and_takes_lower_free_
     wide = gate.submit("w", supersedable=False, permits=2)
     gate.take(wide)
     assert (x.slots, wide.slots) == ((0,), (1, 2))
-    assert gate.settle_extras(wide) == {0}  # x's slot: idle at the server until x is there
-    gate.release(x)
-    assert gate.settle_extras(wide) == set() and wide.slots == (1, 0) and gate.free == 1
+    assert gate.settle_extras(wide, pinned) == {0}  # x's slot: idle at the server until x is there
+    assert gate.settle_extras(wide, lambda t: t is not x) == set()  # x not pinned (say, embeddings)
+    gate.release(x)  # while settling, the wide ticket gets the freed lower slot at once
+    assert wide.slots == (1, 0) and gate.free == 1
+    assert gate.settle_extras(wide, pinned) == set()
+    gate.settled(wide)
     gate.release(wide)
     assert gate.free == 3
     await asyncio.wait_for(gate.wait_quiescent(), 1)
+
+
+async def test_two_wide_requests_settling_never_wait_on_each_other() -> None:
+    """A (settling) has first pick of slots freed meanwhile, so B, granted after, gets only
+    slots above A's extras: A waits on nothing of B's, B waits for A's to be busy. (Had B
+    taken the freed slot 0, each would wait for the other's unsent slot to be busy.)"""
+    gate = Gate(4, 5)
+    warm = [gate.submit(f"s{i}", supersedable=False) for i in range(3)] + [gate.submit("a", supersedable=False)]
+    for t in warm:
+        gate.take(t)
+    for t in warm:
+        gate.release(t)  # session "a" last used slot 3
+    c = gate.submit("c", supersedable=False)
+    gate.take(c)
+    a = gate.submit("a", supersedable=False, permits=2)
+    gate.take(a)
+    assert (c.slots, a.slots) == ((0,), (3, 1))
+    assert gate.settle_extras(a, pinned) == {0}  # c not at the server yet
+    b = gate.submit("b", supersedable=False, permits=2)
+    assert not b.future.done()  # one slot free, b needs two
+    gate.release(c)  # slot 0 freed while a settles: a takes it, b gets the rest
+    assert a.slots == (3, 0) and b.future.done() and b.slots == (1, 2)
+    gate.take(b)
+    assert gate.settle_extras(a, pinned) == set()  # a waits on nothing
+    assert gate.settle_extras(b, pinned) == {0}  # b waits for a's extra to be busy
+    for t in (a, b):
+        gate.settled(t)
+        gate.release(t)
+    assert gate.free == 4

@@ -11,6 +11,7 @@ import pytest
 import structlog
 
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
+from llmproxy.proxy.gate import Gate
 from tests.conftest import run_proxy
 from tests.helpers import wait_until
 
@@ -296,7 +297,7 @@ async def test_n_cmpl_waits_for_a_lower_slot_granted_just_before_it_to_be_taken(
     queue. The wide request is sent only once slot 0 is busy with x."""
     holds = {0: asyncio.Event(), 1: asyncio.Event()}  # x stays on its slot until the wide one is done
     script = lambda _p, b: Script(tokens=2, token_delay_s=0.001, hold=holds.get(b["seq"]))  # noqa: E731
-    async with FakeUpstream(slots=3, script=script) as fake, run_proxy(fake.url) as px:
+    async with FakeUpstream(slots=3, script=script) as fake, run_proxy(fake.url, settle_timeout_s=30) as px:
         gate = px.state.gate
 
         async def post(seq: int, session: str, **extra: Any) -> tuple[int, Any]:
@@ -318,6 +319,37 @@ async def test_n_cmpl_waits_for_a_lower_slot_granted_just_before_it_to_be_taken(
         assert bx["id_slot"] == 0 and [c["id_slot"] for c in bw] == [1, 2]
         assert fake.deferred == [] and fake.max_concurrent == 3
         await asyncio.wait_for(gate.wait_quiescent(), 5)
+
+
+async def test_settle_gives_up_loudly_and_is_cancellable(http: aiohttp.ClientSession) -> None:
+    """A lower slot held for a pinned request that never shows busy: the wide request is sent
+    after ``settle_timeout_s`` with a warning; a stop while settling ends it at once; a slot
+    held for a request the server does not pin (embeddings) is not waited for."""
+    async with FakeUpstream(slots=3) as fake, run_proxy(fake.url, settle_timeout_s=0.2) as px:
+        adapter, gate = px.state.adapter, Gate(3, 5)  # a gate of our own: nothing reaches the fake
+        x = gate.submit("x", supersedable=False, route="/completion")
+        gate.take(x)
+        wide = gate.submit("w", supersedable=False, route="/completion", permits=2)
+        gate.take(wide)
+        with structlog.testing.capture_logs() as logs:
+            start = asyncio.get_running_loop().time()
+            await adapter.settle(gate, wide)
+        assert asyncio.get_running_loop().time() - start >= 0.2
+        assert [e["slots"] for e in logs if e["log_level"] == "warning"] == [[1, 2]]
+        polls = sum(r.path == "/slots" for r in fake.received)
+        task = asyncio.create_task(adapter.settle(gate, wide))
+        await fake.wait_for(lambda f: sum(r.path == "/slots" for r in f.received) > polls)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert wide.slots == (1, 2) and gate.settle_extras(wide, lambda _t: True) == {0}
+        gate.settled(wide)
+        gate.release(x)
+        emb = gate.submit("e", supersedable=False, route="/v1/embeddings")
+        gate.take(emb)  # slot 0 again, on any slot at the server: not waited for
+        polls = sum(r.path == "/slots" for r in fake.received)
+        await asyncio.wait_for(adapter.settle(gate, wide), 0.1)
+        assert sum(r.path == "/slots" for r in fake.received) == polls
 
 
 async def test_n_cmpl_over_capacity_is_refused_before_the_upstream(http: aiohttp.ClientSession) -> None:

@@ -42,7 +42,10 @@ def _json_int(body: dict[str, Any], key: str, default: int) -> int:
     """nlohmann's ``json_value(body, key, default)`` for an int field (llama-server's reader)."""
     value = body.get(key)
     if isinstance(value, (bool, int, float)):
-        return int(value)
+        try:
+            return int(value)
+        except (OverflowError, ValueError):  # inf, nan (Python's json reads 1e400, NaN)
+            return default
     return default  # absent, null, or a type it cannot convert
 
 
@@ -127,28 +130,40 @@ class LlamaCppAdapter(Adapter):
         """Before a request on several slots is sent, make the server's choice of slots for
         its extra completions (the lowest idle ones) the gate's: take lower free permits in
         exchange (``Gate.settle_extras``) and wait, polling /slots for at most
-        ``settle_timeout_s``, until every lower slot another request holds is busy at the
-        server. A request granted just before this one but not there yet (a large body still
-        on its way) would otherwise lose its slot to an extra completion and wait in the
-        server's queue. Cancelled with the job (it runs in the job's transfer scope)."""
-        if not self.can_confirm:
-            return
+        ``settle_timeout_s``, until every lower slot another pinned request holds is busy
+        at the server. A request granted just before this one but not there yet (a large
+        body still on its way) would otherwise lose its slot to an extra completion and
+        wait in the server's queue. A poll that finds them busy is trusted only if nothing
+        changed in the gate meanwhile. Cancelled with the job (it runs in the job's
+        transfer scope); a refused connection (server down) ends the wait at once."""
         s = self.settings
-        interval = s.confirm_poll_min_s
+
+        def pinned(t: Ticket) -> bool:
+            return t.route in SLOT_ROUTES
+
         try:
+            watch = gate.settle_extras(ticket, pinned)
+            if not watch or not self.can_confirm or s.settle_timeout_s <= 0:
+                return
+            interval = s.confirm_poll_min_s
             async with asyncio.timeout(s.settle_timeout_s):
                 while True:
-                    watch = gate.settle_extras(ticket)
+                    before = (ticket.slots, watch)
+                    busy = await self._busy_map()
+                    if busy == "down":
+                        return
+                    watch = gate.settle_extras(ticket, pinned)
                     if not watch:
                         return
-                    busy = await self._busy_map()
-                    if isinstance(busy, str) or all(busy.get(slot) for slot in watch):
+                    if isinstance(busy, dict) and all(busy.get(slot) for slot in watch) and (ticket.slots, watch) == before:
                         return
                     await asyncio.sleep(interval)
                     interval = min(interval * 2, s.confirm_poll_max_s)
         except TimeoutError:
             log.warning("sending a request on several slots before the lower slots held by others "
                         "were busy: an extra completion may take one of them", slots=list(ticket.slots))
+        finally:
+            gate.settled(ticket)
 
     async def confirm_stopped(self, slots: Sequence[int], *, answered: bool = True) -> bool:
         """Poll /slots until every slot in ``slots`` is idle (backing off), bounded by confirm_timeout_s.

@@ -240,7 +240,10 @@ class FakeUpstream:
             if v is None:
                 return default
             if isinstance(v, (bool, int, float)):
-                return int(v)
+                try:
+                    return int(v)
+                except (OverflowError, ValueError):  # inf, nan
+                    return default
             return default
 
         return max(1, json_value("n_cmpl", json_value("n", 1)))
