@@ -272,7 +272,8 @@ async def test_n_cmpl_holds_one_permit_per_slot_it_runs_on(http: aiohttp.ClientS
 @pytest.mark.parametrize(
     ("extra", "permits"),
     [({"n_cmpl": 2}, 2), ({"n": 2}, 2), ({"n_cmpl": None, "n": 2}, 2), ({"n_cmpl": "x", "n": 2}, 2),
-     ({"n_cmpl": 2.7}, 2), ({"n_cmpl": 1, "n": 2}, 1), ({"n_cmpl": True}, 1), ({"n_cmpl": 0}, 1), ({}, 1)],
+     ({"n_cmpl": 2.7}, 2), ({"n_cmpl": 1, "n": 2}, 1), ({"n_cmpl": True}, 1), ({"n_cmpl": 0}, 1), ({}, 1),
+     ({"n_cmpl": float("inf"), "n": 2}, 2), ({"n_cmpl": float("nan")}, 1)],  # Python's json reads Infinity, NaN
 )
 async def test_n_cmpl_is_read_as_llama_server_reads_it(http: aiohttp.ClientSession, extra: dict[str, Any],
                                                        permits: int) -> None:
