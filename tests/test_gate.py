@@ -167,12 +167,16 @@ async def test_wide_request_first_slot_keeps_affinity_others_are_lowest_free() -
     assert await wide.wait() == 2 and wide.slots == (2, 1)
 
 
-async def test_queue_stays_fifo_behind_a_wide_waiter() -> None:
+def holder_wide_narrow() -> tuple[Gate, Ticket, Ticket, Ticket]:
+    """Two permits: one held (slot 0), then a request for both, then one for one: both wait."""
     gate = Gate(2, 5)
     holder = gate.submit("h", supersedable=False)
     gate.take(holder)
-    wide = gate.submit("w", supersedable=False, permits=2)
-    narrow = gate.submit("n", supersedable=False)
+    return gate, holder, gate.submit("w", supersedable=False, permits=2), gate.submit("n", supersedable=False)
+
+
+async def test_queue_stays_fifo_behind_a_wide_waiter() -> None:
+    gate, holder, wide, narrow = holder_wide_narrow()
     assert gate.free == 1 and not wide.future.done()
     assert not narrow.future.done()  # one permit is free, but the wide request is first in line
     gate.release(holder)
@@ -183,21 +187,13 @@ async def test_queue_stays_fifo_behind_a_wide_waiter() -> None:
 
 
 async def test_wide_waiter_leaving_lets_the_next_one_through() -> None:
-    gate = Gate(2, 5)
-    holder = gate.submit("h", supersedable=False)
-    gate.take(holder)
-    wide = gate.submit("w", supersedable=False, permits=2)
-    narrow = gate.submit("n", supersedable=False)
+    gate, holder, wide, narrow = holder_wide_narrow()
     gate.abandon(wide)
     assert await asyncio.wait_for(narrow.wait(), 1) == 1
 
 
 async def test_cancelled_wide_waiter_is_skipped_when_permits_return() -> None:
-    gate = Gate(2, 5)
-    holder = gate.submit("h", supersedable=False)
-    gate.take(holder)
-    wide = gate.submit("w", supersedable=False, permits=2)
-    narrow = gate.submit("n", supersedable=False)
+    gate, holder, wide, narrow = holder_wide_narrow()
     wide.future.cancel()  # its waiter was cancelled; its abandon() has not run yet
     gate.release(holder)
     assert narrow.future.done() and narrow.future.result() == 0 and gate.free == 1
