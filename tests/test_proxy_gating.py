@@ -353,6 +353,30 @@ async def test_settle_gives_up_loudly_and_is_cancellable(http: aiohttp.ClientSes
         assert sum(r.path == "/slots" for r in fake.received) == polls
 
 
+@pytest.mark.parametrize(("inp", "permits", "vectors"), [
+    ("x", 1, 1), (["a", "b"], 2, 2), (["a", "b", "c"], 2, 3), ([1, 2, 3], 1, 1), ([[1, 2], [3]], 2, 2), ([], 1, 1)])
+async def test_embeddings_batch_holds_a_permit_per_slot_it_takes(http: aiohttp.ClientSession, inp: Any,
+                                                                 permits: int, vectors: int) -> None:
+    """llama-server runs each embeddings input as its own task on any idle slot: a batch of n
+    holds min(n, capacity) permits, so a completion sent meanwhile waits in the proxy's
+    queue (where supersede reaches it), not in the server's."""
+    hold = asyncio.Event()
+    script = lambda p, _b: Script(tokens=2, hold=hold if p == "/v1/embeddings" else None)  # noqa: E731
+    async with FakeUpstream(slots=2, script=script) as fake, run_proxy(fake.url) as px:
+        batch = asyncio.create_task(http.post(px.url + "/v1/embeddings", json={"input": inp, "model": "m"}))
+        await fake.wait_for(lambda f: len(f.generations) == 1)
+        assert px.state.gate.held == permits and fake.slot_busy.count(True) == permits
+        completion = asyncio.create_task(http.post(px.url + "/completion", json={"prompt": "x", "n_predict": 2}))
+        if permits == 2:
+            await wait_until(lambda: px.state.gate.queued == 1, what="the completion queued in the proxy")
+        hold.set()
+        async with await batch as r:
+            assert r.status == 200 and len((await r.json())["data"]) == vectors
+        async with await completion as r:
+            assert r.status == 200
+        assert fake.deferred == [] and fake.max_concurrent == 2
+
+
 async def test_n_cmpl_over_capacity_is_refused_before_the_upstream(http: aiohttp.ClientSession) -> None:
     async with FakeUpstream(slots=2) as fake, run_proxy(fake.url) as px:
         for path, body, field in (("/infill", {"input_prefix": "x", "n_cmpl": 3}, "n_cmpl"),

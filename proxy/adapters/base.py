@@ -46,7 +46,7 @@ class Adapter:
         """Body to send upstream for a gated request holding permit ``slot``."""
         return raw
 
-    def permits(self, path: str, parsed: Any) -> int:
+    def permits(self, path: str, parsed: Any, capacity: int) -> int:
         """How many slots a gated request on ``path`` occupies at once (see llamacpp's)."""
         return 1
 

@@ -7,7 +7,8 @@ from ``confirm_poll_min_s`` to ``confirm_poll_max_s``. If that takes longer than
 ``confirm_timeout_s`` the permit is released anyway and the timeout is logged as an error
 and counted in metrics (never silently). Without ``/slots`` (``--no-slots``), the adapter
 cannot confirm and the policies fall back to ``finish``; so do routes that carry no
-``id_slot`` (``/v1/embeddings``), whose slot the proxy cannot know.
+``id_slot`` (``/v1/embeddings``), whose slot the proxy cannot know. An embeddings batch runs
+one task per input on any idle slots, so it holds min(inputs, capacity) permits.
 
 ``n_cmpl`` (alias ``n``; llama.vscode sends it) asks llama-server for that many completions
 of one prompt, run at once on that many slots: the one ``id_slot`` names and, for the
@@ -49,6 +50,14 @@ def _json_int(body: dict[str, Any], key: str, default: int) -> int:
     return default  # absent, null, or a type it cannot convert
 
 
+def _inputs(value: Any) -> int:
+    """Prompts in an OpenAI embeddings ``input``: a string or one token list is one; a list
+    of strings or of token lists is one each."""
+    if not isinstance(value, list) or not value or all(isinstance(v, int) for v in value):
+        return 1
+    return len(value)
+
+
 def slot_busy(entry: dict[str, Any]) -> bool:
     """Busy flag of one /slots entry (new builds: is_processing; old builds: state != 0)."""
     if "is_processing" in entry:
@@ -64,12 +73,22 @@ class LlamaCppAdapter(Adapter):
             return set_top_level(raw, "id_slot", slot, present="id_slot" in parsed)
         return raw
 
-    def permits(self, path: str, parsed: Any) -> int:
-        """Completions (slots) a request on a slot route asks for, read as llama-server reads
-        it: ``json_value(data, "n_cmpl", json_value(data, "n", 1))``. A missing or null field
-        gives the default; a number is cut to an int (2.7 -> 2, true -> 1); another type
-        gives the default. Below 1 counts as 1 (the server refuses or ignores it)."""
-        if path not in SLOT_ROUTES or not isinstance(parsed, dict):
+    def permits(self, path: str, parsed: Any, capacity: int) -> int:
+        """Slots a gated request runs on at once.
+
+        - Slot routes: the completions it asks for, read as llama-server reads it,
+          ``json_value(data, "n_cmpl", json_value(data, "n", 1))``. A missing or null field
+          gives the default; a number is cut to an int (2.7 -> 2, true -> 1); another type
+          gives the default. Below 1 counts as 1 (the server refuses or ignores it). More
+          than ``capacity`` is the handler's 400.
+        - ``/v1/embeddings``: llama-server runs each input as its own task on any free slot,
+          so a batch of n inputs takes min(n, capacity) slots (the rest run as those free).
+        """
+        if not isinstance(parsed, dict):
+            return 1
+        if path == "/v1/embeddings":
+            return min(_inputs(parsed.get("input")), capacity)
+        if path not in SLOT_ROUTES:
             return 1
         return max(1, _json_int(parsed, "n_cmpl", _json_int(parsed, "n", 1)))
 
@@ -141,6 +160,8 @@ class LlamaCppAdapter(Adapter):
         def pinned(t: Ticket) -> bool:
             return t.route in SLOT_ROUTES
 
+        if not pinned(ticket):
+            return  # an embeddings batch: the server runs it on whichever slots are idle
         try:
             watch = gate.settle_extras(ticket, pinned)
             if not watch or not self.can_confirm or s.settle_timeout_s <= 0:

@@ -111,9 +111,14 @@ class Shape:
             return obj
         return self._piece(text(n), rid, slot, True, n)
 
-    def whole_all(self, n: int, rid: int, slots: tuple[int, ...]) -> Any:
+    def whole_all(self, n: int, rid: int, slots: tuple[int, ...], inputs: int = 1) -> Any:
         """``whole`` for one completion per slot (llama-server's ``n_cmpl``): one body for a
-        single slot, else a JSON array (native routes) or one body with a choice each (OpenAI)."""
+        single slot, else a JSON array (native routes) or one body with a choice each (OpenAI).
+        Embeddings: one vector per input, whatever slots they ran on."""
+        if self.fmt == "oai_embed":
+            body = self.whole(n, rid, slots[0])
+            body["data"] = [{**body["data"][0], "index": i} for i in range(inputs)]
+            return body
         if len(slots) == 1:
             return self.whole(n, rid, slots[0])
         bodies = [indexed(self.whole(n, rid, s), j) for j, s in enumerate(slots)]

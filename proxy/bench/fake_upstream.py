@@ -22,6 +22,8 @@ Concurrency contract:
   the lowest other idle ones), waiting until all k are idle; it counts k in ``concurrent``.
   More than the slot count is a 400. The answer is a JSON array (llama-server's native
   routes) or k ``choices`` (OpenAI routes); streamed, each token comes once per completion.
+  An embeddings batch of n inputs takes min(n, slots) slots at once (llama-server runs each
+  input as a task on any idle slot) and answers one vector per input.
 - The app runs with ``handler_cancellation=True``: a client disconnect cancels the handler.
   The abort is recorded at once; the slot stays busy for ``abort_linger_s`` more (llama-server
   notices disconnects by polling) in a background task owned by this object, which
@@ -248,9 +250,20 @@ class FakeUpstream:
 
         return max(1, json_value("n_cmpl", json_value("n", 1)))
 
+    def _prompts(self, body: dict[str, Any]) -> int:
+        """Inputs of an embeddings request: a list of strings or of token lists is one each;
+        a string or a single token list is one."""
+        value = body.get("input")
+        if isinstance(value, list) and value and not all(isinstance(v, int) for v in value):
+            return len(value)
+        return 1
+
     async def _generation(self, request: web.Request, rec: Received, body: dict[str, Any], shape: Shape) -> web.StreamResponse:
         script = self.script(rec.path, body)
-        k = self._completions(body)
+        if shape.fmt == "oai_embed":  # llama-server: one task per input, each on any idle slot
+            k = min(self._prompts(body), len(self._slots)) if self.kind == "llamacpp" else 1
+        else:
+            k = self._completions(body)
         if k > len(self._slots):
             msg = "n_cmpl cannot be greater than the number of slots, please increase -np"  # llama-server's
             return json_response(error_body(msg, "invalid_request_error", 400), 400)
@@ -394,7 +407,7 @@ class FakeUpstream:
         else:
             for i in range(n):
                 await self._tick(script, slots, start + (i + 1) * delay)
-            payload = dumps(shape.whole_all(n, rec.id, slots)).encode()
+            payload = dumps(shape.whole_all(n, rec.id, slots, self._prompts(body))).encode()
             if script.fail == "malformed":
                 payload = payload[: len(payload) // 2]
             resp.content_type = "application/json"
