@@ -19,7 +19,9 @@ Pure asyncio logic, no sockets (tested directly). Concurrency contract:
   runs one request on that many slots). It is granted all of them together or waits; the
   queue stays strictly FIFO, so a smaller request behind it waits too (no overtaking, so
   a wide request cannot starve). Its first slot is the affinity choice; the others are the
-  lowest free ids, the ones llama-server gives a request's extra completions.
+  lowest free ids, the ones llama-server gives a request's extra completions. Until its
+  job has sent it, ``settle_extras`` may trade those for lower slots freed meanwhile (the
+  job's adapter owns that wait; ``settled`` ends it).
 """
 
 from __future__ import annotations
