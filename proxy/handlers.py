@@ -46,9 +46,7 @@ async def gated(request: web.Request) -> web.StreamResponse:
         body=parsed,
     )
     supersedable = s.supersede and request.path in s.supersede_routes and not is_warmup(parsed)
-    rec.permits = permits = st.adapter.permits(request.path, parsed, st.gate.capacity)
-    if permits > st.gate.capacity:
-        raise st.adapter.too_many(permits, st.gate.capacity, parsed)
+    rec.permits = permits = st.adapter.permits(request.path, parsed, st.gate.capacity)  # or BadRequest
     probe = st.breaker.admit()  # raises UpstreamUnavailable (503) while the breaker is open
     try:
         ticket = st.gate.submit(rec.session, supersedable=supersedable, route=request.path, permits=permits)

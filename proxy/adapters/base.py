@@ -19,7 +19,6 @@ import aiohttp
 import structlog
 from yarl import URL
 
-from llmproxy.proxy.errors import BadRequest
 from llmproxy.proxy.gate import Gate, Ticket
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream_client import UpstreamClient
@@ -47,12 +46,9 @@ class Adapter:
         return raw
 
     def permits(self, path: str, parsed: Any, capacity: int) -> int:
-        """How many slots a gated request on ``path`` occupies at once (see llamacpp's)."""
+        """How many slots (1..``capacity``) a gated request on ``path`` occupies at once, or
+        ``BadRequest`` if it cannot fit (see llamacpp's)."""
         return 1
-
-    def too_many(self, permits: int, capacity: int, parsed: Any) -> BadRequest:
-        """The 400 for a request that needs more permits than the gate has."""
-        return BadRequest(f"the request needs {permits} slots at once; llmproxy has {capacity}")
 
     async def settle(self, gate: Gate, ticket: Ticket) -> None:
         """Called before a request holding several permits is sent (see llamacpp's)."""

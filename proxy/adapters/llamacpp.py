@@ -80,7 +80,7 @@ class LlamaCppAdapter(Adapter):
           ``json_value(data, "n_cmpl", json_value(data, "n", 1))``. A missing or null field
           gives the default; a number is cut to an int (2.7 -> 2, true -> 1); another type
           gives the default. Below 1 counts as 1 (the server refuses or ignores it). More
-          than ``capacity`` is the handler's 400.
+          than ``capacity`` is a 400 naming the field sent, as llama-server's own.
         - ``/v1/embeddings``: llama-server runs each input as its own task on any free slot,
           so a batch of n inputs takes min(n, capacity) slots (the rest run as those free).
         """
@@ -90,16 +90,15 @@ class LlamaCppAdapter(Adapter):
             return min(_inputs(parsed.get("input")), capacity)
         if path not in SLOT_ROUTES:
             return 1
-        return max(1, _json_int(parsed, "n_cmpl", _json_int(parsed, "n", 1)))
-
-    def too_many(self, permits: int, capacity: int, parsed: Any) -> BadRequest:
-        """The 400 for more completions than the gate's permits, naming the field the client sent."""
-        field = "n_cmpl" if isinstance(parsed, dict) and parsed.get("n_cmpl") is not None else "n"
+        wanted = max(1, _json_int(parsed, "n_cmpl", _json_int(parsed, "n", 1)))
+        if wanted <= capacity:
+            return wanted
+        field = "n_cmpl" if parsed.get("n_cmpl") is not None else "n"
         if self.slots is not None and capacity < self.slots:
             hint = f"--capacity is below the upstream's {self.slots} slots"
         else:
             hint = "the upstream has no more (llama-server: raise -np)"
-        return BadRequest(f"'{field}' = {permits} needs {permits} slots at once, llmproxy has {capacity}: {hint}")
+        raise BadRequest(f"'{field}' = {wanted} needs {wanted} slots at once, llmproxy has {capacity}: {hint}")
 
     def confirms(self, path: str) -> bool:
         """Only where ``id_slot`` pins the request to the permit's slot: llama-server runs an
