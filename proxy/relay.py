@@ -19,7 +19,7 @@ from llmproxy.proxy.errors import ProxyError
 from llmproxy.proxy.state import RECORD
 
 
-def stream_error_bytes(content_type: str, error: ProxyError) -> bytes | None:
+def stream_error_bytes(content_type: str, error: ProxyError, tail: bytes = b"") -> bytes | None:
     """The event that ends a started stream with ``error``, in the stream's own format.
 
     SSE (llama.cpp, OpenAI): a ``data:`` line holding the error envelope, the shape those
@@ -27,16 +27,28 @@ def stream_error_bytes(content_type: str, error: ProxyError) -> bytes | None:
     whose ``error`` is the message string (its clients raise ``Error(line.error)``: an object
     there reads "[object Object]"), with the envelope's other fields beside it. None for any
     other body: it has no error event.
+
+    ``tail``: the last bytes relayed before. An upstream cut inside an event or line leaves
+    it unfinished; it is ended first (line feeds), so the error event stands on its own and
+    parses, instead of being glued onto the broken one.
     """
     if content_type.startswith("text/event-stream"):
         payload = json.dumps(error.envelope(), separators=(",", ":"))
-        return f"data: {payload}\n\n".encode()
+        return _end_event(tail) + f"data: {payload}\n\n".encode()
     if content_type in ("application/x-ndjson", "application/jsonl", "application/json-seq"):
         fields = error.envelope()["error"]
         line = {"error": fields["message"]} | {k: v for k, v in fields.items() if k != "message"}
         rs = "\x1e" if content_type == "application/json-seq" else ""  # RFC 7464 record separator
-        return (rs + json.dumps(line, separators=(",", ":")) + "\n").encode()
+        newline = b"" if not tail or tail.endswith(b"\n") else b"\n"
+        return newline + (rs + json.dumps(line, separators=(",", ":")) + "\n").encode()
     return None
+
+
+def _end_event(tail: bytes) -> bytes:
+    """Line feeds that end an SSE event left open by ``tail`` (nothing at an event boundary)."""
+    if not tail or tail.endswith((b"\n\n", b"\r\r", b"\r\n\r\n")):
+        return b""
+    return b"\n" if tail.endswith((b"\n", b"\r")) else b"\n\n"
 
 
 async def relay(request: web.Request, events: AsyncIterator[Event]) -> web.StreamResponse:
@@ -49,6 +61,7 @@ async def relay(request: web.Request, events: AsyncIterator[Event]) -> web.Strea
     last chunk whose clean end is already here goes out with the stream's terminator.
     """
     resp: web.StreamResponse | None = None
+    tail = b""  # the last bytes written (up to 4): where an error event must start
     buffered = events if isinstance(events, Channel) else None  # can tell what is already here
     async for ev in events:
         if isinstance(ev, Headers):
@@ -66,6 +79,7 @@ async def relay(request: web.Request, events: AsyncIterator[Event]) -> web.Strea
                 await resp.write_eof(ev.data)  # the last chunk and the terminator in one write
                 return resp
             await resp.write(ev.data)
+            tail = ev.data[-4:] if len(ev.data) >= 4 else (tail + ev.data)[-4:]
         elif isinstance(ev, End):
             if resp is None:
                 raise ProxyError("upstream ended without a response")
@@ -74,9 +88,9 @@ async def relay(request: web.Request, events: AsyncIterator[Event]) -> web.Strea
         elif isinstance(ev, Error):
             if resp is None:
                 raise ev.error
-            tail = stream_error_bytes(resp.content_type, ev.error)
-            if tail is not None:
-                await resp.write(tail)
+            last = stream_error_bytes(resp.content_type, ev.error, tail)
+            if last is not None:
+                await resp.write(last)
                 await resp.write_eof()
             else:
                 resp.force_close()

@@ -158,6 +158,51 @@ def test_stream_error_bytes_formats() -> None:
         assert line is not None and line.startswith(rs) and line.endswith(b"\n") and line.count(b"\n") == 1
         assert json.loads(line[len(rs):]) == {"error": "superseded", "type": "superseded", "code": 499, "src": "llmproxy"}
     assert stream_error_bytes("application/json", err) is None  # no event format: the relay closes instead
+    # after bytes that left an event or line open, it is ended first
+    for tail, prefix in [(b"", b""), (b'"}\n\n', b""), (b"\r\n\r\n", b""), (b'"a"}\n', b"\n"), (b'"a', b"\n\n")]:
+        assert stream_error_bytes("text/event-stream", err, tail) == prefix + sse, tail
+    for tail, prefix in [(b"", b""), (b"}\n", b""), (b'{"a', b"\n")]:
+        assert stream_error_bytes("application/x-ndjson", err, tail) == prefix + line.removeprefix(b"\x1e"), tail
+
+
+@pytest.mark.parametrize(
+    ("ctype", "sent"),
+    [("text/event-stream", [b'data: {"content":"a"}\n\n', b'data: {"content":"b']),
+     ("text/event-stream", [b'data: {"content":"a"}\n', b"data: {"]),  # cut after a line, inside the event
+     ("application/x-ndjson", [b'{"response":"a","done":false}\n', b'{"response":"b'])],
+    ids=["sse-mid-line", "sse-mid-event", "ndjson-mid-line"],
+)
+async def test_stream_cut_inside_an_event_ends_with_an_error_event_that_parses(
+    http: aiohttp.ClientSession, ctype: str, sent: list[bytes]
+) -> None:
+    """The upstream dies in the middle of an event: the relayed part is as sent, then the
+    open event or line is ended, and the proxy's error event stands on its own."""
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": ctype})
+        await resp.prepare(request)
+        for piece in sent:
+            await resp.write(piece)
+        assert request.transport is not None
+        request.transport.abort()  # gone mid-event
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    async with serve_app(app) as upstream, run_proxy(upstream, upstream_kind="openai") as px:
+        async with http.post(px.url + "/v1/completions", json={"prompt": "a", "stream": True}) as r:
+            body = await r.read()
+    relayed = b"".join(sent)
+    assert body.startswith(relayed)
+    if ctype == "text/event-stream":
+        events = body.split(b"\n\n")  # as a client splits the stream into events
+        assert events[-1] == b"" and events[-2].startswith(b"data: {"), body  # its own event, the last
+        error = json.loads(events[-2].removeprefix(b"data: "))["error"]
+    else:
+        error = json.loads(body.splitlines()[-1])
+        assert body.splitlines()[:-1] == relayed.splitlines()
+    assert error["src"] == "llmproxy" and error["code"] == 502, body
 
 
 async def test_passthrough_is_ungated(http: aiohttp.ClientSession) -> None:
