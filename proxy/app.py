@@ -9,7 +9,9 @@ import structlog
 from aiohttp import web
 
 from llmproxy.proxy import admin
+from llmproxy.proxy.adapters.base import upstream_authorization
 from llmproxy.proxy.adapters.detect import create_adapter
+from llmproxy.proxy.adapters.watch import watching
 from llmproxy.proxy.breaker import CircuitBreaker
 from llmproxy.proxy.embedded import embedded_backend
 from llmproxy.proxy.gate import Gate
@@ -59,6 +61,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         auto_decompress=False,
         cookie_jar=aiohttp.DummyCookieJar(),  # one session serves every client: keep none of theirs
         skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
+        headers={"Authorization": auth} if (auth := upstream_authorization(s)) else None,  # probes and polls
     ) as session:
         adapter = await create_adapter(session, s, app[UPSTREAM_URL])
         capacity = s.capacity or adapter.slots or 1
@@ -71,7 +74,8 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         breaker = CircuitBreaker(s.breaker_threshold, s.breaker_cooldown_s)
         app[METRICS].bind_breaker(breaker)
         app[STATE] = ProxyState(s, session, adapter, gate, jobs, app[METRICS], breaker)
-        yield
+        async with watching(adapter, gate, s):  # learns what detection could not, while serving
+            yield
         gate.close()
         await jobs.drain(0)  # on_shutdown drained already: cut anything that started since
         adapter.close()

@@ -228,6 +228,15 @@ class Gate:
         self._grant_waiters()
         self._check_idle()
 
+    def grow(self, capacity: int) -> None:
+        """More permits (slot ids up to ``capacity`` - 1): the upstream's slot count became
+        known after start (see watch.py). Waiters get them at once, in FIFO order; never shrinks."""
+        if capacity <= self.capacity:
+            return
+        self._free.extend(range(self.capacity, capacity))
+        self.capacity = capacity
+        self._grant_waiters()
+
     def close(self) -> None:
         """Shutdown: refuse new tickets and answer every queued one with ShuttingDown."""
         self._closed = True

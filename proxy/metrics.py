@@ -80,4 +80,4 @@ class Metrics:
         self.queue_depth.set_function(lambda: gate.queued)
         self.inflight.set_function(lambda: gate.inflight)
         self.permits_free.set_function(lambda: gate.free)
-        self.permits_total.set(gate.capacity)
+        self.permits_total.set_function(lambda: gate.capacity)  # may grow (Gate.grow)

@@ -42,7 +42,14 @@ class ProxySettings(LayeredSettings):
     read_timeout_s: float = Field(
         300.0, gt=0, description="Upstream inactivity timeout between bytes (no total timeout: generations may be long)"
     )
-    detect_timeout_s: float = Field(10.0, ge=0, description="How long to retry upstream detection at start")
+    upstream_api_key: SecretStr | None = Field(
+        None,
+        description="Sent upstream as 'Authorization: Bearer KEY' on every request, the proxy's own probes included, "
+        "in place of a client's (llama-server, vLLM or LM Studio started with an API key)",
+    )
+    detect_timeout_s: float = Field(
+        10.0, ge=0, description="How long to retry upstream detection at start (unreachable, or a model still loading)"
+    )
 
     # gate
     capacity: int | None = Field(
@@ -142,4 +149,6 @@ class ProxySettings(LayeredSettings):
     def _check(self) -> ProxySettings:
         if self.confirm_poll_max_s < self.confirm_poll_min_s:
             raise ValueError("confirm_poll_max_s must be >= confirm_poll_min_s")
+        if self.upstream_api_key is not None and self.upstream and URL(self.upstream).user is not None:
+            raise ValueError("give the upstream either credentials in its URL or upstream_api_key, not both")
         return self

@@ -19,8 +19,9 @@ upstream is about to close is never picked), one retry on a new connection when 
 one turns out to be closed and the method is idempotent (as ``ClientSession`` does; never
 for a POST, which may have started a generation), interim 1xx responses skipped, the
 request head (method, origin-form target under the base URL's path, ``Host``,
-``Content-Length``, and Basic ``Authorization`` when the base URL carries credentials; the
-caller's headers otherwise as given) and the connect timeout.
+``Content-Length``, and ``Authorization`` when one is configured (``authorization``: the
+upstream API key) or the base URL carries credentials (Basic); the caller's headers
+otherwise as given) and the connect timeout.
 Responses are never decompressed and redirects never followed.
 
 Concurrency contract: ``exchange`` is an async context manager used by one task at a time
@@ -92,6 +93,7 @@ class UpstreamClient:
         read_timeout_s: float,
         max_idle: int = 64,
         keepalive_s: float = KEEPALIVE_S,
+        authorization: str | None = None,
     ) -> None:
         if base_url.scheme not in ("http", "https") or not base_url.host:
             raise ValueError(f"upstream URL must be http:// or https:// with a host, not {str(base_url)!r}")
@@ -105,9 +107,9 @@ class UpstreamClient:
         self._ssl = ssl.create_default_context() if base_url.scheme == "https" else None
         self._host_header = base_url.host_port_subcomponent or self._host  # default port left out, as aiohttp does
         self._prefix = base_url.raw_path.rstrip("/")
-        self._authorization = (  # http://user:pass@host: sent on every request, as aiohttp does
-            encode_basic_auth(base_url.user, base_url.password or "") if base_url.user is not None else None
-        )
+        if authorization is None and base_url.user is not None:  # http://user:pass@host, as aiohttp does
+            authorization = encode_basic_auth(base_url.user, base_url.password or "")
+        self._authorization = authorization  # sent on every request in place of the caller's
         self._idle: deque[tuple[ResponseHandler, float]] = deque()  # (protocol, released at); newest last
         self._expiry: asyncio.TimerHandle | None = None  # closes idle connections as they expire
         self._closed = False

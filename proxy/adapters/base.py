@@ -12,6 +12,7 @@ The app's cleanup closes ``client`` (``close``).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -26,6 +27,24 @@ from llmproxy.proxy.upstream_client import UpstreamClient
 log = structlog.get_logger("llmproxy.adapter")
 
 
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
+
+
+async def get_json(session: aiohttp.ClientSession, url: str | URL) -> tuple[int, Any]:
+    """One probe or poll with the app's session: (status, the body as JSON or None)."""
+    async with session.get(url, timeout=PROBE_TIMEOUT, allow_redirects=False) as resp:
+        try:
+            return resp.status, await resp.json(content_type=None)
+        except ValueError:
+            return resp.status, None
+
+
+def upstream_authorization(settings: ProxySettings) -> str | None:
+    """The ``Authorization`` value for every request to the upstream, if a key is configured."""
+    key = settings.upstream_api_key
+    return None if key is None else f"Bearer {key.get_secret_value()}"
+
+
 class Adapter:
     kind: ClassVar[str] = "openai"
 
@@ -35,11 +54,13 @@ class Adapter:
         self.base_url = URL(base_url.rstrip("/"))
         self.session = session
         self.client = UpstreamClient(
-            self.base_url, connect_timeout_s=settings.connect_timeout_s, read_timeout_s=settings.read_timeout_s
+            self.base_url, connect_timeout_s=settings.connect_timeout_s, read_timeout_s=settings.read_timeout_s,
+            authorization=upstream_authorization(settings),
         )
         self.settings = settings
         self.slots = slots
         self.can_confirm = False
+        self.known = asyncio.Event()  # set once nothing is left to learn (``pending``; see watch.py)
 
     def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
         """Body to send upstream for a gated request holding permit ``slot``."""
@@ -52,6 +73,13 @@ class Adapter:
 
     async def settle(self, gate: Gate, ticket: Ticket) -> None:
         """Called before a request holding several permits is sent (see llamacpp's)."""
+
+    def pending(self) -> bool:
+        """Is something about the upstream still to be learnt by probing again (see watch.py)?"""
+        return False
+
+    async def refresh(self) -> None:
+        """Probe again for what ``pending`` says is still missing."""
 
     def confirms(self, path: str) -> bool:
         """Can a stopped request on ``path`` be confirmed (``confirm_stopped``) on this backend?"""

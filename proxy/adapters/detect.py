@@ -1,9 +1,14 @@
 """Pick and initialise the upstream adapter: configured kind, or detected.
 
 Detection: ``GET /props`` answering JSON -> llamacpp (slot count from ``total_slots``);
-``GET /api/version`` answering -> ollama; otherwise openai. While the upstream is
-unreachable, detection retries until ``detect_timeout_s`` and then assumes openai (or the
-configured kind) with the configured capacity.
+``GET /api/version`` answering -> ollama; otherwise openai. Detection retries until
+``detect_timeout_s`` while the upstream is unreachable, and while ``/props`` answers 503
+(llama-server answers every API route so while it loads its model). At the deadline an
+unreachable upstream is taken as openai (or the configured kind) with the configured
+capacity; one still loading as llamacpp. A llamacpp adapter whose slot count is not known
+then (or whose ``/slots`` failed for a reason that may pass) is completed later by
+``watch.watch_upstream``. A 401/403 on ``/props`` is logged with a hint at
+``upstream_api_key``: the proxy's own probes need the key a keyed llama-server wants.
 """
 
 from __future__ import annotations
@@ -13,33 +18,40 @@ from typing import Any
 
 import aiohttp
 
-from llmproxy.proxy.adapters.base import Adapter, log
-from llmproxy.proxy.adapters.llamacpp import LlamaCppAdapter
+from llmproxy.proxy.adapters.base import Adapter, get_json, log
+from llmproxy.proxy.adapters.llamacpp import LlamaCppAdapter, total_slots
 from llmproxy.proxy.adapters.ollama import OllamaAdapter
 from llmproxy.proxy.adapters.openai import OpenAIAdapter
 from llmproxy.proxy.settings import ProxySettings
 
-PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 KINDS: dict[str, type[Adapter]] = {"llamacpp": LlamaCppAdapter, "openai": OpenAIAdapter, "ollama": OllamaAdapter}
 
 
-async def _get_json(session: aiohttp.ClientSession, url: str) -> Any:
-    async with session.get(url, timeout=PROBE_TIMEOUT, allow_redirects=False) as resp:
-        if resp.status != 200:
-            return None
-        try:
-            return await resp.json(content_type=None)
-        except ValueError:
-            return None
+class _Loading(Exception):
+    """``/props`` answered 503: the upstream is not ready (llama-server loading its model)."""
+
+    def __init__(self, llama_shaped: bool) -> None:
+        super().__init__("upstream answers 503 on /props")
+        self.llama_shaped = llama_shaped  # llama-server's own {"error": {"type": "unavailable_error"}}
 
 
-async def _probe(session: aiohttp.ClientSession, base: str) -> tuple[str, int | None]:
-    props = await _get_json(session, base + "/props")
-    if isinstance(props, dict) and ("total_slots" in props or "default_generation_settings" in props):
-        slots = props.get("total_slots")
-        return "llamacpp", slots if isinstance(slots, int) and slots > 0 else None
-    version = await _get_json(session, base + "/api/version")
-    if isinstance(version, dict) and "version" in version:
+def _llama_unavailable(body: Any) -> bool:
+    error = body.get("error") if isinstance(body, dict) else None
+    return isinstance(error, dict) and error.get("type") == "unavailable_error"
+
+
+async def _probe(session: aiohttp.ClientSession, base: str, settings: ProxySettings) -> tuple[str, int | None]:
+    status, props = await get_json(session, base + "/props")
+    if status == 503:
+        raise _Loading(_llama_unavailable(props))
+    if status in (401, 403):
+        hint = "set upstream_api_key" if settings.upstream_api_key is None else "check upstream_api_key"
+        log.warning("upstream refused /props: cannot detect a llama-server that wants an API key", status=status,
+                    hint=hint)
+    if status == 200 and isinstance(props, dict) and ("total_slots" in props or "default_generation_settings" in props):
+        return "llamacpp", total_slots(props)
+    status, version = await get_json(session, base + "/api/version")
+    if status == 200 and isinstance(version, dict) and "version" in version:
         return "ollama", None
     return "openai", None
 
@@ -48,21 +60,33 @@ async def create_adapter(session: aiohttp.ClientSession, settings: ProxySettings
     base = base_url.rstrip("/")
     kind: str | None = None if settings.upstream_kind == "auto" else settings.upstream_kind
     slots: int | None = None
+    gave_up = False  # the deadline passed (unreachable, or still loading): no slot count yet
     loop = asyncio.get_running_loop()
     deadline = loop.time() + settings.detect_timeout_s
     while True:
         try:
-            detected, slots = await _probe(session, base)
+            detected, slots = await _probe(session, base, settings)
             kind = kind or detected
             break
+        except _Loading as exc:
+            if loop.time() >= deadline:
+                log.warning("upstream still not ready (503 on /props) at the end of detection: slot count and "
+                            "/slots learnt once it is", upstream=base, detect_timeout_s=settings.detect_timeout_s)
+                kind = kind or ("llamacpp" if exc.llama_shaped else "openai")
+                gave_up = True
+                break
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             if loop.time() >= deadline:
                 log.warning("upstream unreachable during detection", upstream=base, error=str(exc))
                 kind = kind or "openai"
+                gave_up = True
                 break
-            await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)
     adapter = KINDS[kind](base, session, settings, slots=slots)
     if isinstance(adapter, LlamaCppAdapter):
+        adapter.props_pending = gave_up  # learnt later by watch.watch_upstream
         await adapter.probe_slots()
+    if not adapter.pending():
+        adapter.known.set()
     log.info("upstream adapter ready", **adapter.describe())
     return adapter

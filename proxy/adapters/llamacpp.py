@@ -30,7 +30,7 @@ from typing import Any
 
 import aiohttp
 
-from llmproxy.proxy.adapters.base import Adapter, log
+from llmproxy.proxy.adapters.base import Adapter, get_json, log
 from llmproxy.proxy.adapters.body import set_top_level
 from llmproxy.proxy.errors import BadRequest
 from llmproxy.proxy.gate import Gate, Ticket
@@ -56,6 +56,12 @@ def _inputs(value: Any) -> int:
     if not isinstance(value, list) or not value or all(isinstance(v, int) for v in value):
         return 1
     return len(value)
+
+
+def total_slots(props: Any) -> int | None:
+    """``total_slots`` of a /props answer, if it is a usable count."""
+    slots = props.get("total_slots") if isinstance(props, dict) else None
+    return slots if isinstance(slots, int) and not isinstance(slots, bool) and slots > 0 else None
 
 
 def slot_busy(entry: dict[str, Any]) -> bool:
@@ -105,17 +111,46 @@ class LlamaCppAdapter(Adapter):
         /v1/embeddings request on any free slot(s), so slot i idle would prove nothing."""
         return self.can_confirm and path in SLOT_ROUTES
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.props_pending = False  # slot count still to be read from /props (detection gave up)
+        self.slots_pending = False  # /slots failed in a way that may pass (timeout, refused, 5xx)
+
     async def probe_slots(self) -> bool:
-        """Is /slots available? Sets ``can_confirm``."""
+        """Is /slots available? Sets ``can_confirm``, and ``slots_pending`` while the answer
+        may still change: no answer in time (llama-server answers /slots from its main
+        loop, between decode steps), no connection, a 5xx (503 while loading). 404 and 501
+        (``--no-slots``) and 401/403 (a key the proxy lacks) are final."""
         try:
-            async with self.session.get(self.base_url / "slots", timeout=_POLL_TIMEOUT, allow_redirects=False) as resp:
-                ok = resp.status == 200 and isinstance(await resp.json(content_type=None), list)
-        except (aiohttp.ClientError, ValueError, TimeoutError):
-            ok = False
+            status, data = await get_json(self.session, self.base_url / "slots")
+        except (aiohttp.ClientError, TimeoutError):
+            status, data = None, None
+        was_pending = self.slots_pending
+        ok = status == 200 and isinstance(data, list)
         self.can_confirm = ok
-        if not ok:
-            log.warning("upstream /slots unavailable: cannot confirm stops, in-flight policy falls back to finish")
+        self.slots_pending = not ok and (status is None or (status >= 500 and status != 501))
+        if ok and was_pending:
+            log.info("upstream /slots available now: stops are confirmed from here on")
+        elif not ok and not was_pending:
+            hint = "set upstream_api_key" if status in (401, 403) else None
+            log.warning("upstream /slots unavailable: cannot confirm stops, in-flight policy falls back to finish",
+                        status=status, asking_again=self.slots_pending, **({"hint": hint} if hint else {}))
         return ok
+
+    def pending(self) -> bool:
+        return self.props_pending or (self.slots_pending and not self.can_confirm)
+
+    async def refresh(self) -> None:
+        if self.props_pending:
+            try:
+                status, props = await get_json(self.session, self.base_url / "props")
+            except (aiohttp.ClientError, TimeoutError):
+                status, props = None, None
+            if status == 200 and isinstance(props, dict):
+                self.props_pending = False
+                self.slots = total_slots(props)
+        if self.slots_pending and not self.can_confirm:
+            await self.probe_slots()
 
     async def _busy_map(self) -> dict[int, bool] | str:
         """Slot id -> busy, from one GET /slots; else 'down' (connection refused: nothing

@@ -1,0 +1,184 @@
+"""Upstream detection when the upstream is not ready yet, or wants an API key.
+
+llama-server listens before its model is loaded and answers every API route with 503
+"Loading model" until then; with ``--api-key`` it refuses /props and /slots without the key.
+A proxy started beside it (systemd, a script) must still drive it as llama.cpp: N permits,
+``id_slot`` injected, stops confirmed through /slots. Real loopback servers throughout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+import structlog
+from aiohttp import web
+from pydantic import ValidationError
+
+from llmproxy.proxy.bench.fake_shapes import json_response
+from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
+from llmproxy.proxy.settings import ProxySettings
+from tests.conftest import run_proxy
+
+_LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
+_PUBLIC = ("/health", "/v1/health", "/models", "/v1/models", "/api/tags")  # llama-server's, with --api-key
+
+
+class LoadingFake(FakeUpstream):
+    """A llama-server still loading its model: 503 on every API route until ``ready`` is
+    set, or until it has answered ``loading_answers`` requests that way."""
+
+    def __init__(self, *, loading_answers: int | None = None, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.ready = asyncio.Event()
+        self.loading_answers = loading_answers
+        self.answered_loading = 0
+
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        if self.loading_answers is not None and self.answered_loading >= self.loading_answers:
+            self.ready.set()
+        if not self.ready.is_set() and request.path not in _PUBLIC:
+            await request.read()
+            self.answered_loading += 1
+            return json_response(_LOADING, 503)
+        return await super()._dispatch(request)
+
+
+class KeyedFake(FakeUpstream):
+    """A llama-server started with ``--api-key K``."""
+
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        if request.path not in _PUBLIC and request.headers.get("Authorization") != "Bearer K":
+            await request.read()
+            return json_response({"error": {"code": 401, "message": "Invalid API Key",
+                                            "type": "authentication_error"}}, 401)
+        return await super()._dispatch(request)
+
+
+class SlotsLaterFake(FakeUpstream):
+    """/slots answers ``first`` until ``ready`` is set (a 503, or 501 as with --no-slots)."""
+
+    def __init__(self, *, first: int, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.first = first
+        self.ready = asyncio.Event()
+
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        if request.path == "/slots" and not self.ready.is_set():
+            return json_response({"error": {"code": self.first, "message": "not now", "type": "x"}}, self.first)
+        return await super()._dispatch(request)
+
+
+async def test_detection_waits_while_llama_server_loads(http: aiohttp.ClientSession) -> None:
+    async with LoadingFake(kind="llamacpp", slots=2, loading_answers=3) as fake:
+        async with run_proxy(fake.url, detect_timeout_s=30) as px:
+            assert fake.answered_loading == 3  # detection asked again until the model was loaded
+            adapter = px.state.adapter
+            assert (adapter.kind, adapter.slots, adapter.can_confirm) == ("llamacpp", 2, True)
+            assert adapter.known.is_set() and not adapter.pending()
+            assert px.state.gate.capacity == 2
+            async with http.post(px.url + "/infill", json={"input_prefix": "def f(", "n_predict": 2}) as r:
+                assert r.status == 200
+            assert fake.generations[-1].body["id_slot"] == 0
+            assert px.state.policy("auto", "/infill") == "cancel"
+
+
+@pytest.mark.parametrize("capacity", [None, 1])
+async def test_slot_count_and_slots_learnt_after_detection_gave_up(
+    http: aiohttp.ClientSession, capacity: int | None
+) -> None:
+    """Still loading at the detection deadline: llamacpp with one permit at first, then the
+    watcher reads /props and /slots once the model is loaded; the gate grows unless
+    ``capacity`` is configured."""
+    async with LoadingFake(kind="llamacpp", slots=2) as fake, run_proxy(fake.url, capacity=capacity) as px:
+        adapter, gate = px.state.adapter, px.state.gate
+        assert (adapter.kind, adapter.slots, adapter.can_confirm, gate.capacity) == ("llamacpp", None, False, 1)
+        assert adapter.pending() and not adapter.known.is_set()
+        assert px.state.policy("auto", "/infill") == "finish"  # no /slots yet: cannot confirm
+        fake.ready.set()
+        await asyncio.wait_for(adapter.known.wait(), 10)
+        assert (adapter.slots, adapter.can_confirm) == (2, True)
+        assert px.state.policy("auto", "/infill") == "cancel"
+        expected = 2 if capacity is None else 1
+        assert gate.capacity == gate.free == expected
+        async with http.get(px.url + "/llmproxy/metrics") as r:
+            assert f"llmproxy_permits_total {float(expected)}" in await r.text()
+        hold = asyncio.Event()
+        fake.script = lambda _p, _b: Script(tokens=2, hold=hold)
+
+        async def post(session: str) -> int:
+            async with http.post(px.url + "/completion", json={"prompt": "x"},
+                                 headers={"X-LLMProxy-Session": session}) as r:
+                await r.read()
+                return r.status
+
+        posts = [asyncio.create_task(post(f"s{i}")) for i in range(2)]
+        await fake.wait_for(lambda f: f.concurrent == expected)
+        while gate.queued + gate.inflight < 2:  # the second request reaches the gate
+            await asyncio.sleep(0)
+        assert gate.queued == 2 - expected
+        hold.set()
+        assert await asyncio.gather(*posts) == [200, 200]
+        assert sorted(g.body["id_slot"] for g in fake.generations) == ([0, 1] if expected == 2 else [0, 0])
+        assert fake.max_concurrent == expected and fake.deferred == []
+
+
+async def test_gate_grow_hands_new_permits_to_waiters_in_order() -> None:
+    from llmproxy.proxy.gate import Gate
+
+    gate = Gate(1, 8)
+    first = gate.submit("a", supersedable=False)
+    second = gate.submit("b", supersedable=False)
+    third = gate.submit("c", supersedable=False)
+    assert first.future.done() and gate.queued == 2
+    gate.grow(1)  # never shrinks or re-adds
+    assert gate.capacity == 1 and gate.queued == 2
+    gate.grow(3)
+    assert gate.capacity == 3 and gate.queued == 0
+    assert (second.future.result(), third.future.result()) == (1, 2)
+    assert gate.free == 0 and gate.held == 3
+
+
+@pytest.mark.parametrize(("first", "retried"), [(503, True), (501, False)])
+async def test_slots_failing_at_start(first: int, retried: bool) -> None:
+    """A 503 (or a timeout) may pass: /slots is asked again and confirmation turns on. A 501
+    (llama-server --no-slots) is final: nothing to watch, the policies stay ``finish``."""
+    async with SlotsLaterFake(kind="llamacpp", slots=2, first=first) as fake, run_proxy(fake.url) as px:
+        adapter = px.state.adapter
+        assert adapter.slots == 2 and not adapter.can_confirm and px.state.gate.capacity == 2
+        assert adapter.pending() is retried and adapter.known.is_set() is not retried
+        fake.ready.set()
+        if retried:
+            await asyncio.wait_for(adapter.known.wait(), 10)
+            assert adapter.can_confirm and px.state.policy("auto", "/completion") == "cancel"
+        else:
+            assert px.state.policy("auto", "/completion") == "finish"
+
+
+async def test_upstream_api_key_drives_a_keyed_llama_server(http: aiohttp.ClientSession) -> None:
+    async with KeyedFake(kind="llamacpp", slots=2) as fake, run_proxy(fake.url, upstream_api_key="K") as px:
+        adapter = px.state.adapter
+        assert (adapter.kind, adapter.slots, adapter.can_confirm) == ("llamacpp", 2, True)
+        for headers in ({}, {"Authorization": "Bearer editors-own"}):  # the configured key replaces a client's
+            async with http.post(px.url + "/completion", json={"prompt": "x", "n_predict": 1}, headers=headers) as r:
+                assert r.status == 200
+            assert fake.received[-1].headers.getall("Authorization") == ["Bearer K"]
+        async with http.get(px.url + "/slots") as r:  # passthrough too
+            assert r.status == 200
+        assert fake.received[-1].headers["Authorization"] == "Bearer K"
+
+
+async def test_a_keyed_llama_server_without_the_key_is_named_in_the_log() -> None:
+    async with KeyedFake(kind="llamacpp", slots=2) as fake:
+        with structlog.testing.capture_logs() as logs:
+            async with run_proxy(fake.url) as px:
+                assert px.state.adapter.kind == "openai"  # cannot tell without the key: the safe default
+        refused = [e for e in logs if e["event"].startswith("upstream refused /props")]
+        assert refused and refused[0]["status"] == 401 and refused[0]["hint"] == "set upstream_api_key"
+
+
+def test_upstream_key_and_url_credentials_are_exclusive() -> None:
+    with pytest.raises(ValidationError, match="not both"):
+        ProxySettings(upstream="http://u:p@127.0.0.1:1", upstream_api_key="K")
+    assert ProxySettings(upstream="http://127.0.0.1:1", upstream_api_key="K").upstream_api_key is not None
