@@ -429,3 +429,34 @@ async def test_stop_confirmation_waits_for_every_slot_of_the_request(http: aioht
         await fake.wait_for(lambda f: f.slot_busy == [False, False])
         assert await adapter.confirm_stopped((0, 1)) is True
         assert await adapter.confirm_stopped((0, 5)) is False  # a slot the server does not list
+
+
+class _NoNames(aiohttp.abc.AbstractResolver):
+    """A resolver that fails like a name that does not resolve (no network needed)."""
+
+    async def resolve(self, host: str, port: int = 0, family: int = 0) -> list[Any]:
+        raise OSError(-2, "Name or service not known")
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("failure", ["refused", "no-name"])
+async def test_only_a_refused_connection_confirms_a_stop_at_once(failure: str) -> None:
+    """Refused: nothing listens, so nothing runs: confirmed. A failure that says nothing about
+    the server (a name that does not resolve now, no file descriptors) is not: the stop is
+    polled until confirm_timeout_s, which then logs and counts the timeout."""
+    from llmproxy.proxy.adapters.llamacpp import LlamaCppAdapter
+    from llmproxy.proxy.settings import ProxySettings
+    from tests.helpers import closed_port
+
+    base = f"http://127.0.0.1:{closed_port()}" if failure == "refused" else "http://backend.internal:8012"
+    settings = ProxySettings(upstream=base, confirm_timeout_s=0.2)
+    connector = aiohttp.TCPConnector(resolver=_NoNames()) if failure == "no-name" else None
+    async with aiohttp.ClientSession(connector=connector) as session:
+        adapter = LlamaCppAdapter(base, session, settings, slots=1)
+        try:
+            assert await adapter._busy_map() == ("down" if failure == "refused" else "unknown")
+            assert await adapter.confirm_stopped([0]) is (failure == "refused")
+        finally:
+            adapter.close()

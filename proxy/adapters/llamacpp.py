@@ -154,14 +154,15 @@ class LlamaCppAdapter(Adapter):
 
     async def _busy_map(self) -> dict[int, bool] | str:
         """Slot id -> busy, from one GET /slots; else 'down' (connection refused: nothing
-        can run) or 'unknown'."""
+        can run) or 'unknown' (any other failure: a name that does not resolve, no file
+        descriptors, a timeout say nothing about what runs there)."""
         try:
             async with self.session.get(self.base_url / "slots", timeout=_POLL_TIMEOUT, allow_redirects=False) as resp:
                 if resp.status != 200:
                     return "unknown"
                 data = await resp.json(content_type=None)
-        except aiohttp.ClientConnectorError:
-            return "down"
+        except aiohttp.ClientConnectorError as exc:  # refused: nothing listens, nothing runs
+            return "down" if isinstance(exc.os_error, ConnectionRefusedError) else "unknown"  # DNS, EMFILE: unknown
         except (aiohttp.ClientError, ValueError, TimeoutError):
             return "unknown"
         return {
