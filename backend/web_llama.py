@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 from llmproxy.backend.protocol import Done, Failed, Prompt, SamplingParams, Token
-from llmproxy.backend.web_context import DISPATCHER, alias
+from llmproxy.backend.web_context import DISPATCHER, SETTINGS, alias
 from llmproxy.backend.web_errors import BadRequest, failed_response, json_response
 from llmproxy.backend.web_gen import STOP_TYPE, Gen, collect, gen_settings, stream_sse, timings
 from llmproxy.backend.web_requests import (
@@ -50,7 +50,7 @@ def _final_llama(app: web.Application, g: Gen, content: str) -> dict[str, Any]:
         "generation_settings": gen_settings(g.params),
         "prompt": "",
         "has_new_line": "\n" in "".join(g.content),
-        "truncated": False,
+        "truncated": d.stop_reason == "limit" and d.n_prompt_tokens + d.n_predicted >= app[SETTINGS].n_ctx,
         "stop_type": STOP_TYPE[d.stop_reason],
         "stopping_word": d.stopping_word,
         "tokens_cached": d.n_prompt_tokens + d.n_predicted,

@@ -8,6 +8,7 @@ its slot count.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from aiohttp import web
@@ -27,6 +28,11 @@ async def read_body(request: web.Request) -> dict[str, Any]:
         raise BadRequest("malformed JSON body: nested too deeply") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    if b"\\u" in raw:  # only an escape can carry a lone surrogate (raw bytes are valid UTF-8)
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:  # as llama-server's JSON parser: an unpaired \\uD8xx is malformed
+            raise BadRequest("malformed JSON body: a \\u escape is an unpaired UTF-16 surrogate") from None
     return body
 
 
@@ -34,8 +40,8 @@ def _num(body: dict[str, Any], key: str, default: Any, kind: type) -> Any:
     v = body.get(key, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise BadRequest(f"'{key}' must be a number")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise BadRequest(f"'{key}' must be a finite number")  # Python's json reads NaN, 1e400
     return kind(v)
 
 
@@ -63,8 +69,8 @@ def sampling_params(body: dict[str, Any], openai: bool = False) -> SamplingParam
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadRequest("'seed' must be an integer")
     tmax = body.get("t_max_predict_ms")
-    if tmax is not None and (isinstance(tmax, bool) or not isinstance(tmax, (int, float))):
-        raise BadRequest("'t_max_predict_ms' must be a number")
+    if tmax is not None and (isinstance(tmax, bool) or not isinstance(tmax, (int, float)) or not math.isfinite(tmax)):
+        raise BadRequest("'t_max_predict_ms' must be a finite number")
     return SamplingParams(
         n_predict=max(-1, n_predict),
         temperature=_num(body, "temperature", d.temperature, float),

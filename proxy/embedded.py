@@ -81,6 +81,8 @@ def backend_command(s: ProxySettings, port_file: Path) -> list[str]:
         cmd += ["--model", str(s.model)]
     if s.n_threads is not None:
         cmd += ["--n-threads", str(s.n_threads)]
+    if s.n_ctx is not None:
+        cmd += ["--n-ctx", str(s.n_ctx)]
     if s.log_json is not None:
         cmd += ["--log-json" if s.log_json else "--no-log-json"]
     return cmd

@@ -120,6 +120,7 @@ class ProxySettings(LayeredSettings):
         None, ge=1, description="Embedded backend slots (llama-cpp: worker processes, default 1; torch: batch size, default 16)"
     )
     n_threads: int | None = Field(None, ge=1, description="Embedded backend CPU threads per worker (default: cores / slots)")
+    n_ctx: int | None = Field(None, ge=64, description="Embedded backend context size per slot in tokens (default 2048)")
     backend_start_timeout_s: float = Field(300.0, gt=0, description="Longest wait for the embedded backend to load")
 
     @field_validator("session_parts")

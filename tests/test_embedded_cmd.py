@@ -33,6 +33,11 @@ def test_parallel_is_the_backends_slot_count_on_both_engines(tmp_path: Path) -> 
     assert backend_settings(tmp_path, engine="torch").slot_layout() == [BackendSettings().max_batch_size]
 
 
+def test_n_ctx_reaches_the_backend(tmp_path: Path) -> None:
+    assert backend_settings(tmp_path, n_ctx=8192).n_ctx == 8192
+    assert backend_settings(tmp_path).n_ctx == BackendSettings().n_ctx  # unset: the backend's default
+
+
 def test_backend_stop_fits_the_proxys_budget(tmp_path: Path) -> None:
     """The proxy stops the backend after its own drain (no client left): the backend's
     longest stop fits in the proxy's wait before SIGKILL, and the proxy's whole stop in

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmproxy.backend.engines.prompts import CHATML, admit_tokens, chat_messages, infill_tokens
+from llmproxy.backend.engines.prompts import CHATML, admit_tokens, chat_messages, given_tokens, infill_tokens
 from llmproxy.backend.engines.stops import done_event, split_held
 from llmproxy.backend.model_path import resolve_model
 from llmproxy.backend.protocol import Done, EngineInfo, Event, Failed, Prompt, Submit, Token
@@ -316,7 +316,7 @@ class LlamaCppEngine:
     def _tokens(self, prompt: Prompt, n_predict: int) -> list[int]:
         if prompt.kind == "completion":
             if prompt.tokens is not None:
-                return list(prompt.tokens)
+                return given_tokens(prompt.tokens, self.llm.n_vocab())
             return self._add_bos() + self._tok(prompt.text)
         if prompt.kind == "chat":
             text = self._chat(messages=chat_messages(prompt)).prompt

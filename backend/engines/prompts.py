@@ -7,7 +7,8 @@
   to fit the context, the extra chunks all or nothing. Without FIM tokens: the documented
   prefix-only fallback (plain continuation of extra texts + prefix + prompt; the suffix
   is ignored).
-* admission (``admit_tokens``): empty / too long prompts and the effective ``n_predict``.
+* admission (``admit_tokens``): empty / too long prompts, token ids outside the vocabulary
+  (``given_tokens``) and the effective ``n_predict`` (capped by the context left).
 
 Pure functions: the tokenizer comes in as a callable; called on the engine's thread.
 """
@@ -24,8 +25,21 @@ CHATML = (
 )
 
 
-class PromptTooLong(ValueError):
-    """The prompt cannot fit the context at all (a 400 invalid_request_error)."""
+class BadPrompt(ValueError):
+    """A prompt the model cannot take (a 400 invalid_request_error)."""
+
+
+class PromptTooLong(BadPrompt):
+    """The prompt cannot fit the context at all."""
+
+
+def given_tokens(tokens: tuple[int, ...], n_vocab: int) -> list[int]:
+    """A prompt sent as token ids, each checked against the vocabulary (an id outside it
+    would fail inside the model's decode, or index past its embeddings)."""
+    bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise BadPrompt(f"token id {bad} is out of range: the model's vocabulary has {n_vocab} tokens")
+    return list(tokens)
 
 
 def too_long(n: int, n_ctx: int) -> str:
@@ -87,17 +101,14 @@ def admit_tokens(
     """``(tokens, effective n_predict cap)`` for a request, or the ``Failed`` rejecting it."""
     try:
         tokens = build()
-    except PromptTooLong as exc:
+    except BadPrompt as exc:
         return Failed(request_id, 400, str(exc), "invalid_request_error")
     n = len(tokens)
     if n == 0:
         return Failed(request_id, 400, "empty prompt", "invalid_request_error")
     if n >= n_ctx:
         return Failed(request_id, 400, too_long(n, n_ctx), "exceed_context_size_error")
-    cap = n_predict_max
-    if n_predict >= 0:
-        if n + n_predict > n_ctx:
-            msg = f"prompt ({n} tokens) + n_predict ({n_predict}) exceeds the context size ({n_ctx})"
-            return Failed(request_id, 400, msg, "exceed_context_size_error")
-        cap = min(cap, n_predict)
+    # An n_predict beyond the context left is not an error (llama-server generates until the
+    # context is full, then stops with stop_type "limit", truncated): Continue sends 4096.
+    cap = n_predict_max if n_predict < 0 else min(n_predict_max, n_predict)
     return tokens, min(cap, n_ctx - n)

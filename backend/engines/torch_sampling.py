@@ -41,6 +41,7 @@ class Sampler:
         if p.min_p > 0.0 and vals.numel() > 1:
             probs = torch.softmax(vals, dim=-1)
             keep = probs >= p.min_p * probs[0]
+            keep[0] = True  # the likeliest always stays (llama.cpp's min_keep), even for min_p > 1
             vals, idx = vals[keep], idx[keep]
         probs = torch.softmax(vals / p.temperature, dim=-1)
         choice = torch.multinomial(probs, 1, generator=self.gen)

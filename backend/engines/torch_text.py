@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmproxy.backend.engines.prompts import CHATML, chat_messages, infill_tokens
+from llmproxy.backend.engines.prompts import CHATML, chat_messages, given_tokens, infill_tokens
 from llmproxy.backend.protocol import Prompt
 
 _FIM_NAMES = {
@@ -68,7 +68,7 @@ class PromptBuilder:
     def tokens(self, prompt: Prompt, n_predict: int) -> list[int]:
         if prompt.kind == "completion":
             if prompt.tokens is not None:
-                return list(prompt.tokens)
+                return given_tokens(prompt.tokens, len(self.tok))
             return self.bos + self._tok(prompt.text)
         if prompt.kind == "chat":
             text = self.tok.apply_chat_template(

@@ -205,12 +205,42 @@ def test_bad_input(backend: Any) -> None:
     status, body = backend.post("/completion", {"prompt": "hello " * 3000, "n_predict": 4})
     _envelope(status, body, 400)
     assert "context" in body["error"]["message"]
-    _envelope(*backend.post("/completion", {"prompt": "hello", "n_predict": 5000}), 400)
+    # what Python's json reads but the model cannot take: NaN / inf numbers, an unpaired
+    # surrogate (an editor cutting its text inside an emoji), token ids outside the vocabulary
+    _envelope(*backend.post("/completion", b'{"prompt": "x", "temperature": NaN}'), 400)
+    _envelope(*backend.post("/infill", b'{"input_prefix": "x = ", "t_max_predict_ms": NaN}'), 400)
+    _envelope(*backend.post("/completion", b'{"prompt": "x", "top_p": 1e400}'), 400)
+    _envelope(*backend.post("/infill", b'{"input_prefix": "# smile \\ud83d", "input_suffix": ""}'), 400)
+    _envelope(*backend.post("/completion", {"prompt": [1, 10**6], "n_predict": 2}), 400)
+    _envelope(*backend.post("/completion", {"prompt": [-5], "n_predict": 2}), 400)
+    status, body = backend.post("/completion", b'{"prompt": "smile \\ud83d\\ude00", "n_predict": 1}')
+    assert status == 200, body  # a surrogate pair is one character
     # streamed requests that fail before the first token get a plain JSON error too
     _envelope(*backend.post("/completion", {"prompt": "hello " * 3000, "stream": True}), 400)
     # the server is fine afterwards
     status, body = backend.post("/completion", {"prompt": "hello", "n_predict": 2})
     assert status == 200, body
+
+
+def test_n_predict_beyond_the_context_generates_until_it_is_full(backend: Any) -> None:
+    """As llama-server: not an error (Continue sends n_predict 4096 by default); the
+    generation stops when the context (2048) is full: stop_type limit, truncated."""
+    n_ctx = backend.get("/props")[1]["default_generation_settings"]["n_ctx"]
+
+    def evaluated(k: int) -> int:
+        status, body = backend.post("/completion", {"prompt": "hello " * k, "n_predict": 1, **GREEDY})
+        assert status == 200, body
+        return body["tokens_evaluated"]
+
+    a, b = evaluated(100), evaluated(200)
+    per, base = (b - a) / 100, a - 100 * (b - a) / 100
+    k = int((n_ctx - 6 - base) / per)
+    status, body = backend.post("/completion", {"prompt": "hello " * k, "n_predict": 4096, "ignore_eos": True, **GREEDY})
+    assert status == 200, body
+    assert body["stop_type"] == "limit" and body["truncated"] is True
+    assert body["tokens_evaluated"] + body["tokens_predicted"] == n_ctx and body["tokens_predicted"] > 0
+    status, body = backend.post("/completion", {"prompt": "hello", "n_predict": 3, "ignore_eos": True, **GREEDY})
+    assert status == 200 and body["stop_type"] == "limit" and body["truncated"] is False
 
 
 def test_model_names_accepted(backend: Any) -> None:

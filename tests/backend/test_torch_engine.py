@@ -271,8 +271,26 @@ def test_prompt_too_long_is_400(eng: Any) -> None:
     r = Run()
     r.admit(eng, "big", "hello " * 600)
     assert r.failed["big"].status == 400
-    r.admit(eng, "sum", PROMPTS[0], SamplingParams(n_predict=510))
-    assert r.failed["sum"].status == 400 and "exceeds the context size" in r.failed["sum"].message
+    assert eng.active() == 0
+
+
+def test_n_predict_beyond_the_context_runs_until_the_context_is_full(eng: Any) -> None:
+    """As llama-server: not a 400 (Continue sends n_predict 4096); it stops at the context."""
+    r = Run()
+    r.admit(eng, "sum", PROMPTS[0], SamplingParams(n_predict=4096, temperature=0, ignore_eos=True))
+    r.finish(eng)
+    done = r.done["sum"]
+    assert "sum" not in r.failed and done.stop_reason == "limit"
+    assert done.n_prompt_tokens + done.n_predicted == eng.n_ctx
+
+
+def test_token_ids_outside_the_vocabulary_are_400(eng: Any) -> None:
+    from llmproxy.backend.protocol import Prompt as P
+
+    r = Run()
+    for rid, ids in [("high", (1, len(eng.tokenizer))), ("negative", (-1,))]:
+        r.feed(eng.admit(Submit(rid, 0, P(kind="completion", tokens=ids), GREEDY)))
+        assert r.failed[rid].status == 400 and "out of range" in r.failed[rid].message
     assert eng.active() == 0
 
 
@@ -342,3 +360,14 @@ def test_sleep_then_admit_reloads(eng: Any) -> None:
 
 def _fields(p: SamplingParams) -> dict[str, Any]:
     return {k: getattr(p, k) for k in SamplingParams.__slots__}
+
+
+def test_min_p_above_one_keeps_the_likeliest_token() -> None:
+    """min_p > 1 filters out every token but the likeliest, as llama.cpp (min_keep 1): no
+    empty distribution (which raised in the worker and took every client's generation down)."""
+    import torch
+
+    from llmproxy.backend.engines.torch_sampling import Sampler
+
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=1.5, seed=1))
+    assert [sampler(torch.tensor([0.1, 3.0, 0.2])) for _ in range(5)] == [1] * 5
