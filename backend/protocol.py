@@ -22,7 +22,8 @@ class SamplingParams:
     min_p: float = 0.05
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    t_max_predict_ms: int | None = None  # llama.vim: stop after this long once a newline was produced
+    t_max_predict_ms: int | None = None  # llama.vim: past this long, stop on the next token with a newline
+    n_indent: int = 0  # llama.vim: stop at (and cut) the first new line indented less than this
     ignore_eos: bool = False  # llama-server's ignore_eos: generate through end-of-generation tokens
 
 

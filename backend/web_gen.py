@@ -105,6 +105,7 @@ def gen_settings(p: SamplingParams | None) -> dict[str, Any]:
         "seed": -1 if p.seed is None else p.seed,
         "stop": list(p.stop),
         "t_max_predict_ms": p.t_max_predict_ms or 0,
+        "n_indent": p.n_indent,
     }
 
 

@@ -71,6 +71,11 @@ def sampling_params(body: dict[str, Any], openai: bool = False) -> SamplingParam
     tmax = body.get("t_max_predict_ms")
     if tmax is not None and (isinstance(tmax, bool) or not isinstance(tmax, (int, float)) or not math.isfinite(tmax)):
         raise BadRequest("'t_max_predict_ms' must be a finite number")
+    n_indent = body.get("n_indent")
+    if n_indent is None:
+        n_indent = 0
+    if isinstance(n_indent, bool) or not isinstance(n_indent, int):
+        raise BadRequest("'n_indent' must be an integer")
     return SamplingParams(
         n_predict=max(-1, n_predict),
         temperature=_num(body, "temperature", d.temperature, float),
@@ -80,6 +85,7 @@ def sampling_params(body: dict[str, Any], openai: bool = False) -> SamplingParam
         seed=None if seed is None or seed < 0 else seed,
         stop=_stop(body),
         t_max_predict_ms=int(tmax) if tmax else None,
+        n_indent=max(0, n_indent),
         ignore_eos=bool(body.get("ignore_eos", False)),
     )
 

@@ -15,8 +15,10 @@ worker loop between inbound drains; bounded work per call):
    rows that finish leave at once.
 
 Token handling (``accept``) follows the llama-cpp engine (``stops``): EOS (unless ``ignore_eos``),
-stop words with held-back partial matches, ``n_predict``/context limit, and
-``t_max_predict_ms`` once a newline was produced.
+stop words with held-back partial matches, ``n_indent`` (text after a newline held until
+its indentation is decided; an under-indented line is cut and ends the generation),
+``n_predict``/context limit, and ``t_max_predict_ms`` (past it, stop on the next token
+that has a newline).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from llmproxy.backend.engines.stops import split_held
+from llmproxy.backend.engines.stops import hold_back, time_up
 from llmproxy.backend.engines.torch_sampling import sample_rows
 from llmproxy.backend.protocol import Event, Token
 
@@ -142,21 +144,23 @@ def accept(engine: Any, seq: Any, tok: int, out: list[Event]) -> bool:
         return True
     seq.n_decoded += 1
     seq.next_token = tok
-    emit, seq.held, word = split_held(seq.held + seq.detok.push(tok), p.stop)
-    if word is not None:
-        if emit:
-            out.append(Token(seq.rid, emit, seq.n_decoded))
-        out.extend(engine._finish(seq, "word", emit_held=False, stopping_word=word))
+    piece = seq.detok.push(tok)
+    hold = hold_back(seq.held + piece, p.stop, p.n_indent)
+    seq.held = hold.held
+    if hold.emit:
+        seq.has_new_line = seq.has_new_line or "\n" in hold.emit
+        out.append(Token(seq.rid, hold.emit, seq.n_decoded))
+    if hold.word is not None:
+        out.extend(engine._finish(seq, "word", emit_held=False, stopping_word=hold.word))
         return True
-    if emit:
-        seq.has_new_line = seq.has_new_line or "\n" in emit
-        out.append(Token(seq.rid, emit, seq.n_decoded))
+    if hold.indent_stop:  # a line indented less than n_indent began: cut there
+        out.extend(engine._finish(seq, "limit", emit_held=False))
+        return True
     reason = None
     if seq.n_decoded >= seq.n_predict or len(seq.tokens) + seq.n_decoded >= engine.n_ctx:
         reason = "limit"
-    elif p.t_max_predict_ms and p.t_max_predict_ms > 0 and seq.has_new_line:
-        if (now - seq.t_first) * 1000.0 > p.t_max_predict_ms:
-            reason = "time"
+    elif time_up(piece, seq.t_first, now, p.t_max_predict_ms):
+        reason = "time"  # only on a token with a newline: the answer ends on a line boundary
     if reason is None:
         return False
     out.extend(engine._finish(seq, reason))
