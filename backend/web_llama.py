@@ -35,6 +35,14 @@ from llmproxy.backend.web_requests import (
 )
 
 
+def _context_full(d: Done, params: SamplingParams, n_ctx: int) -> bool:
+    """llama-server's ``truncated``: the generation stopped because the context was full,
+    not because it produced the ``n_predict`` asked for (checked first there, so a request
+    for exactly the room left is not truncated)."""
+    asked = params.n_predict
+    return d.stop_reason == "limit" and d.n_prompt_tokens + d.n_predicted >= n_ctx and not 0 <= asked <= d.n_predicted
+
+
 def _final_llama(app: web.Application, g: Gen, content: str) -> dict[str, Any]:
     d = g.done
     assert d is not None
@@ -50,7 +58,7 @@ def _final_llama(app: web.Application, g: Gen, content: str) -> dict[str, Any]:
         "generation_settings": gen_settings(g.params),
         "prompt": "",
         "has_new_line": "\n" in "".join(g.content),
-        "truncated": d.stop_reason == "limit" and d.n_prompt_tokens + d.n_predicted >= app[SETTINGS].n_ctx,
+        "truncated": _context_full(d, g.params, app[SETTINGS].n_ctx),
         "stop_type": STOP_TYPE[d.stop_reason],
         "stopping_word": d.stopping_word,
         "tokens_cached": d.n_prompt_tokens + d.n_predicted,

@@ -36,12 +36,23 @@ async def read_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
+def _finite(v: Any) -> bool:
+    """A JSON number the engines can take: not a bool, NaN, inf (Python's json reads NaN and
+    1e400) or an integer too large for a float (it reads 400 digits as an int)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
+
+
 def _num(body: dict[str, Any], key: str, default: Any, kind: type) -> Any:
     v = body.get(key, default)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise BadRequest(f"'{key}' must be a finite number")  # Python's json reads NaN, 1e400
+    if not _finite(v):
+        raise BadRequest(f"'{key}' must be a finite number")
     return kind(v)
 
 
@@ -69,7 +80,7 @@ def sampling_params(body: dict[str, Any], openai: bool = False) -> SamplingParam
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadRequest("'seed' must be an integer")
     tmax = body.get("t_max_predict_ms")
-    if tmax is not None and (isinstance(tmax, bool) or not isinstance(tmax, (int, float)) or not math.isfinite(tmax)):
+    if tmax is not None and not _finite(tmax):
         raise BadRequest("'t_max_predict_ms' must be a finite number")
     n_indent = body.get("n_indent")
     if n_indent is None:
@@ -82,7 +93,7 @@ def sampling_params(body: dict[str, Any], openai: bool = False) -> SamplingParam
         top_k=_num(body, "top_k", d.top_k, int),
         top_p=_num(body, "top_p", d.top_p, float),
         min_p=_num(body, "min_p", d.min_p, float),
-        seed=None if seed is None or seed < 0 else seed,
+        seed=None if seed is None or seed < 0 else seed % 2**32,  # llama-server's seed is a uint32
         stop=_stop(body),
         t_max_predict_ms=int(tmax) if tmax else None,
         n_indent=max(0, n_indent),

@@ -48,7 +48,7 @@ def _end_event(tail: bytes) -> bytes:
     """Line feeds that end an SSE event left open by ``tail`` (nothing at an event boundary)."""
     if not tail or tail.endswith((b"\n\n", b"\r\r", b"\r\n\r\n")):
         return b""
-    return b"\n" if tail.endswith((b"\n", b"\r")) else b"\n\n"
+    return b"\n" if tail.endswith(b"\n") else b"\n\n"  # after a lone "\r", a "\n" would join it
 
 
 async def relay(request: web.Request, events: AsyncIterator[Event]) -> web.StreamResponse:

@@ -84,26 +84,33 @@ async def test_detection_waits_while_llama_server_loads(http: aiohttp.ClientSess
             assert px.state.policy("auto", "/infill") == "cancel"
 
 
-@pytest.mark.parametrize("capacity", [None, 1])
+@pytest.mark.parametrize("capacity", [None, 1, 4])
 async def test_slot_count_and_slots_learnt_after_detection_gave_up(
     http: aiohttp.ClientSession, capacity: int | None
 ) -> None:
-    """Still loading at the detection deadline: llamacpp with one permit at first, then the
-    watcher reads /props and /slots once the model is loaded; the gate grows unless
-    ``capacity`` is configured."""
+    """Still loading at the detection deadline: llamacpp with one permit (or ``capacity``)
+    at first, then the watcher reads /props and /slots once the model is loaded; the gate
+    grows unless ``capacity`` is configured; one above the slot count is logged as an error."""
     async with LoadingFake(kind="llamacpp", slots=2) as fake, run_proxy(fake.url, capacity=capacity) as px:
         adapter, gate = px.state.adapter, px.state.gate
-        assert (adapter.kind, adapter.slots, adapter.can_confirm, gate.capacity) == ("llamacpp", None, False, 1)
+        assert (adapter.kind, adapter.slots, adapter.can_confirm, gate.capacity) == ("llamacpp", None, False,
+                                                                                     capacity or 1)
         assert adapter.pending() and not adapter.known.is_set()
         assert px.state.policy("auto", "/infill") == "finish"  # no /slots yet: cannot confirm
-        fake.ready.set()
-        await asyncio.wait_for(adapter.known.wait(), 10)
+        if capacity is None:  # two completions at once need two slots: not known yet
+            async with http.post(px.url + "/completion", json={"prompt": "x", "n_cmpl": 2}) as r:
+                assert r.status == 400 and "not known yet" in (await r.json())["error"]["message"]
+        with structlog.testing.capture_logs() as logs:
+            fake.ready.set()
+            await asyncio.wait_for(adapter.known.wait(), 10)
         assert (adapter.slots, adapter.can_confirm) == (2, True)
         assert px.state.policy("auto", "/infill") == "cancel"
-        expected = 2 if capacity is None else 1
-        assert gate.capacity == gate.free == expected
+        over = [e for e in logs if e["event"].startswith("capacity exceeds the upstream's slots")]
+        assert [(e["capacity"], e["slots"]) for e in over] == ([(4, 2)] if capacity == 4 else [])
+        assert gate.capacity == gate.free == (2 if capacity is None else capacity)
+        expected = min(2, gate.capacity)  # generations at once
         async with http.get(px.url + "/llmproxy/metrics") as r:
-            assert f"llmproxy_permits_total {float(expected)}" in await r.text()
+            assert f"llmproxy_permits_total {float(gate.capacity)}" in await r.text()
         hold = asyncio.Event()
         fake.script = lambda _p, _b: Script(tokens=2, hold=hold)
 
@@ -115,12 +122,14 @@ async def test_slot_count_and_slots_learnt_after_detection_gave_up(
 
         posts = [asyncio.create_task(post(f"s{i}")) for i in range(2)]
         await fake.wait_for(lambda f: f.concurrent == expected)
-        while gate.queued + gate.inflight < 2:  # the second request reaches the gate
-            await asyncio.sleep(0)
+        async with asyncio.timeout(10):
+            while gate.queued + gate.inflight < 2:  # the second request reaches the gate
+                await asyncio.sleep(0)
         assert gate.queued == 2 - expected
         hold.set()
         assert await asyncio.gather(*posts) == [200, 200]
         assert sorted(g.body["id_slot"] for g in fake.generations) == ([0, 1] if expected == 2 else [0, 0])
+        assert gate.free == gate.capacity
         assert fake.max_concurrent == expected and fake.deferred == []
 
 

@@ -159,7 +159,8 @@ def test_stream_error_bytes_formats() -> None:
         assert json.loads(line[len(rs):]) == {"error": "superseded", "type": "superseded", "code": 499, "src": "llmproxy"}
     assert stream_error_bytes("application/json", err) is None  # no event format: the relay closes instead
     # after bytes that left an event or line open, it is ended first
-    for tail, prefix in [(b"", b""), (b'"}\n\n', b""), (b"\r\n\r\n", b""), (b'"a"}\n', b"\n"), (b'"a', b"\n\n")]:
+    for tail, prefix in [(b"", b""), (b'"}\n\n', b""), (b"\r\n\r\n", b""), (b'"a"}\n', b"\n"), (b'"a', b"\n\n"),
+                         (b'"a"}\r', b"\n\n")]:  # "\r" + "\n" is one line end: two more are needed
         assert stream_error_bytes("text/event-stream", err, tail) == prefix + sse, tail
     for tail, prefix in [(b"", b""), (b"}\n", b""), (b'{"a', b"\n")]:
         assert stream_error_bytes("application/x-ndjson", err, tail) == prefix + line.removeprefix(b"\x1e"), tail

@@ -62,8 +62,10 @@ def infill_tokens(
     n_predict_max: int,
 ) -> list[int]:
     """Token ids of an infill prompt; ``plain`` tokenizes without parsing special tokens."""
-    # room for the prompt: leave space for generation (at least a little)
-    reserve = n_predict if n_predict > 0 else min(n_predict_max, n_ctx // 4)
+    # room for the prompt: leave space for generation, at most a quarter of the context (a
+    # large n_predict, Continue's 4096 say, runs until the context is full, see admit_tokens,
+    # and must not squeeze the prompt to nothing)
+    reserve = min(n_predict if n_predict > 0 else n_predict_max, n_ctx // 4)
     budget = max(16, n_ctx - reserve - 1)
     prefix = plain(prompt.prefix + prompt.text)
     if fim is None:

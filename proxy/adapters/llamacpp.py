@@ -102,6 +102,8 @@ class LlamaCppAdapter(Adapter):
         field = "n_cmpl" if parsed.get("n_cmpl") is not None else "n"
         if self.slots is not None and capacity < self.slots:
             hint = f"--capacity is below the upstream's {self.slots} slots"
+        elif self.slots is None and self.props_pending:
+            hint = "the upstream's slot count is not known yet (it was still loading): try again shortly"
         else:
             hint = "the upstream has no more (llama-server: raise -np)"
         raise BadRequest(f"'{field}' = {wanted} needs {wanted} slots at once, llmproxy has {capacity}: {hint}")

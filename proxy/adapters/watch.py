@@ -5,9 +5,12 @@ it loads its model (503 on every API route) or while ``/slots`` is slow (answere
 the server's main loop, between decode steps). Detection (detect.py) then leaves the slot
 count unknown or stop confirmation off, and says so in the adapter's ``pending()``.
 ``watch_upstream`` asks again, backing off from ``WATCH_FIRST_S`` to ``WATCH_MAX_S``,
-until nothing is pending: confirmation turns on for requests that start from then on, and
-a slot count learnt this way grows the gate (``Gate.grow``) unless ``capacity`` is set.
-Then it sets ``adapter.known``.
+until nothing is pending: confirmation turns on from then on (for new requests, and for
+stops of requests already in flight, which ask the adapter when they stop), and a slot
+count learnt this way grows the gate (``Gate.grow``) unless ``capacity`` is set; a
+configured ``capacity`` above it is only logged (an error: requests on slots the upstream
+does not have wait there), since permits already granted cannot be taken back. Then it
+sets ``adapter.known``.
 
 Concurrency contract: one task per app, started by ``watching`` (an async context
 manager the app's upstream cleanup context enters once the gate exists) and cancelled and
@@ -35,10 +38,16 @@ async def watch_upstream(adapter: Adapter, gate: Gate, settings: ProxySettings) 
         while adapter.pending():
             await asyncio.sleep(delay)
             delay = min(delay * 2, WATCH_MAX_S)
+            unknown = adapter.slots is None
             await adapter.refresh()
-            if settings.capacity is None and adapter.slots is not None and adapter.slots > gate.capacity:
+            if not unknown or adapter.slots is None:
+                continue
+            if settings.capacity is None and adapter.slots > gate.capacity:
                 log.info("upstream slot count learnt: more permits", permits=adapter.slots, were=gate.capacity)
                 gate.grow(adapter.slots)
+            elif adapter.slots < gate.capacity:
+                log.error("capacity exceeds the upstream's slots: requests given the missing slots wait at "
+                          "the upstream; lower --capacity", capacity=gate.capacity, slots=adapter.slots)
     except Exception:  # our own bug: say so, and leave the adapter as detection left it
         log.exception("upstream watch failed")
         return

@@ -210,6 +210,10 @@ def test_bad_input(backend: Any) -> None:
     _envelope(*backend.post("/completion", b'{"prompt": "x", "temperature": NaN}'), 400)
     _envelope(*backend.post("/infill", b'{"input_prefix": "x = ", "t_max_predict_ms": NaN}'), 400)
     _envelope(*backend.post("/completion", b'{"prompt": "x", "top_p": 1e400}'), 400)
+    _envelope(*backend.post("/completion", b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}"), 400)
+    _envelope(*backend.post("/infill", b'{"input_prefix": "x", "t_max_predict_ms": 1' + b"0" * 400 + b"}"), 400)
+    status, body = backend.post("/completion", {"prompt": "x", "n_predict": 1, "seed": 2**64 + 7})
+    assert status == 200 and body["generation_settings"]["seed"] == 7, body  # a uint32, as llama-server's
     _envelope(*backend.post("/infill", b'{"input_prefix": "# smile \\ud83d", "input_suffix": ""}'), 400)
     _envelope(*backend.post("/completion", {"prompt": [1, 10**6], "n_predict": 2}), 400)
     _envelope(*backend.post("/completion", {"prompt": [-5], "n_predict": 2}), 400)
@@ -239,6 +243,9 @@ def test_n_predict_beyond_the_context_generates_until_it_is_full(backend: Any) -
     assert status == 200, body
     assert body["stop_type"] == "limit" and body["truncated"] is True
     assert body["tokens_evaluated"] + body["tokens_predicted"] == n_ctx and body["tokens_predicted"] > 0
+    exact = {"prompt": "hello " * k, "n_predict": body["tokens_predicted"], "ignore_eos": True, **GREEDY}
+    status, body = backend.post("/completion", exact)  # asked for exactly the room left: not truncated
+    assert status == 200 and body["stop_type"] == "limit" and body["truncated"] is False, body
     status, body = backend.post("/completion", {"prompt": "hello", "n_predict": 3, "ignore_eos": True, **GREEDY})
     assert status == 200 and body["stop_type"] == "limit" and body["truncated"] is False
 
