@@ -57,16 +57,21 @@ class KeyedFake(FakeUpstream):
 
 
 class SlotsLaterFake(FakeUpstream):
-    """/slots answers ``first`` until ``ready`` is set (a 503, or 501 as with --no-slots)."""
+    """/slots answers ``first`` until ``ready`` is set (a 503, or 501 as with --no-slots), or
+    with ``first`` None does not answer until then (llama-server answers /slots from its
+    main loop: during a long prompt, later than the proxy's probe timeout)."""
 
-    def __init__(self, *, first: int, **kw: object) -> None:
+    def __init__(self, *, first: int | None, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
         self.first = first
         self.ready = asyncio.Event()
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         if request.path == "/slots" and not self.ready.is_set():
-            return json_response({"error": {"code": self.first, "message": "not now", "type": "x"}}, self.first)
+            if self.first is None:
+                await self.ready.wait()
+            else:
+                return json_response({"error": {"code": self.first, "message": "not now", "type": "x"}}, self.first)
         return await super()._dispatch(request)
 
 
@@ -149,10 +154,11 @@ async def test_gate_grow_hands_new_permits_to_waiters_in_order() -> None:
     assert gate.free == 0 and gate.held == 3
 
 
-@pytest.mark.parametrize(("first", "retried"), [(503, True), (501, False)])
-async def test_slots_failing_at_start(first: int, retried: bool) -> None:
-    """A 503 (or a timeout) may pass: /slots is asked again and confirmation turns on. A 501
-    (llama-server --no-slots) is final: nothing to watch, the policies stay ``finish``."""
+@pytest.mark.parametrize(("first", "retried"), [(503, True), (None, True), (501, False)],
+                         ids=["503", "no-answer-in-time", "501"])
+async def test_slots_failing_at_start(first: int | None, retried: bool) -> None:
+    """A 503 or no answer in time may pass: /slots is asked again and confirmation turns on.
+    A 501 (llama-server --no-slots) is final: nothing to watch, the policies stay ``finish``."""
     async with SlotsLaterFake(kind="llamacpp", slots=2, first=first) as fake, run_proxy(fake.url) as px:
         adapter = px.state.adapter
         assert adapter.slots == 2 and not adapter.can_confirm and px.state.gate.capacity == 2
