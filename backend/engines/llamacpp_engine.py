@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmproxy.backend.engines.prompts import CHATML, admit_tokens, chat_messages, given_tokens, infill_tokens
-from llmproxy.backend.engines.stops import done_event, hold_back, time_up
+from llmproxy.backend.engines.stops import done_event, take_piece, time_up
 from llmproxy.backend.model_path import resolve_model
 from llmproxy.backend.protocol import Done, EngineInfo, Event, Failed, Prompt, Submit, Token
 
@@ -265,7 +265,7 @@ class LlamaCppEngine:
             return self._finish(seq, "eos")
         seq.n_decoded += 1
         piece = seq.decoder.decode(llm.detokenize([tok]))
-        out, reason, word = self._hold(seq, piece)
+        out, reason, word = take_piece(seq, piece)
         if reason is not None:  # a stop word, or a line indented less than n_indent
             self.current = None
             return out + self._finish(seq, reason, emit_held=False, stopping_word=word)
@@ -277,22 +277,6 @@ class LlamaCppEngine:
             self.current = None
             out.extend(self._finish(seq, reason))
         return out
-
-    @staticmethod
-    def _hold(seq: _Seq, piece: str) -> tuple[list[Event], str | None, str]:
-        """Add a decoded ``piece`` to the held text; emit what is decided (``stops.hold_back``:
-        stop words, n_indent). Returns (events, "word"/"limit" if that ends the generation
-        else None, the stop word)."""
-        p = seq.submit.params
-        hold = hold_back(seq.held + piece, p.stop, p.n_indent)
-        seq.held = hold.held
-        out: list[Event] = []
-        if hold.emit:
-            seq.has_new_line = seq.has_new_line or "\n" in hold.emit
-            out.append(Token(seq.rid, hold.emit, seq.n_decoded))
-        if hold.word is not None:
-            return out, "word", hold.word
-        return out, ("limit" if hold.indent_stop else None), ""
 
     def _finish(self, seq: _Seq, reason: str, emit_held: bool = True, stopping_word: str = "") -> list[Event]:
         out: list[Event] = []

@@ -19,9 +19,9 @@ Pure functions: no state, no I/O; called on the engine's single thread.
 from __future__ import annotations
 
 import time
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
-from llmproxy.backend.protocol import Done
+from llmproxy.backend.protocol import Done, Event, Token
 
 
 def find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
@@ -125,6 +125,23 @@ def hold_back(text: str, stops: tuple[str, ...], n_indent: int = 0) -> Hold:
         return Hold(text[:cut], "", None, True)
     start = min(len(text) - partial_stop_len(text, stops), indent_hold_start(text, n_indent))
     return Hold(text[:start], text[start:])
+
+
+def take_piece(seq: Any, piece: str) -> tuple[list[Event], str | None, str]:
+    """Both engines' step after decoding ``piece`` for ``seq`` (which has ``rid``, ``held``,
+    ``n_decoded``, ``has_new_line`` and ``submit.params``): hold it back as ``hold_back``
+    says, emit what is decided. Returns (events, "word" / "limit" when a stop word / an
+    under-indented line ends the generation else None, the stop word)."""
+    p = seq.submit.params
+    hold = hold_back(seq.held + piece, p.stop, p.n_indent)
+    seq.held = hold.held
+    out: list[Event] = []
+    if hold.emit:
+        seq.has_new_line = seq.has_new_line or "\n" in hold.emit
+        out.append(Token(seq.rid, hold.emit, seq.n_decoded))
+    if hold.word is not None:
+        return out, "word", hold.word
+    return out, ("limit" if hold.indent_stop else None), ""
 
 
 def time_up(piece: str, t_first: float, now: float, t_max_predict_ms: int | None) -> bool:

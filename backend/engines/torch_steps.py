@@ -26,9 +26,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from llmproxy.backend.engines.stops import hold_back, time_up
+from llmproxy.backend.engines.stops import take_piece, time_up
 from llmproxy.backend.engines.torch_sampling import sample_rows
-from llmproxy.backend.protocol import Event, Token
+from llmproxy.backend.protocol import Event
 
 PAD_SLACK = 1.5  # prefill chunks share one forward while padded tokens <= 1.5 x real tokens
 
@@ -145,16 +145,10 @@ def accept(engine: Any, seq: Any, tok: int, out: list[Event]) -> bool:
     seq.n_decoded += 1
     seq.next_token = tok
     piece = seq.detok.push(tok)
-    hold = hold_back(seq.held + piece, p.stop, p.n_indent)
-    seq.held = hold.held
-    if hold.emit:
-        seq.has_new_line = seq.has_new_line or "\n" in hold.emit
-        out.append(Token(seq.rid, hold.emit, seq.n_decoded))
-    if hold.word is not None:
-        out.extend(engine._finish(seq, "word", emit_held=False, stopping_word=hold.word))
-        return True
-    if hold.indent_stop:  # a line indented less than n_indent began: cut there
-        out.extend(engine._finish(seq, "limit", emit_held=False))
+    events, stop, word = take_piece(seq, piece)
+    out.extend(events)
+    if stop is not None:  # a stop word, or a line indented less than n_indent (cut there)
+        out.extend(engine._finish(seq, stop, emit_held=False, stopping_word=word))
         return True
     reason = None
     if seq.n_decoded >= seq.n_predict or len(seq.tokens) + seq.n_decoded >= engine.n_ctx:

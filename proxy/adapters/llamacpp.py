@@ -36,7 +36,6 @@ from llmproxy.proxy.errors import BadRequest
 from llmproxy.proxy.gate import Gate, Ticket
 from llmproxy.proxy.routes import SLOT_ROUTES
 
-_POLL_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 
 
 def _json_int(body: dict[str, Any], key: str, default: int) -> int:
@@ -73,6 +72,11 @@ def slot_busy(entry: dict[str, Any]) -> bool:
 
 class LlamaCppAdapter(Adapter):
     kind = "llamacpp"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.props_pending = False  # slot count still to be read from /props (detection gave up)
+        self.slots_pending = False  # /slots failed in a way that may pass (timeout, refused, 5xx)
 
     def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
         if path in SLOT_ROUTES and isinstance(parsed, dict):
@@ -112,11 +116,6 @@ class LlamaCppAdapter(Adapter):
         """Only where ``id_slot`` pins the request to the permit's slot: llama-server runs an
         /v1/embeddings request on any free slot(s), so slot i idle would prove nothing."""
         return self.can_confirm and path in SLOT_ROUTES
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.props_pending = False  # slot count still to be read from /props (detection gave up)
-        self.slots_pending = False  # /slots failed in a way that may pass (timeout, refused, 5xx)
 
     async def probe_slots(self) -> bool:
         """Is /slots available? Sets ``can_confirm``, and ``slots_pending`` while the answer
@@ -159,13 +158,12 @@ class LlamaCppAdapter(Adapter):
         can run) or 'unknown' (any other failure: a name that does not resolve, no file
         descriptors, a timeout say nothing about what runs there)."""
         try:
-            async with self.session.get(self.base_url / "slots", timeout=_POLL_TIMEOUT, allow_redirects=False) as resp:
-                if resp.status != 200:
-                    return "unknown"
-                data = await resp.json(content_type=None)
+            status, data = await get_json(self.session, self.base_url / "slots")
         except aiohttp.ClientConnectorError as exc:  # refused: nothing listens, nothing runs
             return "down" if isinstance(exc.os_error, ConnectionRefusedError) else "unknown"  # DNS, EMFILE: unknown
-        except (aiohttp.ClientError, ValueError, TimeoutError):
+        except (aiohttp.ClientError, TimeoutError):
+            return "unknown"
+        if status != 200:
             return "unknown"
         return {
             entry["id"]: slot_busy(entry)
