@@ -74,11 +74,11 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         breaker = CircuitBreaker(s.breaker_threshold, s.breaker_cooldown_s)
         app[METRICS].bind_breaker(breaker)
         app[STATE] = ProxyState(s, session, adapter, gate, jobs, app[METRICS], breaker)
-        async with watching(adapter, gate, s):  # learns what detection could not, while serving
+        async with watching(app[STATE]):  # learns what detection could not, while serving
             yield
         gate.close()
         await jobs.drain(0)  # on_shutdown drained already: cut anything that started since
-        adapter.close()
+        app[STATE].adapter.close()  # the one in use (the watcher may have replaced detection's)
 
 
 async def _on_shutdown(app: web.Application) -> None:

@@ -20,6 +20,7 @@ from llmproxy.proxy.bench.fake_shapes import json_response
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
 from llmproxy.proxy.settings import ProxySettings
 from tests.conftest import run_proxy
+from tests.helpers import closed_port
 
 _LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
 _PUBLIC = ("/health", "/v1/health", "/models", "/v1/models", "/api/tags")  # llama-server's, with --api-key
@@ -136,6 +137,43 @@ async def test_slot_count_and_slots_learnt_after_detection_gave_up(
         assert sorted(g.body["id_slot"] for g in fake.generations) == ([0, 1] if expected == 2 else [0, 0])
         assert gate.free == gate.capacity
         assert fake.max_concurrent == expected and fake.deferred == []
+
+
+@pytest.mark.parametrize("kind", ["llamacpp", "ollama"])
+async def test_upstream_that_listens_only_later_is_detected_then(http: aiohttp.ClientSession, kind: str) -> None:
+    """Kind auto and nothing listening for the whole detection window (a llama-server
+    started after the proxy): served as openai with one permit (requests get 502 while it is
+    down), marked undetected; once the server listens, the watcher detects it and swaps in
+    its adapter: slot count, ``id_slot``, stop confirmation. A configured kind stays as is."""
+    port = closed_port()
+    async with run_proxy(f"http://127.0.0.1:{port}") as px:
+        first, gate = px.state.adapter, px.state.gate
+        assert (first.kind, first.undetected, first.pending(), gate.capacity) == ("openai", True, True, 1)
+        assert not first.known.is_set() and px.state.policy("auto", "/completion") == "finish"
+        async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:
+            assert r.status == 502
+        async with http.get(px.url + "/llmproxy/status") as r:
+            assert (await r.json())["upstream"]["detected"] is False
+        with structlog.testing.capture_logs() as logs:
+            async with FakeUpstream(kind=kind, slots=2, port=port) as fake:  # type: ignore[arg-type]
+                await asyncio.wait_for(first.known.wait(), 15)
+                adapter = px.state.adapter
+                assert adapter is not first and adapter.known.is_set() and not adapter.pending()
+                assert (adapter.kind, adapter.undetected) == (kind, False)
+                async with http.get(px.url + "/llmproxy/status") as r:
+                    assert (await r.json())["upstream"]["detected"] is True
+                route = "/completion" if kind == "llamacpp" else "/api/generate"
+                async with http.post(px.url + route, json={"model": "m", "prompt": "x", "stream": False}) as r:
+                    assert r.status == 200
+                if kind == "llamacpp":
+                    assert (adapter.slots, adapter.can_confirm, gate.capacity, gate.free) == (2, True, 2, 2)
+                    assert fake.generations[-1].body["id_slot"] == 0
+                    assert px.state.policy("auto", "/completion") == "cancel"
+                else:
+                    assert gate.capacity == 1 and "id_slot" not in fake.generations[-1].body
+        assert [e["kind"] for e in logs if e["event"] == "upstream detected"] == [kind]
+    async with run_proxy(f"http://127.0.0.1:{closed_port()}", upstream_kind="openai") as px:
+        assert not px.state.adapter.undetected and px.state.adapter.known.is_set()
 
 
 async def test_gate_grow_hands_new_permits_to_waiters_in_order() -> None:

@@ -61,6 +61,7 @@ class Adapter:
         self.slots = slots
         self.can_confirm = False
         self.known = asyncio.Event()  # set once nothing is left to learn (``pending``; see watch.py)
+        self.undetected = False  # kind auto, upstream unreachable at start: to be detected again (detect.py)
 
     def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
         """Body to send upstream for a gated request holding permit ``slot``."""
@@ -76,7 +77,7 @@ class Adapter:
 
     def pending(self) -> bool:
         """Is something about the upstream still to be learnt by probing again (see watch.py)?"""
-        return False
+        return self.undetected
 
     async def refresh(self) -> None:
         """Probe again for what ``pending`` says is still missing."""
@@ -96,4 +97,5 @@ class Adapter:
         self.client.close()
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "url": str(self.base_url), "slots": self.slots, "can_confirm": self.can_confirm}
+        return {"kind": self.kind, "url": str(self.base_url), "slots": self.slots, "can_confirm": self.can_confirm,
+                "detected": not self.undetected}

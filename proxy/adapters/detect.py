@@ -4,10 +4,13 @@ Detection: ``GET /props`` answering JSON -> llamacpp (slot count from ``total_sl
 ``GET /api/version`` answering -> ollama; otherwise openai. Detection retries until
 ``detect_timeout_s`` while the upstream is unreachable, and while ``/props`` answers 503
 (llama-server answers every API route so while it loads its model). At the deadline an
-unreachable upstream is taken as openai (or the configured kind) with the configured
-capacity; one still loading as llamacpp. A llamacpp adapter whose slot count is not known
-then (or whose ``/slots`` failed for a reason that may pass) is completed later by
-``watch.watch_upstream``. A 401/403 on ``/props`` is logged with a hint at
+unreachable upstream is served as openai (or the configured kind) with the configured
+capacity, and with ``upstream_kind`` auto marked ``undetected``: ``watch.watch_upstream``
+detects it again (``redetect``) until it answers, and swaps in the adapter found (a
+llama-server started after the proxy, or by a later systemd unit, still gets its slots,
+``id_slot`` and stop confirmation). One still loading is taken as llamacpp. A llamacpp
+adapter whose slot count is not known then (or whose ``/slots`` failed for a reason that
+may pass) is completed later by ``watch.watch_upstream``. A 401/403 on ``/props`` is logged with a hint at
 ``upstream_api_key``: the proxy's own probes need the key a keyed llama-server wants.
 """
 
@@ -61,6 +64,7 @@ async def create_adapter(session: aiohttp.ClientSession, settings: ProxySettings
     kind: str | None = None if settings.upstream_kind == "auto" else settings.upstream_kind
     slots: int | None = None
     gave_up = False  # the deadline passed (unreachable, or still loading): no slot count yet
+    undetected = False  # kind auto, and the upstream never answered: detected again later
     loop = asyncio.get_running_loop()
     deadline = loop.time() + settings.detect_timeout_s
     while True:
@@ -77,16 +81,44 @@ async def create_adapter(session: aiohttp.ClientSession, settings: ProxySettings
                 break
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             if loop.time() >= deadline:
-                log.warning("upstream unreachable during detection", upstream=base, error=str(exc))
+                undetected = kind is None
+                log.warning("upstream unreachable during detection" + ("; detected again once it answers"
+                            if undetected else ""), upstream=base, error=str(exc))
                 kind = kind or "openai"
                 gave_up = True
                 break
         await asyncio.sleep(0.2)
-    adapter = KINDS[kind](base, session, settings, slots=slots)
-    if isinstance(adapter, LlamaCppAdapter):
-        adapter.props_pending = gave_up  # learnt later by watch.watch_upstream
-        await adapter.probe_slots()
+    adapter = await _build(session, settings, base, kind, slots, props_pending=gave_up)
+    adapter.undetected = undetected
     if not adapter.pending():
         adapter.known.set()
     log.info("upstream adapter ready", **adapter.describe())
+    return adapter
+
+
+async def redetect(session: aiohttp.ClientSession, settings: ProxySettings, base_url: str) -> Adapter | None:
+    """One more detection attempt for an upstream that never answered at start: the adapter
+    it turns out to need, or None while it still does not answer (or answers 503 in a
+    shape that is not llama-server's)."""
+    base = base_url.rstrip("/")
+    try:
+        kind, slots = await _probe(session, base, settings)
+        loading = False
+    except _Loading as exc:
+        if not exc.llama_shaped:
+            return None
+        kind, slots, loading = "llamacpp", None, True
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return None
+    return await _build(session, settings, base, kind, slots, props_pending=loading)
+
+
+async def _build(
+    session: aiohttp.ClientSession, settings: ProxySettings, base: str, kind: str, slots: int | None,
+    *, props_pending: bool,
+) -> Adapter:
+    adapter = KINDS[kind](base, session, settings, slots=slots)
+    if isinstance(adapter, LlamaCppAdapter):
+        adapter.props_pending = props_pending  # learnt later by watch.watch_upstream
+        await adapter.probe_slots()
     return adapter
