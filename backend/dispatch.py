@@ -235,19 +235,25 @@ class Dispatcher:
     async def acquire(self, id_slot: int = -1, count: int = 1) -> list[Slot]:
         """``count`` free slots at once (``id_slot``'s first, see ``_pick``); waits while they
         are not all free. Returns without suspending when they are, so a caller that submits
-        right after gets exactly these slots."""
+        right after gets exactly these slots.
+
+        ``id_slot`` whose worker is down (restarting after a crash, or still loading) is
+        treated as no pin: the request takes the lowest free live slot, or waits for one. The
+        pin only buys prompt-cache reuse, and that cache died with the worker; answering 503
+        instead would fail every request of an editor whose session the proxy keeps on that
+        slot, and trip the proxy's circuit breaker for all, while the other slots idle.
+        ``Unavailable`` (503) only when no worker (or, for ``count`` > 1, too few) can run it."""
         if id_slot >= len(self.slots):
             raise ValueError(f"id_slot {id_slot} out of range (total_slots={len(self.slots)})")
         if not 1 <= count <= len(self.slots):
             raise ValueError(f"count {count} out of range (total_slots={len(self.slots)})")
         while True:
-            if id_slot >= 0 and not self.slots[id_slot].worker.ready:
-                raise Unavailable(self._unavailable_message())
-            if id_slot < 0 and not self.any_ready():
+            pin = id_slot if id_slot >= 0 and self.slots[id_slot].worker.ready else -1
+            if not self.any_ready():
                 raise Unavailable(self._unavailable_message())
             if count > 1 and sum(s.worker.ready for s in self.slots) < count:
                 raise Unavailable(self._unavailable_message())  # not enough live slots for them all
-            slots = self._pick(id_slot, count)
+            slots = self._pick(pin, count)
             if slots is not None:
                 return slots
             changed = self._changed

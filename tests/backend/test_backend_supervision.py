@@ -177,10 +177,12 @@ async def test_id_slot_honoured_and_busy_slot_waits(two_slots: Any) -> None:
     assert first_body["id_slot"] == 1 and short["id_slot"] == 1
 
 
-def test_n_cmpl_with_a_slot_down_is_503_not_a_wait(engine: str, start_backend: Any, tmp_path: Path) -> None:
+def test_slot_down_n_cmpl_is_503_pinned_runs_elsewhere(engine: str, start_backend: Any, tmp_path: Path) -> None:
     """llama-cpp runs one worker per slot: with one of two restarting, two completions at
-    once cannot start, so the request is answered 503 (like one pinned to a dead slot)
-    instead of waiting through the restart's back-off while its caller holds two permits."""
+    once cannot start, so the request is answered 503 instead of waiting through the
+    restart's back-off while its caller holds two permits. A request pinned to the dead
+    slot (the proxy keeps an editor's session on its slot) runs on the live one instead of
+    a 503 each time, which would trip the proxy's breaker for every editor."""
     if engine != "llama-cpp":
         pytest.skip("one worker process per slot: llama-cpp only (torch runs its slots in one)")
     b = start_backend(engine, *parallel_flags(engine, 2), "--restart-backoff-min-s", "60",
@@ -191,6 +193,12 @@ def test_n_cmpl_with_a_slot_down_is_503_not_a_wait(engine: str, start_backend: A
     assert status == 503, body
     status, body = b.post("/completion", {"prompt": "x", "n_predict": 2, "n": 1, "id_slot": 0})
     assert status == 200 and isinstance(body, dict), body  # one completion on the live slot still runs
+    for _ in range(6):  # more than the proxy's default breaker threshold (5)
+        status, body = b.post("/infill", {"input_prefix": "def f(", "input_suffix": "\n", "n_predict": 2,
+                                          "id_slot": 1})
+        assert status == 200 and body["id_slot"] == 0, body
+    _, slots = b.get("/slots")
+    assert [s["worker_state"] for s in slots] == ["ready", "error"]  # still in its back-off: really down
 
 
 @pytest.mark.parametrize("backoff_s", ["5", "0"])
