@@ -9,7 +9,8 @@ so only the proxy acts on it: it drains its requests first and then stops the ba
 then with no client left: it gets ``BACKEND_DRAIN_S`` for its own drain). A SIG_IGN set
 before exec would not do: uvloop's spawn (libuv) resets every signal disposition in the
 child. The child gets PR_SET_PDEATHSIG so it never outlives a proxy that was SIGKILLed,
-and no file descriptor beyond 0-2 (see ``child_preexec``).
+and no file descriptor beyond 0-2 (see ``child_preexec``). A backend that exits on its
+own while the proxy serves stops the proxy with exit status 1 (``_watch_exit``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from aiohttp import web
 
 from llmproxy.backend.settings import stop_budget_s
 from llmproxy.proxy.settings import ProxySettings
-from llmproxy.proxy.state import SETTINGS, UPSTREAM_URL
+from llmproxy.proxy.state import SETTINGS, STOP, UPSTREAM_URL, StopRequest
 
 log = structlog.get_logger("llmproxy.embedded")
 BACKEND_DRAIN_S = 0.5  # the backend's own --shutdown-timeout-s: the proxy's connections are closed by then
@@ -126,7 +127,21 @@ async def _stop(proc: asyncio.subprocess.Process, grace: float) -> None:
             await proc.wait()
 
 
+async def _watch_exit(proc: asyncio.subprocess.Process, stop: StopRequest | None) -> None:
+    """The backend exited while the proxy serves (it was not stopped by us: this task is
+    cancelled first): every request would get 502 from now on, and ``/llmproxy/health``
+    would still say ok. Stop the proxy with a failure status instead, so that whoever runs
+    it (systemd's ``Restart=on-failure``, a shell) sees it and starts it again."""
+    code = await proc.wait()
+    log.error("embedded backend exited unexpectedly: stopping the proxy", pid=proc.pid, exit_code=code)
+    if stop is not None:
+        stop.request(1)
+
+
 async def embedded_backend(app: web.Application) -> AsyncIterator[None]:
+    """Concurrency contract: a task of this context (``_watch_exit``) waits on the child for
+    as long as the app serves; the context's exit cancels and awaits it before stopping the
+    child, so only a death we did not cause is reported."""
     s = app[SETTINGS]
     with tempfile.TemporaryDirectory(prefix="llmproxy-") as tmp:
         port_file = Path(tmp) / "backend.port"
@@ -136,6 +151,11 @@ async def embedded_backend(app: web.Application) -> AsyncIterator[None]:
         try:
             app[UPSTREAM_URL] = await _wait_ready(proc, port_file, s.backend_start_timeout_s)
             log.info("embedded backend ready", url=app[UPSTREAM_URL], pid=proc.pid)
-            yield
+            watch = asyncio.create_task(_watch_exit(proc, app.get(STOP)), name="llmproxy-backend-watch")
+            try:
+                yield
+            finally:
+                watch.cancel()
+                await asyncio.wait([watch])
         finally:
             await _stop(proc, BACKEND_STOP_S)

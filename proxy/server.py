@@ -7,7 +7,8 @@ drained and stragglers cut, a started stream ending with an error event; registr
 aiohttp's own connection shutdown comes after that and finds nothing left to wait for;
 its timeout (``_WRITE_GRACE_S``, counted twice: wait, then cancel and wait) is only a
 backstop. Cleanup then stops the embedded backend (embedded.py: at most ``BACKEND_STOP_S``);
-exit 0. So a stop takes at most ``shutdown_timeout_s`` + 1 s (handlers' grace) + 2 x
+exit 0. The embedded backend dying on its own (embedded.py) starts the same stop, with
+exit status 1 (a service manager's ``Restart=on-failure`` then restarts both). So a stop takes at most ``shutdown_timeout_s`` + 1 s (handlers' grace) + 2 x
 ``_WRITE_GRACE_S`` + ``BACKEND_STOP_S`` = ``shutdown_timeout_s`` + 14 s, inside the systemd
 unit's ``TimeoutStopSec`` (+ 15 s). A second signal exits at once (status 1); the embedded
 backend dies with us (PDEATHSIG).
@@ -28,6 +29,7 @@ from aiohttp import web
 from llmproxy.proxy import loops, parse_errors
 from llmproxy.proxy.portfile import write_port_file
 from llmproxy.proxy.settings import ProxySettings
+from llmproxy.proxy.state import STOP, StopRequest
 
 log = structlog.get_logger("llmproxy.server")
 SD_LISTEN_FDS_START = 3
@@ -64,7 +66,7 @@ def _is_loopback(host: str) -> bool:
 async def serve(settings: ProxySettings, app: web.Application) -> int:
     loop = asyncio.get_running_loop()
     sock = inherited_socket()  # before runner.setup() starts the embedded backend
-    stop = asyncio.Event()
+    stop = app[STOP] = StopRequest()  # signals, and the embedded backend's death (embedded.py)
     signals_seen = 0
 
     def on_signal(signum: int) -> None:
@@ -74,7 +76,7 @@ async def serve(settings: ProxySettings, app: web.Application) -> int:
             log.warning("second signal: exiting now", signal=signal.Signals(signum).name)
             os._exit(1)
         log.info("signal received: shutting down gracefully", signal=signal.Signals(signum).name)
-        stop.set()
+        stop.request(0)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
@@ -87,13 +89,13 @@ async def serve(settings: ProxySettings, app: web.Application) -> int:
         keepalive_timeout=settings.idle_timeout_s,  # also bounds slow (slowloris) request headers
     )
     setup = asyncio.ensure_future(runner.setup())
-    stopper = asyncio.ensure_future(stop.wait())
+    stopper = asyncio.ensure_future(stop.requested.wait())
     try:
         await asyncio.wait([setup, stopper], return_when=asyncio.FIRST_COMPLETED)
         if not setup.done():
             setup.cancel()
             await asyncio.wait([setup])
-            return 0
+            return stop.exit_code
         setup.result()
         parse_errors.install(runner)
         # Startup objects (modules, app, settings; ~55k) go to the permanent generation, so a
@@ -119,7 +121,7 @@ async def serve(settings: ProxySettings, app: web.Application) -> int:
         log.info("listening", url=f"http://{bound[0]}:{port}", socket_activated=sock is not None,
                  loop=loops.running())
         await stopper
-        return 0
+        return stop.exit_code
     finally:
         stopper.cancel()
         await runner.cleanup()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import aiohttp
@@ -34,11 +35,28 @@ class ProxyState:
         return configured
 
 
+class StopRequest:
+    """How parts of the app ask the running server to stop (server.py owns it and waits on
+    it): a signal asks for a graceful stop with exit status 0; the embedded backend's
+    unexpected death for one with a failure status, so that a service manager restarts us.
+    The first request's status wins. Used on the event loop's thread only."""
+
+    def __init__(self) -> None:
+        self.requested = asyncio.Event()
+        self.exit_code = 0
+
+    def request(self, exit_code: int = 0) -> None:
+        if not self.requested.is_set():
+            self.exit_code = exit_code
+            self.requested.set()
+
+
 SETTINGS = web.AppKey("settings", ProxySettings)
+STOP = web.AppKey("stop", StopRequest)  # set by server.serve; absent when the app runs in tests
 METRICS = web.AppKey("metrics", Metrics)
 UPSTREAM_URL = web.AppKey("upstream_url", str)
 STATE = web.AppKey("state", ProxyState)
 REQUEST_LOG = web.AppKey("request_log", RequestLog)
 RECORD = web.RequestKey("record", RequestRecord)  # request-scoped
 
-__all__ = ["ProxyState", "SETTINGS", "METRICS", "UPSTREAM_URL", "STATE", "REQUEST_LOG", "RECORD", "RequestRecord"]
+__all__ = ["ProxyState", "StopRequest", "STOP", "SETTINGS", "METRICS", "UPSTREAM_URL", "STATE", "REQUEST_LOG", "RECORD", "RequestRecord"]

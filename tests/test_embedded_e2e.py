@@ -140,3 +140,25 @@ async def test_no_orphans_when_proxy_is_killed(tmp_path: Path) -> None:
     proc.kill()
     await proc.wait()
     await wait_until(lambda: not any(alive(k) for k in kids), 20, what="backend and workers gone")
+
+
+async def test_backend_death_stops_the_proxy_with_a_failure_status(tmp_path: Path) -> None:
+    """The embedded backend dies on its own (OOM killer, a bug): the proxy must not go on
+    answering 502 with a healthy /llmproxy/health; it stops with status 1, so that systemd's
+    ``Restart=on-failure`` (or the user) starts it again, and leaves nothing behind."""
+    proc, url = await start(tmp_path)
+    kids = descendants(proc.pid)
+    backend = [k for k in kids if int(Path(f"/proc/{k}/stat").read_text().rsplit(")", 1)[1].split()[1]) == proc.pid]
+    assert len(backend) == 1, backend
+    os.kill(backend[0], signal.SIGKILL)
+    try:
+        assert await asyncio.wait_for(proc.wait(), 60) == 1
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.stderr is not None
+    events = [json.loads(line) for line in (await proc.stderr.read()).decode().splitlines() if line.startswith("{")]
+    died = [e for e in events if e["event"].startswith("embedded backend exited unexpectedly")]
+    assert len(died) == 1 and died[0]["exit_code"] == -signal.SIGKILL, died
+    await wait_until(lambda: not any(alive(k) for k in kids), 20, what="workers gone")
