@@ -16,6 +16,7 @@ import time
 import structlog
 from aiohttp import web
 
+from llmproxy.proxy.adapters.base import Adapter
 from llmproxy.proxy.bodies import parse_json_object, read_body
 from llmproxy.proxy.errors import ProxyError, QueueTimeout
 from llmproxy.proxy.gate import Ticket
@@ -32,6 +33,7 @@ log = structlog.get_logger("llmproxy.handler")
 async def gated(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     s = st.settings
+    adapter = st.adapter  # one adapter for all of this request, even if the watcher swaps it meanwhile
     rec = request[RECORD]
     rec.gated = True
     raw = await read_body(request, s.max_body_bytes, s.body_timeout_s)
@@ -46,7 +48,7 @@ async def gated(request: web.Request) -> web.StreamResponse:
         body=parsed,
     )
     supersedable = s.supersede and request.path in s.supersede_routes and not is_warmup(parsed)
-    rec.permits = permits = st.adapter.permits(request.path, parsed, st.gate.capacity)  # or BadRequest
+    rec.permits = permits = adapter.permits(request.path, parsed, st.gate.capacity)  # or BadRequest
     probe = st.breaker.admit()  # raises UpstreamUnavailable (503) while the breaker is open
     try:
         ticket = st.gate.submit(rec.session, supersedable=supersedable, route=request.path, permits=permits)
@@ -54,7 +56,7 @@ async def gated(request: web.Request) -> web.StreamResponse:
     except BaseException:
         st.breaker.neutral(probe)
         raise
-    return await _forward(st, ticket, request, raw, probe)
+    return await _forward(st, adapter, ticket, request, raw, probe)
 
 
 async def _wait_for_permit(st: ProxyState, ticket: Ticket, request: web.Request) -> None:
@@ -77,7 +79,9 @@ async def _wait_for_permit(st: ProxyState, ticket: Ticket, request: web.Request)
     rec.queue_wait_s = time.monotonic() - ticket.created
 
 
-async def _forward(st: ProxyState, ticket: Ticket, request: web.Request, raw: bytes, probe: bool) -> web.StreamResponse:
+async def _forward(
+    st: ProxyState, adapter: Adapter, ticket: Ticket, request: web.Request, raw: bytes, probe: bool
+) -> web.StreamResponse:
     s = st.settings
     rec = request[RECORD]
     upstream_req = UpstreamRequest(
@@ -91,14 +95,14 @@ async def _forward(st: ProxyState, ticket: Ticket, request: web.Request, raw: by
         job = UpstreamJob(  # takes the permit (raises Superseded if replaced since the grant)
             gate=st.gate,
             ticket=ticket,
-            adapter=st.adapter,
+            adapter=adapter,
             request=upstream_req,
             record=rec,
             metrics=st.metrics,
             breaker=st.breaker,
             breaker_probe=probe,
-            supersede_policy=st.policy(s.supersede_inflight, request.path),
-            disconnect_policy=st.policy(s.on_disconnect, request.path),
+            supersede_policy=st.policy(s.supersede_inflight, request.path, adapter),
+            disconnect_policy=st.policy(s.on_disconnect, request.path, adapter),
             unconfirmed_hold_s=s.unconfirmed_cancel_hold_s,
         )
     except BaseException:

@@ -28,10 +28,12 @@ class ProxyState:
     metrics: Metrics
     breaker: CircuitBreaker
 
-    def policy(self, configured: str, path: str | None = None) -> str:
-        """Resolve 'auto': cancel where the adapter can confirm the stop (on ``path``), else finish."""
+    def policy(self, configured: str, path: str | None = None, adapter: Adapter | None = None) -> str:
+        """Resolve 'auto': cancel where the adapter (``adapter``, else the one in use) can
+        confirm the stop (on ``path``), else finish."""
         if configured == "auto":
-            return "cancel" if (self.adapter.confirms(path) if path else self.adapter.can_confirm) else "finish"
+            a = adapter or self.adapter
+            return "cancel" if (a.confirms(path) if path else a.can_confirm) else "finish"
         return configured
 
 

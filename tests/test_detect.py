@@ -20,7 +20,7 @@ from llmproxy.proxy.bench.fake_shapes import json_response
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
 from llmproxy.proxy.settings import ProxySettings
 from tests.conftest import run_proxy
-from tests.helpers import closed_port
+from tests.helpers import closed_port, wait_until
 
 _LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
 _PUBLIC = ("/health", "/v1/health", "/models", "/v1/models", "/api/tags")  # llama-server's, with --api-key
@@ -174,6 +174,37 @@ async def test_upstream_that_listens_only_later_is_detected_then(http: aiohttp.C
         assert [e["kind"] for e in logs if e["event"] == "upstream detected"] == [kind]
     async with run_proxy(f"http://127.0.0.1:{closed_port()}", upstream_kind="openai") as px:
         assert not px.state.adapter.undetected and px.state.adapter.known.is_set()
+
+
+async def test_a_request_queued_across_the_swap_keeps_the_adapter_that_admitted_it(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Its permits were counted by the adapter in use when it arrived (openai: one, whatever
+    ``n_cmpl`` says); the body must be prepared by that same adapter (no ``id_slot``), not by
+    the llamacpp adapter swapped in while it waited."""
+    port = closed_port()
+    hold = asyncio.Event()
+    async with run_proxy(f"http://127.0.0.1:{port}") as px:
+        first = px.state.adapter
+        fake = FakeUpstream(kind="llamacpp", slots=2, port=port,
+                            script=lambda _p, body: Script(tokens=2, hold=hold if body.get("prompt") == "a" else None))
+        async with fake:
+            assert px.state.adapter is first  # the watcher's first look is 0.5 s away
+            a = asyncio.ensure_future(http.post(px.url + "/completion", json={"prompt": "a"},
+                                                headers={"X-LLMProxy-Session": "a"}))
+            await fake.wait_for(lambda f: f.concurrent == 1)
+            b = asyncio.ensure_future(http.post(px.url + "/completion", json={"prompt": "b", "n_cmpl": 2},
+                                                headers={"X-LLMProxy-Session": "b"}))
+            await wait_until(lambda: px.state.gate.queued == 1, 5)
+            await asyncio.wait_for(first.known.wait(), 15)  # swapped; the gate grew to 2: b is granted
+            assert px.state.adapter is not first and px.state.adapter.kind == "llamacpp"
+            await fake.wait_for(lambda f: len(f.generations) == 2)
+            hold.set()
+            for task in (a, b):
+                async with await task as r:
+                    assert r.status == 200
+        assert [("id_slot" in g.body, g.body.get("n_cmpl")) for g in fake.generations] == [(False, None), (False, 2)]
+        assert px.state.gate.free == px.state.gate.capacity == 2
 
 
 async def test_gate_grow_hands_new_permits_to_waiters_in_order() -> None:
