@@ -11,7 +11,7 @@ from aiohttp import web
 from llmproxy.proxy import admin
 from llmproxy.proxy.adapters.base import upstream_authorization
 from llmproxy.proxy.adapters.detect import create_adapter
-from llmproxy.proxy.adapters.watch import watching
+from llmproxy.proxy.adapters.watch import gate_capacity, watching
 from llmproxy.proxy.breaker import CircuitBreaker
 from llmproxy.proxy.embedded import embedded_backend
 from llmproxy.proxy.gate import Gate
@@ -64,11 +64,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         headers={"Authorization": auth} if (auth := upstream_authorization(s)) else None,  # probes and polls
     ) as session:
         adapter = await create_adapter(session, s, app[UPSTREAM_URL])
-        capacity = s.capacity or adapter.slots or 1
-        if adapter.kind == "llamacpp" and adapter.slots and capacity > adapter.slots:
-            log.warning("capacity exceeds the upstream's slots; clamping", capacity=capacity, slots=adapter.slots)
-            capacity = adapter.slots
-        gate = Gate(capacity, s.max_queue, retry_after_s=s.retry_after_s)
+        gate = Gate(gate_capacity(s, adapter), s.max_queue, retry_after_s=s.retry_after_s)
         app[METRICS].bind_gate(gate)
         jobs = JobRegistry()
         breaker = CircuitBreaker(s.breaker_threshold, s.breaker_cooldown_s)

@@ -94,26 +94,25 @@ async def test_detection_waits_while_llama_server_loads(http: aiohttp.ClientSess
 async def test_slot_count_and_slots_learnt_after_detection_gave_up(
     http: aiohttp.ClientSession, capacity: int | None
 ) -> None:
-    """Still loading at the detection deadline: llamacpp with one permit (or ``capacity``)
-    at first, then the watcher reads /props and /slots once the model is loaded; the gate
-    grows unless ``capacity`` is configured; one above the slot count is logged as an error."""
+    """Still loading at the detection deadline: llamacpp with one permit at first (nothing
+    runs there while it loads), then the watcher reads /props and /slots once the model is
+    loaded, and the gate grows to what it would have had at start: the slot count, or
+    ``capacity`` clamped to it (a warning), so no permit ever names a slot it lacks."""
     async with LoadingFake(kind="llamacpp", slots=2) as fake, run_proxy(fake.url, capacity=capacity) as px:
         adapter, gate = px.state.adapter, px.state.gate
-        assert (adapter.kind, adapter.slots, adapter.can_confirm, gate.capacity) == ("llamacpp", None, False,
-                                                                                     capacity or 1)
+        assert (adapter.kind, adapter.slots, adapter.can_confirm, gate.capacity) == ("llamacpp", None, False, 1)
         assert adapter.pending() and not adapter.known.is_set()
         assert px.state.policy("auto", "/infill") == "finish"  # no /slots yet: cannot confirm
-        if capacity is None:  # two completions at once need two slots: not known yet
-            async with http.post(px.url + "/completion", json={"prompt": "x", "n_cmpl": 2}) as r:
-                assert r.status == 400 and "not known yet" in (await r.json())["error"]["message"]
+        async with http.post(px.url + "/completion", json={"prompt": "x", "n_cmpl": 2}) as r:  # 2 slots: unknown yet
+            assert r.status == 400 and "not known yet" in (await r.json())["error"]["message"]
         with structlog.testing.capture_logs() as logs:
             fake.ready.set()
             await asyncio.wait_for(adapter.known.wait(), 10)
         assert (adapter.slots, adapter.can_confirm) == (2, True)
         assert px.state.policy("auto", "/infill") == "cancel"
         over = [e for e in logs if e["event"].startswith("capacity exceeds the upstream's slots")]
-        assert [(e["capacity"], e["slots"]) for e in over] == ([(4, 2)] if capacity == 4 else [])
-        assert gate.capacity == gate.free == (2 if capacity is None else capacity)
+        assert [(e["capacity"], e["slots"], e["log_level"]) for e in over] == ([(4, 2, "warning")] if capacity == 4 else [])
+        assert gate.capacity == gate.free == min(capacity or 2, 2)
         expected = min(2, gate.capacity)  # generations at once
         async with http.get(px.url + "/llmproxy/metrics") as r:
             assert f"llmproxy_permits_total {float(gate.capacity)}" in await r.text()
@@ -139,14 +138,19 @@ async def test_slot_count_and_slots_learnt_after_detection_gave_up(
         assert fake.max_concurrent == expected and fake.deferred == []
 
 
+@pytest.mark.parametrize("capacity", [None, 4])
 @pytest.mark.parametrize("kind", ["llamacpp", "ollama"])
-async def test_upstream_that_listens_only_later_is_detected_then(http: aiohttp.ClientSession, kind: str) -> None:
+async def test_upstream_that_listens_only_later_is_detected_then(
+    http: aiohttp.ClientSession, kind: str, capacity: int | None
+) -> None:
     """Kind auto and nothing listening for the whole detection window (a llama-server
     started after the proxy): served as openai with one permit (requests get 502 while it is
     down), marked undetected; once the server listens, the watcher detects it and swaps in
-    its adapter: slot count, ``id_slot``, stop confirmation. A configured kind stays as is."""
+    its adapter: slot count, ``id_slot``, stop confirmation, and the gate grows to what it
+    would have had at start (``capacity`` clamped to a llama-server's slots). A configured
+    kind stays as is."""
     port = closed_port()
-    async with run_proxy(f"http://127.0.0.1:{port}") as px:
+    async with run_proxy(f"http://127.0.0.1:{port}", capacity=capacity) as px:
         first, gate = px.state.adapter, px.state.gate
         assert (first.kind, first.undetected, first.pending(), gate.capacity) == ("openai", True, True, 1)
         assert not first.known.is_set() and px.state.policy("auto", "/completion") == "finish"
@@ -165,15 +169,28 @@ async def test_upstream_that_listens_only_later_is_detected_then(http: aiohttp.C
                 route = "/completion" if kind == "llamacpp" else "/api/generate"
                 async with http.post(px.url + route, json={"model": "m", "prompt": "x", "stream": False}) as r:
                     assert r.status == 200
-                if kind == "llamacpp":
+                if kind == "llamacpp":  # never more permits than slots: permit i is slot i
                     assert (adapter.slots, adapter.can_confirm, gate.capacity, gate.free) == (2, True, 2, 2)
                     assert fake.generations[-1].body["id_slot"] == 0
                     assert px.state.policy("auto", "/completion") == "cancel"
                 else:
-                    assert gate.capacity == 1 and "id_slot" not in fake.generations[-1].body
+                    assert gate.capacity == (capacity or 1) and "id_slot" not in fake.generations[-1].body
         assert [e["kind"] for e in logs if e["event"] == "upstream detected"] == [kind]
     async with run_proxy(f"http://127.0.0.1:{closed_port()}", upstream_kind="openai") as px:
         assert not px.state.adapter.undetected and px.state.adapter.known.is_set()
+
+
+async def test_configured_llamacpp_without_props_gets_its_capacity_once_it_answers() -> None:
+    """``--upstream-kind llamacpp --capacity 3`` in front of a server that was down at start
+    and has no /props when it comes up (404: an answer that will not change): the watcher
+    stops waiting for a slot count and the gate grows from 1 to the configured 3."""
+    port = closed_port()
+    async with run_proxy(f"http://127.0.0.1:{port}", upstream_kind="llamacpp", capacity=3) as px:
+        adapter = px.state.adapter
+        assert (adapter.kind, adapter.capacity_pending(), px.state.gate.capacity) == ("llamacpp", True, 1)
+        async with FakeUpstream(kind="openai", slots=3, port=port):
+            await asyncio.wait_for(adapter.known.wait(), 15)
+        assert (adapter.slots, adapter.capacity_pending(), px.state.gate.capacity) == (None, False, 3)
 
 
 async def test_a_request_queued_across_the_swap_keeps_the_adapter_that_admitted_it(

@@ -79,6 +79,10 @@ class Adapter:
         """Is something about the upstream still to be learnt by probing again (see watch.py)?"""
         return self.undetected
 
+    def capacity_pending(self) -> bool:
+        """Is what sizes the gate (kind, slot count) still to be learnt (see watch.py)?"""
+        return self.undetected
+
     async def refresh(self) -> None:
         """Probe again for what ``pending`` says is still missing."""
 

@@ -141,6 +141,9 @@ class LlamaCppAdapter(Adapter):
     def pending(self) -> bool:
         return self.props_pending or (self.slots_pending and not self.can_confirm)
 
+    def capacity_pending(self) -> bool:
+        return self.props_pending
+
     async def refresh(self) -> None:
         if self.props_pending:
             try:
@@ -150,6 +153,8 @@ class LlamaCppAdapter(Adapter):
             if status == 200 and isinstance(props, dict):
                 self.props_pending = False
                 self.slots = total_slots(props)
+            elif status is not None and status < 500:  # an answer that will not change (404: no /props)
+                self.props_pending = False
         if self.slots_pending and not self.can_confirm:
             await self.probe_slots()
 

@@ -16,9 +16,11 @@ and no ``id_slot``), until nothing is pending:
   closed (its connections close as those jobs release them);
 - confirmation turns on from then on (for new requests, and for stops of requests already
   in flight, which ask the adapter when they stop);
-- a slot count learnt this way grows the gate (``Gate.grow``) unless ``capacity`` is set;
-  a configured ``capacity`` above it is only logged (an error: requests on slots the
-  upstream does not have wait there), since permits already granted cannot be taken back.
+- the gate has one permit while the kind or slot count is unknown (nothing runs at the
+  upstream then: it does not answer, or answers 503); once known it grows
+  (``Gate.grow``) to what ``gate_capacity`` gives at start: ``capacity`` clamped to the
+  slot count, or the slot count. It never has to shrink, so no permit granted before
+  names a slot the upstream lacks.
 
 Then it sets ``known`` on the adapter in use, and on any it replaced.
 
@@ -64,12 +66,10 @@ async def watch_upstream(state: ProxyState) -> None:
                 replaced.append(adapter)
                 delay = WATCH_FIRST_S
                 log.info("upstream detected", **found.describe())
-                _fit_gate(gate, settings, found.slots)
+                _fit_gate(gate, settings, found)
                 continue
-            unknown = adapter.slots is None
             await adapter.refresh()
-            if unknown:
-                _fit_gate(gate, settings, adapter.slots)
+            _fit_gate(gate, settings, adapter)
     except Exception:  # our own bug: say so, and leave the adapter as it is
         log.exception("upstream watch failed")
         return
@@ -78,16 +78,30 @@ async def watch_upstream(state: ProxyState) -> None:
     log.info("upstream adapter complete", **state.adapter.describe())
 
 
-def _fit_gate(gate: Gate, settings: ProxySettings, slots: int | None) -> None:
-    """A slot count learnt after start: more permits, unless ``capacity`` is configured."""
-    if slots is None:
+def gate_capacity(settings: ProxySettings, adapter: Adapter) -> int:
+    """Permits for the gate: 1 while what sizes it is still to be learnt (the upstream does
+    not answer, or answers 503 while it loads: nothing runs there meanwhile); else
+    ``capacity``, clamped to a llama-server's slot count (permit i is slot i: a higher one
+    would name a slot it lacks); else that slot count; else 1."""
+    if adapter.capacity_pending():
+        return 1
+    slots = adapter.slots if adapter.kind == "llamacpp" else None
+    if settings.capacity is None:
+        return slots or 1
+    if slots is not None and settings.capacity > slots:
+        log.warning("capacity exceeds the upstream's slots; clamping", capacity=settings.capacity, slots=slots)
+        return slots
+    return settings.capacity
+
+
+def _fit_gate(gate: Gate, settings: ProxySettings, adapter: Adapter) -> None:
+    """What sizes the gate was learnt after start: grow it to fit (it started at 1 permit)."""
+    if adapter.capacity_pending():
         return
-    if settings.capacity is None and slots > gate.capacity:
-        log.info("upstream slot count learnt: more permits", permits=slots, were=gate.capacity)
-        gate.grow(slots)
-    elif slots < gate.capacity:
-        log.error("capacity exceeds the upstream's slots: requests given the missing slots wait at "
-                  "the upstream; lower --capacity", capacity=gate.capacity, slots=slots)
+    capacity = gate_capacity(settings, adapter)
+    if capacity > gate.capacity:
+        log.info("upstream learnt: more permits", permits=capacity, were=gate.capacity)
+        gate.grow(capacity)
 
 
 @contextlib.asynccontextmanager
