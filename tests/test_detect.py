@@ -180,6 +180,30 @@ async def test_upstream_that_listens_only_later_is_detected_then(
         assert not px.state.adapter.undetected and px.state.adapter.known.is_set()
 
 
+async def test_a_gateway_answering_502_until_its_server_is_up_is_detected_later() -> None:
+    """502 (or 504) on /props is a gateway whose server is not up yet, not an answer: the
+    proxy stays undetected and finds the llama-server once it is behind that address."""
+    port = closed_port()
+    async def bad_gateway(_request: web.Request) -> web.Response:
+        return web.Response(status=502, text="Bad Gateway")
+
+    gateway = web.Application()
+    gateway.router.add_route("*", "/{tail:.*}", bad_gateway)
+    runner = web.AppRunner(gateway, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with run_proxy(f"http://127.0.0.1:{port}") as px:
+            first = px.state.adapter
+            assert (first.kind, first.undetected, px.state.gate.capacity) == ("openai", True, 1)
+            await runner.cleanup()
+            async with FakeUpstream(kind="llamacpp", slots=2, port=port):
+                await asyncio.wait_for(first.known.wait(), 15)
+                assert (px.state.adapter.kind, px.state.adapter.slots, px.state.gate.capacity) == ("llamacpp", 2, 2)
+    finally:
+        await runner.cleanup()
+
+
 async def test_configured_llamacpp_without_props_gets_its_capacity_once_it_answers() -> None:
     """``--upstream-kind llamacpp --capacity 3`` in front of a server that was down at start
     and has no /props when it comes up (404: an answer that will not change): the watcher

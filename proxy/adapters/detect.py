@@ -3,15 +3,17 @@
 Detection: ``GET /props`` answering JSON -> llamacpp (slot count from ``total_slots``);
 ``GET /api/version`` answering -> ollama; otherwise openai. Detection retries until
 ``detect_timeout_s`` while the upstream is unreachable, and while ``/props`` answers 503
-(llama-server answers every API route so while it loads its model). At the deadline an
-unreachable upstream is served as openai (or the configured kind) with the configured
-capacity, and with ``upstream_kind`` auto marked ``undetected``: ``watch.watch_upstream``
-detects it again (``redetect``) until it answers, and swaps in the adapter found (a
-llama-server started after the proxy, or by a later systemd unit, still gets its slots,
-``id_slot`` and stop confirmation). One still loading is taken as llamacpp. A llamacpp
-adapter whose slot count is not known then (or whose ``/slots`` failed for a reason that
-may pass) is completed later by ``watch.watch_upstream``. A 401/403 on ``/props`` is logged with a hint at
-``upstream_api_key``: the proxy's own probes need the key a keyed llama-server wants.
+(llama-server answers every API route so while it loads its model) or 502/504 (a gateway
+whose server is not up). At the deadline, one still loading in llama-server's way is taken
+as llamacpp; any other that is not there yet is served as openai (or the configured kind)
+and, with ``upstream_kind`` auto, marked ``undetected``: ``watch.watch_upstream`` detects it
+again (``redetect``) until it answers, and swaps in the adapter found (a llama-server
+started after the proxy, or by a later systemd unit, still gets its slots, ``id_slot`` and
+stop confirmation). The gate has one permit until then (``watch.gate_capacity``). A
+llamacpp adapter whose slot count is not known then (or whose ``/slots`` failed for a
+reason that may pass) is completed later by ``watch.watch_upstream``. A 401/403 on
+``/props`` is logged with a hint at ``upstream_api_key``: the proxy's own probes need the
+key a keyed llama-server wants.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ KINDS: dict[str, type[Adapter]] = {"llamacpp": LlamaCppAdapter, "openai": OpenAI
 
 
 class _Loading(Exception):
-    """``/props`` answered 503: the upstream is not ready (llama-server loading its model)."""
+    """``/props`` answered 503 (llama-server loading its model), or 502/504 (a gateway in
+    front of a server that is not up yet): the upstream is not ready."""
 
-    def __init__(self, llama_shaped: bool) -> None:
-        super().__init__("upstream answers 503 on /props")
+    def __init__(self, llama_shaped: bool, status: int = 503) -> None:
+        super().__init__(f"upstream answers {status} on /props")
         self.llama_shaped = llama_shaped  # llama-server's own {"error": {"type": "unavailable_error"}}
 
 
@@ -45,8 +48,8 @@ def _llama_unavailable(body: Any) -> bool:
 
 async def _probe(session: aiohttp.ClientSession, base: str, settings: ProxySettings) -> tuple[str, int | None]:
     status, props = await get_json(session, base + "/props")
-    if status == 503:
-        raise _Loading(_llama_unavailable(props))
+    if status in (502, 503, 504):
+        raise _Loading(status == 503 and _llama_unavailable(props), status)
     if status in (401, 403):
         hint = "set upstream_api_key" if settings.upstream_api_key is None else "check upstream_api_key"
         log.warning("upstream refused /props: cannot detect a llama-server that wants an API key", status=status,
@@ -74,8 +77,9 @@ async def create_adapter(session: aiohttp.ClientSession, settings: ProxySettings
             break
         except _Loading as exc:
             if loop.time() >= deadline:
-                log.warning("upstream still not ready (503 on /props) at the end of detection: slot count and "
+                log.warning(f"upstream still not ready ({exc}) at the end of detection: slot count and "
                             "/slots learnt once it is", upstream=base, detect_timeout_s=settings.detect_timeout_s)
+                undetected = kind is None and not exc.llama_shaped
                 kind = kind or ("llamacpp" if exc.llama_shaped else "openai")
                 gave_up = True
                 break
