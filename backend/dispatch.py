@@ -63,6 +63,7 @@ class Slot:
     has_new_line: bool = False
     params: SamplingParams | None = None
     last_used: float = 0.0
+    standin: Request | None = None  # pinned here, running on another slot while this worker is down
 
     @property
     def busy(self) -> bool:
@@ -80,6 +81,7 @@ class Request:
     result: Event | None = None
     done_event: asyncio.Event = field(default_factory=asyncio.Event)
     t_submit: float = field(default_factory=time.perf_counter)
+    pinned: Slot | None = None  # the slot its id_slot named, when it runs on another (see acquire)
 
     async def events(self) -> AsyncIterator[Event]:
         while True:
@@ -203,6 +205,8 @@ class Dispatcher:
         if slot.request is req:
             slot.request = None
             slot.last_used = time.monotonic()
+        if req.pinned is not None and req.pinned.standin is req:
+            req.pinned.standin = None
         req.queue.put_nowait(ev)
         req.done_event.set()
         self._notify()
@@ -265,11 +269,18 @@ class Dispatcher:
             return "Model worker restarting"
         return "Loading model"
 
-    def submit(self, slot: Slot, prompt: Prompt, params: SamplingParams) -> Request:
+    def submit(self, slot: Slot, prompt: Prompt, params: SamplingParams, id_slot: int = -1) -> Request:
+        """Start a request on ``slot`` (from ``acquire``). ``id_slot``: the slot it asked for;
+        when that is another (its worker down), that slot shows busy in /slots until this
+        request ends, so a caller that pinned it (the proxy's permit i is slot i) and polls
+        it to learn when a cancelled request stopped does not see it idle too early."""
         rid = uuid.uuid4().hex
         w = slot.worker
         sub = Submit(request_id=rid, slot=slot.local, prompt=prompt, params=params)
         req = Request(id=rid, slot=slot, submit=sub, generation=w.generation)
+        if 0 <= id_slot != slot.id:
+            req.pinned = self.slots[id_slot]
+            req.pinned.standin = req
         slot.request = req
         slot.id_task = next(self._task_ids)
         slot.n_decoded = 0
@@ -284,13 +295,14 @@ class Dispatcher:
 
     async def start_request(self, prompt: Prompt, params: SamplingParams, id_slot: int = -1) -> Request:
         [slot] = await self.acquire(id_slot)
-        return self.submit(slot, prompt, params)
+        return self.submit(slot, prompt, params, id_slot)
 
     async def start_requests(self, prompt: Prompt, params: Sequence[SamplingParams], id_slot: int = -1) -> list[Request]:
         """One request per ``params`` on as many slots, started together once all are free
         (llama-server's ``n_cmpl``): ``id_slot``'s slot runs the first."""
         slots = await self.acquire(id_slot, len(params))
-        return [self.submit(slot, prompt, p) for slot, p in zip(slots, params, strict=True)]
+        return [self.submit(slot, prompt, p, id_slot if i == 0 else -1)
+                for i, (slot, p) in enumerate(zip(slots, params, strict=True))]
 
     def cancel(self, req: Request) -> None:
         """Ask the worker to stop (between tokens). The slot stays busy until it answers."""

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +200,23 @@ def test_slot_down_n_cmpl_is_503_pinned_runs_elsewhere(engine: str, start_backen
         assert status == 200 and body["id_slot"] == 0, body
     _, slots = b.get("/slots")
     assert [s["worker_state"] for s in slots] == ["ready", "error"]  # still in its back-off: really down
+    assert [s["is_processing"] for s in slots] == [False, False]
+    # While one pinned to the dead slot runs on slot 0, /slots shows slot 1 busy too: the
+    # proxy confirms a cancelled request's stop by polling the slot it pinned.
+    seen: list[Any] = []
+
+    def running_on_slot_0() -> bool:
+        seen.append(b.get("/slots")[1])
+        return bool(seen[-1][0]["is_processing"])
+
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(b.post, "/completion", {**LONG, "n_predict": 48, "stream": False, "id_slot": 1})
+        assert wait_until(running_on_slot_0, 30, 0.005)
+        status, body = long.result(60)
+    assert status == 200 and body["id_slot"] == 0, body
+    assert [s["is_processing"] for s in seen[-1]] == [True, True], seen[-1]  # one snapshot
+    _, after = b.get("/slots")
+    assert [s["is_processing"] for s in after] == [False, False]
 
 
 @pytest.mark.parametrize("backoff_s", ["5", "0"])
