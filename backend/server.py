@@ -20,12 +20,14 @@ from llmproxy.backend.app import create_app
 from llmproxy.backend.settings import BackendSettings
 from llmproxy.proxy import loops
 from llmproxy.proxy.config import describe
-from llmproxy.proxy.portfile import write_port_file
+from llmproxy.proxy.portfile import clear_port_file, remove_port_file, write_port_file
 
 log = structlog.get_logger("llmproxy.backend")
 
 
 async def serve(settings: BackendSettings, stop: asyncio.Event | None = None) -> None:
+    clear_port_file(settings.port_file)
+    port: int | None = None
     app = create_app(settings)
     runner = web.AppRunner(
         app, handler_cancellation=True, shutdown_timeout=settings.shutdown_timeout_s, access_log=None
@@ -49,6 +51,7 @@ async def serve(settings: BackendSettings, stop: asyncio.Event | None = None) ->
         log.info("backend_stopping")
     finally:
         await runner.cleanup()
+        remove_port_file(settings.port_file, port)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         log.info("backend_stopped")

@@ -33,7 +33,7 @@ class BackendSettings(LayeredSettings):
     # listening
     host: str = Field("127.0.0.1", description="Address to bind (loopback by default)")
     port: int = Field(8012, ge=0, le=65535, description="Port to bind; 0 picks a free port")
-    port_file: Path | None = Field(None, description="Write the bound port to this file once listening")
+    port_file: Path | None = Field(None, description="Write the bound port to this file once listening (cleared at start, removed at exit)")
     loop: LoopChoice = Field(
         "auto", description="Event loop: uvloop (the 'speedups' extra), asyncio, or auto = uvloop when installed"
     )

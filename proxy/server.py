@@ -27,7 +27,7 @@ import structlog
 from aiohttp import web
 
 from llmproxy.proxy import loops, parse_errors
-from llmproxy.proxy.portfile import write_port_file
+from llmproxy.proxy.portfile import clear_port_file, remove_port_file, write_port_file
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import STOP, StopRequest
 
@@ -66,6 +66,8 @@ def _is_loopback(host: str) -> bool:
 async def serve(settings: ProxySettings, app: web.Application) -> int:
     loop = asyncio.get_running_loop()
     sock = inherited_socket()  # before runner.setup() starts the embedded backend
+    clear_port_file(settings.port_file)  # a stale one would be read while the backend loads
+    port: int | None = None
     stop = app[STOP] = StopRequest()  # signals, and the embedded backend's death (embedded.py)
     signals_seen = 0
 
@@ -125,5 +127,6 @@ async def serve(settings: ProxySettings, app: web.Application) -> int:
     finally:
         stopper.cancel()
         await runner.cleanup()
+        remove_port_file(settings.port_file, port)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

@@ -108,7 +108,7 @@ class ProxySettings(LayeredSettings):
         0.05, ge=0,
         description="Per-request log lines are written in batches, at most this long after the request ended (0: each at once)",
     )
-    port_file: Path | None = Field(None, description="Write the bound port to this file once listening")
+    port_file: Path | None = Field(None, description="Write the bound port to this file once listening (cleared at start, removed at exit)")
     loop: LoopChoice = Field(
         "auto", description="Event loop: uvloop (the 'speedups' extra), asyncio, or auto = uvloop when installed"
     )

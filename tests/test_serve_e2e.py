@@ -161,7 +161,7 @@ async def test_loud_warning_when_exposed_without_api_key(tmp_path: Path) -> None
                 lines = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
                 warnings = [ln for ln in lines if ln["level"] == "warning" and "API key" in ln["event"]]
                 assert bool(warnings) is warned, out[-2000:]
-            (tmp_path / "port").unlink()
+            assert not (tmp_path / "port").exists()  # removed at exit: the next run's wait starts clean
 
 
 async def test_malformed_requests_log_one_json_warning_each(tmp_path: Path) -> None:
@@ -193,3 +193,30 @@ async def test_invalid_option_exits_with_one_readable_error() -> None:
     assert "Traceback" not in text
     assert "--max-queue (env LLMPROXY_MAX_QUEUE, config max_queue)" in text
     assert "--queue-timeout-s (env LLMPROXY_QUEUE_TIMEOUT_S" in text and "got 'soon'" in text
+
+
+async def test_port_file_is_cleared_at_start_and_removed_at_exit(tmp_path: Path) -> None:
+    """A port file left by an earlier run names a port nothing (or someone else) listens on:
+    a wrapper waiting for the file while this run starts up must not read it. So the file
+    is removed at start, written once listening, and removed again at a clean exit."""
+    port_file = tmp_path / "port"
+    port_file.write_text("1\n")  # stale
+    async with FakeUpstream(slots=1) as fake:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LLMPROXY_")}
+        proc = await asyncio.create_subprocess_exec(
+            LLMPROXY, "serve", "--port", "0", "--port-file", str(port_file), "--log-json", "--upstream", fake.url,
+            stderr=asyncio.subprocess.PIPE, env=env,
+        )
+        try:
+            await wait_for_log(proc, "listening", 30)
+            port = int(port_file.read_text())
+            assert port != 1
+            async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/llmproxy/health") as r:
+                assert r.status == 200
+            proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(proc.wait(), 10) == 0
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert not port_file.exists()
