@@ -63,7 +63,7 @@ class Slot:
     has_new_line: bool = False
     params: SamplingParams | None = None
     last_used: float = 0.0
-    standin: Request | None = None  # pinned here, running on another slot while this worker is down
+    standins: set[str] = field(default_factory=set)  # ids pinned here, running elsewhere (worker down)
 
     @property
     def busy(self) -> bool:
@@ -205,8 +205,8 @@ class Dispatcher:
         if slot.request is req:
             slot.request = None
             slot.last_used = time.monotonic()
-        if req.pinned is not None and req.pinned.standin is req:
-            req.pinned.standin = None
+        if req.pinned is not None:
+            req.pinned.standins.discard(req.id)
         req.queue.put_nowait(ev)
         req.done_event.set()
         self._notify()
@@ -280,7 +280,7 @@ class Dispatcher:
         req = Request(id=rid, slot=slot, submit=sub, generation=w.generation)
         if 0 <= id_slot != slot.id:
             req.pinned = self.slots[id_slot]
-            req.pinned.standin = req
+            req.pinned.standins.add(rid)
         slot.request = req
         slot.id_task = next(self._task_ids)
         slot.n_decoded = 0

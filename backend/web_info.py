@@ -89,7 +89,7 @@ async def slots(request: web.Request) -> web.Response:
                 "id_task": s.id_task,
                 "n_ctx": n_ctx,
                 "speculative": False,
-                "is_processing": req is not None or s.standin is not None,  # see Dispatcher.submit
+                "is_processing": req is not None or bool(s.standins),  # see Dispatcher.submit
                 "n_decoded": s.n_decoded,
                 "params": gen_settings(s.params),
                 "prompt": "",

@@ -66,8 +66,10 @@ class SlotsLaterFake(FakeUpstream):
         super().__init__(**kw)  # type: ignore[arg-type]
         self.first = first
         self.ready = asyncio.Event()
+        self.slots_asked = 0
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        self.slots_asked += request.path == "/slots"
         if request.path == "/slots" and not self.ready.is_set():
             if self.first is None:
                 await self.ready.wait()
@@ -279,6 +281,22 @@ async def test_slots_failing_at_start(first: int | None, retried: bool) -> None:
             assert adapter.can_confirm and px.state.policy("auto", "/completion") == "cancel"
         else:
             assert px.state.policy("auto", "/completion") == "finish"
+
+
+async def test_clamp_warning_is_said_once_not_at_every_poll(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--capacity 4`` before a 2-slot llama-server whose /slots fails for a while: clamped
+    to 2 at start, with one warning; the watcher's polls for /slots do not repeat it."""
+    from llmproxy.proxy.adapters import watch
+
+    monkeypatch.setattr(watch, "WATCH_FIRST_S", 0.01)
+    monkeypatch.setattr(watch, "WATCH_MAX_S", 0.02)
+    with structlog.testing.capture_logs() as logs:
+        async with SlotsLaterFake(kind="llamacpp", slots=2, first=503) as fake, run_proxy(fake.url, capacity=4) as px:
+            await wait_until(lambda: fake.slots_asked >= 5, 10)  # detection's, then the watcher's polls
+            fake.ready.set()
+            await asyncio.wait_for(px.state.adapter.known.wait(), 10)
+            assert px.state.gate.capacity == 2
+    assert sum(e["event"].startswith("capacity exceeds the upstream's slots") for e in logs) == 1
 
 
 async def test_upstream_api_key_drives_a_keyed_llama_server(http: aiohttp.ClientSession) -> None:

@@ -7,8 +7,8 @@ after the proxy's, a server started by hand later). Detection (detect.py) then l
 slot count unknown, stop confirmation off or, with ``upstream_kind`` auto, the kind
 undetected, and says so in the adapter's ``pending()``. ``watch_upstream`` asks again,
 backing off from ``WATCH_FIRST_S`` to ``WATCH_MAX_S`` (to ``REDETECT_MAX_S`` while the kind
-is undetected: a refused connection costs nothing, and requests meanwhile get one permit
-and no ``id_slot``), until nothing is pending:
+or slot count is unknown: a refused connection or a 503 costs nothing, and requests
+meanwhile get one permit), until nothing is pending:
 
 - an undetected upstream that answers gets the adapter detection finds then
   (``detect.redetect``), swapped into ``ProxyState.adapter``: requests admitted from then
@@ -56,7 +56,7 @@ async def watch_upstream(state: ProxyState) -> None:
         while state.adapter.pending():
             adapter = state.adapter
             await asyncio.sleep(delay)
-            delay = min(delay * 2, REDETECT_MAX_S if adapter.undetected else WATCH_MAX_S)
+            delay = min(delay * 2, REDETECT_MAX_S if adapter.capacity_pending() else WATCH_MAX_S)
             if adapter.undetected:
                 found = await redetect(adapter.session, settings, str(adapter.base_url))
                 if found is None:
@@ -78,30 +78,30 @@ async def watch_upstream(state: ProxyState) -> None:
     log.info("upstream adapter complete", **state.adapter.describe())
 
 
-def gate_capacity(settings: ProxySettings, adapter: Adapter) -> int:
+def gate_capacity(settings: ProxySettings, adapter: Adapter, *, warn: bool = True) -> int:
     """Permits for the gate: 1 while what sizes it is still to be learnt (the upstream does
     not answer, or answers 503 while it loads: nothing runs there meanwhile); else
     ``capacity``, clamped to a llama-server's slot count (permit i is slot i: a higher one
-    would name a slot it lacks); else that slot count; else 1."""
+    would name a slot it lacks; ``warn``: say so); else that slot count; else 1."""
     if adapter.capacity_pending():
         return 1
     slots = adapter.slots if adapter.kind == "llamacpp" else None
     if settings.capacity is None:
         return slots or 1
     if slots is not None and settings.capacity > slots:
-        log.warning("capacity exceeds the upstream's slots; clamping", capacity=settings.capacity, slots=slots)
+        if warn:
+            log.warning("capacity exceeds the upstream's slots; clamping", capacity=settings.capacity, slots=slots)
         return slots
     return settings.capacity
 
 
 def _fit_gate(gate: Gate, settings: ProxySettings, adapter: Adapter) -> None:
     """What sizes the gate was learnt after start: grow it to fit (it started at 1 permit)."""
-    if adapter.capacity_pending():
+    if adapter.capacity_pending() or gate_capacity(settings, adapter, warn=False) <= gate.capacity:
         return
-    capacity = gate_capacity(settings, adapter)
-    if capacity > gate.capacity:
-        log.info("upstream learnt: more permits", permits=capacity, were=gate.capacity)
-        gate.grow(capacity)
+    capacity = gate_capacity(settings, adapter)  # says so once if it clamps
+    log.info("upstream learnt: more permits", permits=capacity, were=gate.capacity)
+    gate.grow(capacity)
 
 
 @contextlib.asynccontextmanager

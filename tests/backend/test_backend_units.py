@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+import queue
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +13,7 @@ import pytest
 
 from llmproxy.backend.engines.stops import find_stop, partial_stop_len, split_held
 from llmproxy.backend.model_path import ModelNotFound, default_model_path, resolve_model
-from llmproxy.backend.protocol import Done, Prompt, SamplingParams, Submit, Token
+from llmproxy.backend.protocol import Done, Failed, Prompt, SamplingParams, Submit, Token
 from llmproxy.backend.settings import BackendSettings
 
 
@@ -187,3 +189,27 @@ def test_infill_prompt_keeps_most_of_the_context_whatever_n_predict(n_predict: i
     reserve = min(n_predict if n_predict > 0 else 4096, 2048 // 4)
     assert len(tokens) == 2048 - reserve - 1
     assert tokens[:2] == [1, 2] and 3 in tokens and tokens[-1] == 4  # BOS FIM_PRE ... FIM_SUF ... FIM_MID
+
+
+async def test_a_down_slot_stays_busy_while_any_request_pinned_to_it_runs_elsewhere() -> None:
+    """The dispatcher's bookkeeping alone (no worker processes): with slot 1's worker down,
+    requests pinned to it run on live slots, and slot 1 reads busy (``standins``) until the
+    last of them ends, whatever order they end in; one that ran on its own slot leaves none."""
+    from llmproxy.backend.dispatch import Dispatcher
+
+    d = Dispatcher(BackendSettings(parallel=3))
+    d._changed = asyncio.Event()
+    for w in d.workers:
+        w.state, w.inq = "ready", queue.SimpleQueue()
+    d.workers[1].state = "error"
+    prompt, params = Prompt(kind="completion", text="x"), SamplingParams(n_predict=4)
+    first = await d.start_request(prompt, params, id_slot=1)
+    second = await d.start_request(prompt, params, id_slot=1)
+    assert (first.slot.id, second.slot.id) == (0, 2) and d.slots[1].standins == {first.id, second.id}
+    d._finish(second, Done(second.id, "limit", 1, 4, 0.0, 0.0))  # the later one ends first
+    assert d.slots[1].standins == {first.id}
+    d._finish(first, Failed(first.id, 502, "worker died"))
+    assert d.slots[1].standins == set()
+    d.workers[1].state = "ready"
+    own = await d.start_request(prompt, params, id_slot=1)
+    assert own.slot.id == 1 and own.pinned is None and d.slots[1].standins == set()
