@@ -61,7 +61,7 @@ class Adapter:
         self.slots = slots
         self.can_confirm = False
         self.known = asyncio.Event()  # set once nothing is left to learn (``pending``; see watch.py)
-        self.undetected = False  # kind auto, upstream unreachable at start: to be detected again (detect.py)
+        self.undetected = False  # kind auto, upstream not there at start (no answer, 502-504): detect again
 
     def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
         """Body to send upstream for a gated request holding permit ``slot``."""
