@@ -3,9 +3,10 @@
 Concurrency contract: the handler task belongs to the client connection (aiohttp runs
 with ``handler_cancellation=True``, so a client disconnect cancels it). While queued, a
 cancellation abandons the ticket (the request never reaches the upstream). Once the
-permit is granted, an UpstreamJob owns it; a cancellation then only tells the job that
-the client left (policy ``on_disconnect``); the job, not this handler, releases the
-permit and reports the upstream's health to the circuit breaker.
+permit is granted, an UpstreamJob owns it and writes the response through the request's
+``Responder`` (relay.py) while this handler waits for its outcome; a cancellation then only
+tells the job that the client left (policy ``on_disconnect``); the job, not this handler,
+releases the permit and reports the upstream's health to the circuit breaker.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import structlog
 from aiohttp import web
 
 from llmproxy.proxy.adapters.base import Adapter
@@ -22,12 +22,10 @@ from llmproxy.proxy.errors import ProxyError, QueueTimeout
 from llmproxy.proxy.gate import Ticket
 from llmproxy.proxy.headers import request_headers
 from llmproxy.proxy.jobs import UpstreamJob, UpstreamRequest
-from llmproxy.proxy.relay import relay
+from llmproxy.proxy.relay import Responder
 from llmproxy.proxy.security import auth_headers_to_strip
 from llmproxy.proxy.sessions import is_warmup, session_key
 from llmproxy.proxy.state import RECORD, STATE, ProxyState
-
-log = structlog.get_logger("llmproxy.handler")
 
 
 async def gated(request: web.Request) -> web.StreamResponse:
@@ -91,12 +89,14 @@ async def _forward(
         headers=request_headers(request.headers, strip=auth_headers_to_strip(s)),
         body=raw,
     )
+    out = Responder(request, rec.request_id)
     try:
         job = UpstreamJob(  # takes the permit (raises Superseded if replaced since the grant)
             gate=st.gate,
             ticket=ticket,
             adapter=adapter,
             request=upstream_req,
+            out=out,
             record=rec,
             metrics=st.metrics,
             breaker=st.breaker,
@@ -112,21 +112,16 @@ async def _forward(
     rec.add_ref()
     st.jobs.spawn(job.run())
     try:
-        return await relay(request, aiter(job.channel))
+        resp = await out.outcome()
     except (asyncio.CancelledError, ConnectionResetError):
-        # CancelledError: aiohttp noticed the disconnect; ConnectionResetError: we wrote to a
-        # transport that was already closing, before aiohttp cancelled this handler.
+        # CancelledError: aiohttp noticed the disconnect; ConnectionResetError: the client's
+        # connection closed under a write before anything was sent.
         rec.client_gone = True
         job.client_gone()
         raise
     except ProxyError:
         raise  # an error before the response started: the middleware answers with the envelope
-    except Exception as exc:
-        # Our own failure while relaying: the job must not block on a reader that is gone,
-        # and a response that may have started cannot be replaced: drop the connection.
+    if out.gone:  # the connection closed under a write, before aiohttp noticed
+        rec.client_gone = True
         job.client_gone()
-        rec.outcome, rec.error = "error", f"relay failed: {exc!r}"
-        log.exception("relay to client failed")
-        if request.transport is not None:
-            request.transport.close()
-        raise ConnectionResetError("relay failed") from exc
+    return resp

@@ -11,19 +11,22 @@ Concurrency contract:
   job then waits for the adapter to confirm the stop (or, for adapters that cannot, holds
   the permit ``unconfirmed_cancel_hold_s``). Any other cancellation (shutdown) leaves
   ``uncancel()`` above zero and propagates. No child task: one task per request.
-- The permit is released in the job's ``finally``, i.e. after the upstream body was read
-  to its end or the stop was confirmed. Only app shutdown cancels the job itself
-  (``JobRegistry.drain``), and then the permit is released as the job unwinds.
-- Events for the handler go through a bounded ``Channel`` (channel.py). When the client
-  is gone the channel switches to discard mode, so a finishing job never blocks on a
-  dead reader.
+- The permit is released once the upstream is idle for this request: as soon as its body
+  was read to its end (``_upstream_ended``, before the last bytes go to the client, so a
+  slow reader never holds it after that), else in the job's ``finally`` once the stop was
+  confirmed. Only app shutdown cancels the job itself (``JobRegistry.drain``), and then
+  the permit is released as the job unwinds.
+- The job writes the upstream's response to the client itself, through the request's
+  ``Responder`` (relay.py), as it arrives: no hand-over to the handler per piece. A slow
+  client holds the job back (backpressure); once the client is gone every write is a
+  no-op, so a job that drains a generation never blocks on a dead reader. Errors go to the
+  handler through ``Responder.fail``; the handler writes or answers them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,12 +35,12 @@ from multidict import CIMultiDict
 
 from llmproxy.proxy.adapters.base import Adapter
 from llmproxy.proxy.breaker import CircuitBreaker
-from llmproxy.proxy.channel import Channel, Chunk, End, Error, Headers
 from llmproxy.proxy.errors import ProxyError, ShuttingDown, Superseded
 from llmproxy.proxy.gate import Gate, Ticket
 from llmproxy.proxy.metrics import Metrics
 from llmproxy.proxy.record import RequestRecord
-from llmproxy.proxy.upstream import upstream_events
+from llmproxy.proxy.relay import Responder
+from llmproxy.proxy.upstream import forward
 
 log = structlog.get_logger("llmproxy.job")
 
@@ -59,6 +62,7 @@ class UpstreamJob:
         ticket: Ticket,
         adapter: Adapter,
         request: UpstreamRequest,
+        out: Responder,
         record: RequestRecord,
         metrics: Metrics,
         breaker: CircuitBreaker,
@@ -67,12 +71,11 @@ class UpstreamJob:
         disconnect_policy: str,
         unconfirmed_hold_s: float,
     ) -> None:
-        self.gate, self.ticket, self.adapter, self.request = gate, ticket, adapter, request
+        self.gate, self.ticket, self.adapter, self.request, self.out = gate, ticket, adapter, request, out
         self.record, self.metrics = record, metrics
         self.breaker, self.breaker_probe = breaker, breaker_probe
         self.supersede_policy, self.disconnect_policy = supersede_policy, disconnect_policy
         self.unconfirmed_hold_s = unconfirmed_hold_s
-        self.channel = Channel()
         self.slot = gate.take(ticket, on_supersede=self._superseded)
         self._task: asyncio.Task[Any] | None = None  # set while in the transfer scope
         self._stop_cancelled = False  # stop() cancelled the task in the transfer scope
@@ -87,7 +90,7 @@ class UpstreamJob:
             self.stop("superseded")
 
     def client_gone(self) -> None:
-        self.channel.detach()
+        self.out.detach()
         if self.disconnect_policy == "cancel":
             self.stop("client_disconnect")
 
@@ -109,7 +112,7 @@ class UpstreamJob:
                 await self._transfer_scope()
             if self._stop_reason == "superseded":
                 rec.outcome = "superseded"
-                self.channel.finish(Error(Superseded("superseded by a newer request from the same session")))
+                self.out.fail(Superseded("superseded by a newer request from the same session"))
             if self._needs_confirmation():
                 await self._confirm()
         finally:
@@ -117,13 +120,22 @@ class UpstreamJob:
             ended = self._finished or self._crashed or rec.upstream_error is not None
             if task is not None and task.cancelling() and not ended:  # cut at the shutdown deadline
                 rec.outcome = rec.outcome or "cancelled_inflight"
-                self.channel.finish(Error(ShuttingDown("llmproxy shut down before the upstream finished")))
+                self.out.fail(ShuttingDown("llmproxy shut down before the upstream finished"))
             self._report_health()
-            self.channel.finish(Error(ProxyError("upstream job ended without a response")))
-            hold = time.monotonic() - (self.ticket.granted_at or time.monotonic())
-            self.gate.release(self.ticket)
-            rec.permit_hold_s = hold
+            self.out.fail(ProxyError("upstream job ended without a response"))
+            self._release()
             rec.end_ref()
+
+    def _release(self) -> None:
+        """Give the permit back (once; the upstream is idle for this request)."""
+        if self.record.permit_hold_s is None:
+            self.record.permit_hold_s = time.monotonic() - (self.ticket.granted_at or time.monotonic())
+            self.gate.release(self.ticket)
+
+    def _upstream_ended(self) -> None:
+        """The upstream's body was read to its end: nothing left to stop, permit back."""
+        self._finished = True
+        self._release()
 
     async def _transfer_scope(self) -> None:
         """Run the transfer where ``stop()`` may cancel it (see the module's contract)."""
@@ -139,7 +151,7 @@ class UpstreamJob:
         except Exception as exc:
             self._crashed = True  # confirmed like an upstream error: the request may still run
             log.error("upstream job crashed", error=repr(exc), request_id=self.record.request_id)
-            self.channel.finish(Error(ProxyError("internal proxy error")))
+            self.out.fail(ProxyError("internal proxy error"))
         finally:
             self._task = None
         if self._stop_cancelled and task.cancelling() > 0:
@@ -182,30 +194,9 @@ class UpstreamJob:
         if len(self.ticket.slots) > 1:  # n_cmpl: see LlamaCppAdapter.settle
             await self.adapter.settle(self.gate, self.ticket)
         body = self.adapter.prepare_body(req.path, req.body, rec.parsed_body, self.slot)
-        start = time.monotonic()
-        ended: float | None = None  # when the upstream body ended (before yielding to the relay)
         try:
-            async with aclosing(
-                upstream_events(self.adapter, req.method, req.raw_path, req.headers, body, rec.mark_sent)
-            ) as events:
-                async for ev in events:
-                    if isinstance(ev, Headers):
-                        rec.upstream_status = ev.status
-                    elif isinstance(ev, Chunk) and rec.upstream_ttfb_s is None:
-                        rec.upstream_ttfb_s = time.monotonic() - start
-                    elif isinstance(ev, End):
-                        ended = time.monotonic()
-                        self._finished = True
-                        self.channel.finish(ev)
-                        # Let the relay (woken by finish) answer the client before this job's
-                        # teardown: closing the upstream response, metrics, permit release.
-                        await asyncio.sleep(0)
-                        break
-                    await self.channel.put(ev)
+            await forward(self.adapter, req.method, req.raw_path, req.headers, body, self.out, rec, self._upstream_ended)
         except ProxyError as exc:
             rec.upstream_error = exc
             log.warning("upstream request failed", error=exc.message, request_id=rec.request_id)
-            self.channel.finish(Error(exc))
-        finally:
-            rec.upstream_s = (ended or time.monotonic()) - start
-
+            self.out.fail(exc)

@@ -5,11 +5,11 @@ Concurrency contract:
   strong reference until it is done: never a bare fire-and-forget task.
 - ``track_current`` registers the calling request handler (a task aiohttp owns) for as
   long as it runs, so that the stop also waits for responses still being written
-  (passthroughs, and gated responses to a slow reader after their job ended).
+  (passthroughs, and gated handlers writing their job's error as a stream's last event).
 - ``drain(timeout, grace)`` is the stop (app.py's on_shutdown, after the gate closed): it
   waits until all of them are done or ``timeout`` has passed, picking up jobs spawned
   while it waits. Then it cancels the jobs left (each puts a shutting-down error in its
-  channel), gives the handlers ``grace`` to relay that as their stream's last event,
+  ``Responder``), gives the handlers ``grace`` to write that as their stream's last event,
   cancels the handlers still running, and waits for all of it to unwind. It owns no
   other teardown: a cancelled job releases its own permit, a cancelled handler's
   connection is closed by aiohttp.

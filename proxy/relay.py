@@ -1,22 +1,38 @@
-"""Writing an upstream response to the client: headers, chunks unbuffered, stream errors.
+"""Writing an upstream response to the client: headers, pieces unbuffered, and how it ends.
 
-Bytes pass through as received (no re-encoding, no buffering): each chunk is written as
-soon as it arrives. Once the response has started, its status cannot change, so a later
-error ends the stream with an error event in the stream's own format (SSE ``data:`` line
-or NDJSON line); for other bodies the connection is closed so the client sees a
-truncated response rather than a silently short one.
+Bytes pass through as received (no re-encoding, no buffering): each piece is written as
+soon as it arrives. A body that arrived whole with the upstream's head goes out with the
+status line and headers in one write; a stream's last piece goes out with its
+terminator. Once the response has started its status cannot change, so a later error ends
+the stream with an error event in the stream's own format (SSE ``data:`` line or NDJSON
+line); for other bodies the connection is closed so the client sees a truncated response
+rather than a silently short one.
+
+Concurrency contract (``Responder``):
+- One writer task at a time calls ``whole``/``head``/``piece``/``end``: a gated request's
+  upstream job, or a passthrough's handler. They block only on the client's flow control
+  (a reader slower than the upstream holds the writer back, as a full socket should).
+- Client-side failures never raise: a write that finds the client's connection closed, or
+  ``detach()`` (the handler was cancelled: the client left), turns every later write into
+  a no-op that returns at once, so a job that drains a generation never waits on a reader
+  that is gone, and resolves ``outcome``.
+- ``fail(error)`` never blocks and writes nothing: the request's handler, waiting in
+  ``outcome()``, raises it (nothing sent yet: the middleware answers in the envelope) or
+  writes the error event itself. So a job cut at shutdown, which cannot await a write in
+  its ``finally``, still gets its error to the client through the handler, which lives
+  until then (registry.py gives handlers a grace period for it).
+- The first ending wins (complete, failed or client gone); later ones are ignored.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
 
 from aiohttp import web
+from multidict import CIMultiDict
 
-from llmproxy.proxy.channel import Channel, Chunk, End, Error, Event, Headers
 from llmproxy.proxy.errors import ProxyError
-from llmproxy.proxy.state import RECORD
 
 
 def stream_error_bytes(content_type: str, error: ProxyError, tail: bytes = b"") -> bytes | None:
@@ -51,50 +67,137 @@ def _end_event(tail: bytes) -> bytes:
     return b"\n" if tail.endswith(b"\n") else b"\n\n"  # after a lone "\r", a "\n" would join it
 
 
-async def relay(request: web.Request, events: AsyncIterator[Event]) -> web.StreamResponse:
-    """Write ``events`` (Headers, Chunk*, End|Error) as the response to ``request``.
+class Responder:
+    """The response to one client request, written as the upstream's arrives (see the
+    module's contract). ``request_id`` goes out as ``X-Request-Id``, as in the log line."""
 
-    When ``events`` is a ``Channel`` that already holds the whole body behind the headers
-    (a non-streamed response that arrived at once), the result is a plain ``web.Response``
-    that aiohttp writes as one piece (status line, headers and body in one send); the body
-    bytes are the same. Otherwise headers go out at once and each chunk as it comes; a
-    last chunk whose clean end is already here goes out with the stream's terminator.
-    """
-    resp: web.StreamResponse | None = None
-    tail = b""  # the last bytes written (up to 4): where an error event must start
-    buffered = events if isinstance(events, Channel) else None  # can tell what is already here
-    async for ev in events:
-        if isinstance(ev, Headers):
-            whole = buffered.take_complete_body() if buffered is not None else None
-            if whole is not None:
-                return web.Response(status=ev.status, headers=ev.headers, body=whole)
-            ev.headers["X-Request-Id"] = request[RECORD].request_id  # ours, as in the log line (see middleware)
-            resp = web.StreamResponse(status=ev.status, headers=ev.headers)
-            if ev.content_length is not None:
-                resp.content_length = ev.content_length
-            await resp.prepare(request)
-        elif isinstance(ev, Chunk):
-            assert resp is not None
-            if buffered is not None and buffered.take_end_if_next():
-                await resp.write_eof(ev.data)  # the last chunk and the terminator in one write
-                return resp
-            await resp.write(ev.data)
-            tail = ev.data[-4:] if len(ev.data) >= 4 else (tail + ev.data)[-4:]
-        elif isinstance(ev, End):
-            if resp is None:
-                raise ProxyError("upstream ended without a response")
+    __slots__ = ("_request", "_request_id", "_resp", "_tail", "_last_write", "_ended", "_error", "gone")
+
+    def __init__(self, request: web.Request, request_id: str) -> None:
+        self._request = request
+        self._request_id = request_id
+        self._resp: web.StreamResponse | None = None
+        self._tail = b""  # the last bytes written (up to 4): where an error event must start
+        self._last_write = False  # the body's end was (being) written: no event can follow it
+        self._ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._error: ProxyError | None = None
+        self.gone = False  # the client's connection closed under a write, or detach()
+
+    @property
+    def started(self) -> bool:
+        """Has the status gone out (so an error can only end the stream)?"""
+        return self._resp is not None
+
+    @property
+    def ended(self) -> bool:
+        return self._ended.done()
+
+    # -- the writer's side ----------------------------------------------------------------
+    async def whole(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
+        """A body that is all here: status line, headers and body in one write."""
+        if self._stopped():
+            return
+        headers["X-Request-Id"] = self._request_id
+        resp = web.Response(status=status, headers=headers, body=body)
+        self._last_write = True
+        try:
+            await resp.prepare(self._request)
+            self._resp = resp
             await resp.write_eof()
-            return resp
-        elif isinstance(ev, Error):
-            if resp is None:
-                raise ev.error
-            last = stream_error_bytes(resp.content_type, ev.error, tail)
-            if last is not None:
-                await resp.write(last)
-                await resp.write_eof()
-            else:
-                resp.force_close()
-                if request.transport is not None:
-                    request.transport.close()
-            return resp
-    raise ProxyError("upstream event stream ended early")
+        except ConnectionError:
+            self._lost()
+            return
+        self._end()
+
+    async def head(self, status: int, headers: CIMultiDict[str], content_length: int | None) -> None:
+        """Start a response whose body follows in pieces."""
+        if self._stopped():
+            return
+        headers["X-Request-Id"] = self._request_id
+        resp = web.StreamResponse(status=status, headers=headers)
+        if content_length is not None:
+            resp.content_length = content_length
+        try:
+            await resp.prepare(self._request)
+        except ConnectionError:
+            self._lost()
+            return
+        self._resp = resp
+
+    async def piece(self, data: bytes) -> None:
+        """One piece of the body, as it came (after ``head``)."""
+        if self._stopped():
+            return
+        assert self._resp is not None
+        try:
+            await self._resp.write(data)
+        except ConnectionError:
+            self._lost()
+            return
+        self._tail = data[-4:] if len(data) >= 4 else (self._tail + data)[-4:]
+
+    async def end(self, last: bytes = b"") -> None:
+        """The body's end, with its ``last`` piece if there is one (one write, after ``head``)."""
+        if self._stopped():
+            return
+        assert self._resp is not None
+        self._last_write = True
+        try:
+            await self._resp.write_eof(last)
+        except ConnectionError:
+            self._lost()
+            return
+        self._end()
+
+    def fail(self, error: ProxyError) -> None:
+        """End with ``error`` (the handler answers or writes it; see the contract)."""
+        if not self._ended.done():
+            self._error = error
+            self._ended.set_result(None)
+
+    def detach(self) -> None:
+        """The client left: later writes are no-ops."""
+        self.gone = True
+        self._end()
+
+    def _stopped(self) -> bool:
+        return self.gone or self._ended.done()
+
+    def _lost(self) -> None:
+        self.gone = True
+        self._end()
+
+    def _end(self) -> None:
+        if not self._ended.done():
+            self._ended.set_result(None)
+
+    # -- the handler's side ---------------------------------------------------------------
+    async def outcome(self) -> web.StreamResponse:
+        """Wait for the end; the response (already written) for aiohttp to finish, or the
+        ProxyError to answer with when nothing was sent. A failure after the start is
+        written here as the stream's last event (or the connection is closed)."""
+        await self._ended
+        resp, error = self._resp, self._error
+        if resp is None:
+            if error is not None:
+                raise error
+            raise ConnectionResetError("client gone before the response started")
+        if error is not None and not self.gone:
+            # after the body's end went out (a cut while it drained), nothing can follow
+            last = None if self._last_write else stream_error_bytes(resp.content_type, error, self._tail)
+            try:
+                if last is not None:
+                    await resp.write(last)
+                    await resp.write_eof()
+                else:
+                    self._close()
+            except ConnectionError:
+                self.gone = True
+        return resp
+
+    def _close(self) -> None:
+        """A body with no error event: cut it, so the client sees it truncated."""
+        assert self._resp is not None
+        self._resp.force_close()
+        if self._request.transport is not None:
+            self._request.transport.close()

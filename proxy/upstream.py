@@ -1,44 +1,71 @@
-"""One HTTP exchange with the upstream, as the event stream the relay understands.
+"""One HTTP exchange with the upstream, written to the client as it arrives.
 
-``upstream_events`` sends the request through the adapter's ``UpstreamClient`` and yields
-``Headers``, then one ``Chunk`` per piece of body as it arrives (no buffering), then
-``End``; a body that arrived whole with the head is one ``Chunk``, yielded after the
-connection went back to the pool. Client exceptions are mapped to ProxyErrors here (``map_client_errors``) and
-raised, not yielded: the caller decides whether they become an HTTP error or an
-in-stream error event. Close it with ``contextlib.aclosing`` so that a consumer that
-stops early closes the upstream connection at once (that close is how a generation is
-cancelled). Redirects are relayed, never followed: the proxy talks to the configured
-upstream only, and what it sends there is what the gate admitted.
+``forward`` sends the request through the adapter's ``UpstreamClient`` and writes the
+response through a ``Responder`` (relay.py): a body that arrived whole with the head goes
+out in one write, after the connection went back to the pool; otherwise the head at once,
+then each piece of body as it arrives (no buffering). Client exceptions are mapped to
+ProxyErrors here (``map_client_errors``) and raised: the caller decides whether they become
+an HTTP error or an in-stream error event. Writes to the client never raise (see relay.py),
+so whatever is raised comes from the upstream. A cancellation closes the upstream
+connection at once (that close is how a generation is cancelled). Redirects are relayed,
+never followed: the proxy talks to the configured upstream only, and what it sends there
+is what the gate admitted.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+import time
+from collections.abc import Callable, Mapping
 
 from llmproxy.proxy.adapters.base import Adapter
-from llmproxy.proxy.channel import Chunk, End, Event, Headers
 from llmproxy.proxy.errors import map_client_errors
 from llmproxy.proxy.headers import response_headers
+from llmproxy.proxy.record import RequestRecord
+from llmproxy.proxy.relay import Responder
 
 
-async def upstream_events(
+async def forward(
     adapter: Adapter, method: str, raw_path: str, headers: Mapping[str, str], body: bytes | None,
-    on_send: Callable[[], None] | None = None,
-) -> AsyncIterator[Event]:
-    """``method raw_path`` on the adapter's upstream, through its client, as events
-    (``on_send``: see ``UpstreamClient.exchange``)."""
-    whole: bytes | None = None
-    with map_client_errors():
-        async with adapter.client.exchange(method, raw_path, headers, body, on_send) as resp:
-            head = Headers(resp.status, response_headers(resp.headers, adapter.base_url), resp.content_length)
-            if resp.content.is_eof():  # the whole body came with the head (a non-streamed answer)
-                whole = resp.content.read_nowait()
-            else:
-                yield head
-                async for data in resp.content.iter_any():
-                    yield Chunk(data)
-    if whole is not None:  # the connection is back in the pool already
-        yield head
-        if whole:
-            yield Chunk(whole)
-    yield End()
+    out: Responder, rec: RequestRecord, on_end: Callable[[], None] | None = None,
+) -> None:
+    """``method raw_path`` on the adapter's upstream, its response written through ``out``.
+
+    Records on ``rec``: the request handed to the connection (``mark_sent``), the upstream's
+    status, time to its first body byte and to its end. ``on_end`` is called once the
+    upstream's body was read to its end, before its last bytes are written to the client
+    (the upstream is idle for this request from then on, however slow the client)."""
+    start = time.monotonic()
+    last: bytes | None = None  # the body's last piece (all of it, if it came whole with the head)
+    try:
+        with map_client_errors():
+            async with adapter.client.exchange(method, raw_path, headers, body, rec.mark_sent) as resp:
+                status, content = resp.status, resp.content
+                rec.upstream_status = status
+                head = response_headers(resp.headers, adapter.base_url)
+                if content.is_eof():  # a non-streamed answer
+                    last = content.read_nowait()
+                else:
+                    await out.head(status, head, resp.content_length)
+                    async for data in content.iter_any():
+                        if rec.upstream_ttfb_s is None:
+                            rec.upstream_ttfb_s = time.monotonic() - start
+                        if content.is_eof():  # the last piece: it goes out with the terminator
+                            last = data
+                            break
+                        await out.piece(data)
+                    else:
+                        last = b""
+    finally:
+        rec.upstream_s = time.monotonic() - start  # to the end, or to the failure
+    # The connection is back in the pool: the upstream is done with this request.
+    if rec.upstream_ttfb_s is None and last:
+        rec.upstream_ttfb_s = rec.upstream_s
+    if on_end is not None:
+        on_end()
+    if out.started:
+        await out.end(last or b"")
+    elif last:
+        await out.whole(status, head, last)
+    else:  # no body (HEAD, 204, an empty answer): the head keeps the upstream's framing
+        await out.head(status, head, resp.content_length)
+        await out.end()

@@ -27,7 +27,7 @@ from llmproxy.proxy.state import REQUEST_LOG, STATE, ProxyState
 
 BOTH_LOOPS = frozenset({
     "test_proxy_gating", "test_proxy_wire", "test_hostile", "test_faults", "test_review_regressions",
-    "test_stress", "test_fuzz", "test_request_log", "test_registry", "test_channel", "test_gate",
+    "test_stress", "test_fuzz", "test_request_log", "test_registry", "test_relay", "test_gate",
     "test_upstream_client",
 })
 

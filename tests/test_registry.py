@@ -66,7 +66,7 @@ async def test_handlers_relay_their_cut_jobs_end_before_being_cut() -> None:
         try:
             await asyncio.Event().wait()
         finally:
-            final.set_result("shutting_down")  # what UpstreamJob puts in its channel when cut
+            final.set_result("shutting_down")  # what UpstreamJob hands its Responder when cut
 
     async def handler() -> None:
         reg.track_current()

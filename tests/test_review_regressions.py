@@ -8,11 +8,13 @@ import time
 
 import aiohttp
 import structlog
+from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict
 
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
 from llmproxy.proxy.jobs import UpstreamJob, UpstreamRequest
 from llmproxy.proxy.record import RequestRecord
+from llmproxy.proxy.relay import Responder
 from tests.conftest import run_proxy
 from tests.helpers import wait_until
 
@@ -106,6 +108,7 @@ async def test_stop_before_the_job_starts_never_sends() -> None:
             gate=st.gate, ticket=ticket, adapter=st.adapter,
             request=UpstreamRequest("POST", "/infill", "/infill", CIMultiDict({"Content-Type": "application/json"}),
                                     b'{"prompt":"a"}'),
+            out=Responder(make_mocked_request("POST", "/infill"), "r1"),
             record=rec, metrics=st.metrics, breaker=st.breaker, breaker_probe=False,
             supersede_policy="cancel", disconnect_policy="cancel", unconfirmed_hold_s=0,
         )

@@ -1,0 +1,202 @@
+"""The Responder (relay.py): one client response written by another task as it arrives.
+
+A real aiohttp server whose handler creates a Responder and waits on its outcome while a
+separate writer task (standing in for the upstream job) follows a script; real clients
+on loopback read what came out. Steps are synchronised with events, never sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import pytest
+from aiohttp import web
+from multidict import CIMultiDict
+
+from llmproxy.proxy.errors import ProxyError, ShuttingDown, UpstreamFailed
+from llmproxy.proxy.relay import Responder
+from tests.helpers import serve_app, wait_until
+
+Script = Callable[[Responder, web.Request], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def responder_server(script: Script) -> AsyncIterator[tuple[str, dict[str, Responder]]]:
+    """A server whose one route answers through a Responder that ``script`` writes from its
+    own task; yields the URL and the last request's Responder (``seen["out"]``)."""
+    seen: dict[str, Responder] = {}
+    writers: set[asyncio.Task[None]] = set()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        out = seen["out"] = Responder(request, "rid-1")
+        writer = asyncio.create_task(script(out, request))
+        writers.add(writer)
+        try:
+            return await out.outcome()
+        except ProxyError as exc:  # the proxy's middleware does this
+            return web.Response(status=exc.status, body=exc.body(), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/r", handler)
+    async with serve_app(app) as url:
+        try:
+            yield url + "/r", seen
+        finally:
+            await asyncio.gather(*writers, return_exceptions=True)
+
+
+def json_head() -> CIMultiDict[str]:
+    return CIMultiDict({"Content-Type": "application/json", "X-Upstream": "1"})
+
+
+def sse_head() -> CIMultiDict[str]:
+    return CIMultiDict({"Content-Type": "text/event-stream"})
+
+
+async def test_whole_body_goes_out_with_its_headers() -> None:
+    async def script(out: Responder, _r: web.Request) -> None:
+        await out.whole(200, json_head(), b'{"content":"x"}')
+
+    async with responder_server(script) as (url, _), aiohttp.ClientSession() as http:
+        async with http.post(url) as r:
+            assert r.status == 200 and await r.read() == b'{"content":"x"}'
+            assert r.headers["Content-Length"] == "15" and r.headers["Content-Type"] == "application/json"
+            assert r.headers["X-Upstream"] == "1" and r.headers["X-Request-Id"] == "rid-1"
+
+
+async def test_pieces_reach_the_client_as_they_are_written() -> None:
+    first_read = asyncio.Event()
+
+    async def script(out: Responder, _r: web.Request) -> None:
+        await out.head(200, sse_head(), None)
+        await out.piece(b"data: 1\n\n")
+        await first_read.wait()  # the client saw the first piece before the rest exists
+        await out.piece(b"data: 2\n\n")
+        await out.end(b"data: 3\n\n")
+
+    async with responder_server(script) as (url, seen), aiohttp.ClientSession() as http:
+        async with http.post(url) as r:
+            assert r.status == 200 and r.headers["X-Request-Id"] == "rid-1"
+            assert await r.content.readuntil(b"\n\n") == b"data: 1\n\n"
+            first_read.set()
+            assert await r.read() == b"data: 2\n\ndata: 3\n\n"
+        assert seen["out"].ended and not seen["out"].gone
+
+
+async def test_failure_before_the_start_is_the_handlers_to_answer() -> None:
+    async def script(out: Responder, _r: web.Request) -> None:
+        out.fail(UpstreamFailed("upstream failed: reset"))
+        await out.whole(200, json_head(), b"{}")  # too late: the first ending wins
+
+    async with responder_server(script) as (url, _), aiohttp.ClientSession() as http:
+        async with http.post(url) as r:
+            assert r.status == 502
+            assert (await r.json())["error"]["type"] == "upstream_error"
+
+
+async def test_failure_after_the_start_ends_the_stream_with_an_event() -> None:
+    async def script(out: Responder, _r: web.Request) -> None:
+        await out.head(200, sse_head(), None)
+        await out.piece(b'data: {"content":"a')  # cut inside an event
+        out.fail(UpstreamFailed("upstream failed: reset"))
+        await out.piece(b"never\n\n")
+
+    async with responder_server(script) as (url, _), aiohttp.ClientSession() as http:
+        async with http.post(url) as r:
+            body = await r.read()
+    events = body.split(b"\n\n")
+    assert events[0] == b'data: {"content":"a' and events[-1] == b"" and len(events) == 3
+    assert json.loads(events[1].removeprefix(b"data: "))["error"]["src"] == "llmproxy"
+
+
+async def test_failure_after_the_start_of_a_plain_body_cuts_the_connection() -> None:
+    async def script(out: Responder, _r: web.Request) -> None:
+        await out.head(200, json_head(), 100)
+        await out.piece(b'{"content":')
+        out.fail(UpstreamFailed("upstream failed: reset"))
+
+    async with responder_server(script) as (url, _), aiohttp.ClientSession() as http:
+        async with http.post(url) as r:
+            with pytest.raises(aiohttp.ClientPayloadError):  # short of its Content-Length
+                await r.read()
+
+
+async def test_client_gone_turns_writes_into_no_ops() -> None:
+    client_left = asyncio.Event()
+    writes_after: list[int] = []
+
+    async def script(out: Responder, _r: web.Request) -> None:
+        await out.head(200, sse_head(), None)
+        await out.piece(b"data: 1\n\n")
+        await client_left.wait()
+        for i in range(10_000):  # a job draining its generation: never raises, never waits
+            await out.piece(b"data: more\n\n")
+            if out.gone:
+                writes_after.append(i)
+                break
+        await out.end(b"data: last\n\n")
+        out.fail(UpstreamFailed("ignored"))
+
+    async with responder_server(script) as (url, seen), aiohttp.ClientSession() as http:
+        async with http.post(url) as r:
+            assert await r.content.readuntil(b"\n\n") == b"data: 1\n\n"
+            r.connection.transport.abort()  # type: ignore[union-attr]
+        client_left.set()
+        await wait_until(lambda: bool(writes_after), what="a write noticing the client left")
+        assert seen["out"].gone and seen["out"].ended
+
+
+async def test_detach_ends_it_and_later_writes_do_nothing() -> None:
+    detached = asyncio.Event()
+    done = asyncio.Event()
+
+    async def script(out: Responder, _r: web.Request) -> None:
+        await out.head(200, sse_head(), None)
+        await detached.wait()
+        await out.piece(b"data: after\n\n")
+        await out.end()
+        done.set()
+
+    async with responder_server(script) as (url, seen), aiohttp.ClientSession() as http:
+        async with http.post(url) as r:
+            await wait_until(lambda: "out" in seen and seen["out"].started, what="the head")
+            seen["out"].detach()  # what the job does when the handler is cancelled
+            assert seen["out"].gone and seen["out"].ended
+            detached.set()
+            await done.wait()
+            assert await r.read() == b""  # aiohttp ends what the handler returned; nothing written after
+
+
+async def test_error_after_an_interrupted_last_write_closes_instead_of_an_event() -> None:
+    """A job cut (shutdown) while its last write waits on a reader that stopped reading:
+    the body's end is already in the transport, so no event may follow it."""
+    big = b"x" * (8 << 20)  # well past the socket buffers and the transport's high-water mark
+    cut = asyncio.Event()
+
+    async def script(out: Responder, request: web.Request) -> None:
+        await out.head(200, sse_head(), None)
+        last = asyncio.create_task(out.end(big))
+        transport = request.transport
+        assert transport is not None
+        await wait_until(lambda: transport.get_write_buffer_size() > 0 and not last.done(),
+                         what="the last write to wait on the client")
+        last.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await last
+        out.fail(ShuttingDown("llmproxy shut down before the upstream finished"))
+        cut.set()
+
+    async with responder_server(script) as (url, _):
+        host, port = url.removeprefix("http://").split("/")[0].split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"POST /r HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\n\r\n".encode())
+        await writer.drain()
+        await asyncio.wait_for(cut.wait(), 30)  # not reading until the writer was cut
+        got = await asyncio.wait_for(reader.read(), 30)  # until the server closes
+        writer.close()
+    assert got.startswith(b"HTTP/1.1 200") and got.endswith(b"0\r\n\r\n")  # the body's own end
+    assert b"shutting_down" not in got
