@@ -122,7 +122,8 @@ class UpstreamJob:
                 rec.outcome = rec.outcome or "cancelled_inflight"
                 self.out.fail(ShuttingDown("llmproxy shut down before the upstream finished"))
             self._report_health()
-            self.out.fail(ProxyError("upstream job ended without a response"))
+            if not self.out.ended:
+                self.out.fail(ProxyError("upstream job ended without a response"))
             self._release()
             rec.end_ref()
 

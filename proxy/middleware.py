@@ -37,6 +37,8 @@ async def proxy_middleware(request: web.Request, handler: web.Handler) -> web.St
     app = request.app
     supplied = request.headers.get("X-Request-Id", "")
     request_id = supplied if supplied and _REQUEST_ID.match(supplied) else f"{getrandbits(64):016x}"
+    # Bound in this request's own context: aiohttp runs each handler in a task of its own
+    # (a copy of the connection's context), so the binding ends with it, unbound by nobody.
     structlog.contextvars.bind_contextvars(request_id=request_id)
     rec = RequestRecord(request_id, request.method, request.path, on_done=app[METRICS].observe,
                         request_log=app[REQUEST_LOG])
@@ -81,4 +83,3 @@ async def proxy_middleware(request: web.Request, handler: web.Handler) -> web.St
         return error_response(ProxyError("internal proxy error"))
     finally:
         rec.end_ref()
-        structlog.contextvars.unbind_contextvars("request_id")
