@@ -19,6 +19,7 @@ from yarl import URL
 from llmproxy.proxy.bench.child import child
 from llmproxy.proxy.bench.loadgen import LoadResult
 from llmproxy.proxy.bench.overhead import OverheadSettings, _bench, format_table, proxy_command
+from llmproxy.proxy.bench.overhead_table import Case
 
 
 def test_bench_measures_direct_raw_floor_and_proxy() -> None:
@@ -142,3 +143,20 @@ def test_blocks_pool_into_one_result() -> None:
     m = LoadResult.merged([a, b])
     assert m.latencies_s == [0.001, 0.002, 0.003] and m.errors == 1 and m.elapsed_s == 3.0
     assert m.capped and m.cpu_s == (0.75, 0.5) and m.rps == 1.0
+
+
+def test_table_says_which_goals_the_references_miss_too() -> None:
+    """A goal that the floor (or the byte relay) misses in the same run is named on its row
+    and in the footer: out of any proxy's reach on that stack and machine."""
+    ms = lambda *v: [x / 1000 for x in v]  # noqa: E731
+    direct = LoadResult(ms(80, 80, 80, 81), 0, 1.0, False, (0.1,))
+    proxied = LoadResult(ms(80.5, 80.5, 80.5, 86), 0, 1.0, False, (0.1, 0.2))
+    floor = LoadResult(ms(80.4, 80.4, 80.4, 85), 0, 1.0, False, (0.1, 0.15))
+    raw = LoadResult(ms(80.1, 80.1, 80.1, 81.5), 0, 1.0, False, (0.1, 0.05))
+    both = [Case("stream", 32, direct, proxied, 5.0, floor, raw), Case("nonstream", 1, direct, proxied, 5.0, raw, raw)]
+    table = format_table(both, loop="uvloop")
+    rows = {line.split("  ")[0].strip(): line for line in table.splitlines() if "ms/tok" in line}
+    assert rows["5ms/tok stream c=32"].endswith("p50 PASS, p99 FAIL, thr PASS, (floor misses p99)")
+    assert rows["5ms/tok nonstream c=1"].endswith("p50 PASS, p99 FAIL, thr PASS")  # its references meet every goal
+    assert "overall (paced upstream rows): FAIL" in table
+    assert "rows where a reference misses a goal too, in the same run: 5ms/tok stream c=32 (" in table
