@@ -30,8 +30,17 @@ def _connection_tokens(headers: Mapping[str, str]) -> set[str]:
     return {t.strip().lower() for t in value.split(",") if t.strip()}
 
 
-def _filter(items: Iterable[tuple[str, str]], drop: frozenset[str] | set[str]) -> CIMultiDict[str]:
-    return CIMultiDict((k, v) for k, v in items if k.lower() not in drop)
+def _filter(headers: Mapping[str, str], drop: Iterable[str]) -> CIMultiDict[str]:
+    """A copy of ``headers`` without the names in ``drop`` (lower case), order kept.
+
+    Copied whole, then the few names to drop that are there deleted: both steps run in
+    multidict's C code, several times faster than filtering item by item in Python (this
+    runs twice on every relayed request)."""
+    out = CIMultiDict(headers)
+    for name in drop:
+        if name in out:
+            del out[name]  # every value of that name
+    return out
 
 
 def request_headers(headers: Mapping[str, str], strip: Iterable[str] = ()) -> CIMultiDict[str]:
@@ -39,7 +48,7 @@ def request_headers(headers: Mapping[str, str], strip: Iterable[str] = ()) -> CI
     drop: frozenset[str] | set[str] = _REQUEST_DROP
     if strip or "Connection" in headers:
         drop = drop | _connection_tokens(headers) | {s.lower() for s in strip}
-    return _filter(headers.items(), drop)
+    return _filter(headers, drop)
 
 
 def proxied_location(location: str, upstream: URL) -> str | None:
@@ -73,7 +82,7 @@ def response_headers(headers: Mapping[str, str], upstream: URL | None = None) ->
     """Headers to send back to the client (Content-Type, Content-Encoding... preserved);
     a Location into the ``upstream`` base URL is rewritten (``proxied_location``)."""
     drop = _RESPONSE_DROP | _connection_tokens(headers) if "Connection" in headers else _RESPONSE_DROP
-    out = _filter(headers.items(), drop)
+    out = _filter(headers, drop)
     location = out.get("Location")
     if upstream is not None and location is not None:
         out["Location"] = proxied_location(location, upstream) or location
