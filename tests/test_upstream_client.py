@@ -26,7 +26,7 @@ from yarl import URL
 from llmproxy.proxy.errors import UpstreamFailed, UpstreamUnreachable, map_client_errors
 from llmproxy.proxy.upstream_client import UpstreamClient
 from tests.conftest import run_proxy
-from tests.helpers import closed_port, serve_app, wait_until
+from tests.helpers import closed_port, wait_until
 
 
 class Recorder:
