@@ -21,6 +21,11 @@ Concurrency contract (``Responder``):
   writes the error event itself. So a job cut at shutdown, which cannot await a write in
   its ``finally``, still gets its error to the client through the handler, which lives
   until then (registry.py gives handlers a grace period for it).
+- A writer cancelled while it waits for a slow client to read (a job's ``stop()``, the
+  shutdown cut) has put its bytes in the transport already (``_tail`` counts them), but
+  its cancellation also cancels aiohttp's flow-control future, which every writer on the
+  connection shares: the handler's error write that follows then closes the connection
+  once its bytes are out, instead of waiting on that future.
 - The first ending wins (complete, failed or client gone); later ones are ignored.
 """
 
@@ -129,12 +134,13 @@ class Responder:
         if self._stopped():
             return
         assert self._resp is not None
+        # Before the write: its bytes are in the transport even if a stop() cuts the wait
+        # for the client to read them, and an error event must start after them.
+        self._tail = data[-4:] if len(data) >= 4 else (self._tail + data)[-4:]
         try:
             await self._resp.write(data)
         except ConnectionError:
             self._lost()
-            return
-        self._tail = data[-4:] if len(data) >= 4 else (self._tail + data)[-4:]
 
     async def end(self, last: bytes = b"") -> None:
         """The body's end, with its ``last`` piece if there is one (one write, after ``head``)."""
@@ -193,6 +199,15 @@ class Responder:
                     self._close()
             except ConnectionError:
                 self.gone = True
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # this handler's own cancellation: the client left, or the shutdown cut
+                # Not ours to take: the job was stopped while it waited for this client to
+                # read, and aiohttp's flow-control future, shared by every writer on the
+                # connection, was cancelled with it. The event is in the transport; nothing
+                # can wait for the client here, so the connection ends once it is sent.
+                self._close()
         return resp
 
     def _close(self) -> None:

@@ -49,3 +49,16 @@ async def serve_app(app: web.Application, host: str = "127.0.0.1") -> AsyncItera
         yield f"http://{host}:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
+
+
+def dechunk(raw: bytes) -> bytes:
+    """The payload of ``raw``, an HTTP/1.1 chunked message body (what follows the head)."""
+    out, pos = bytearray(), 0
+    while True:
+        eol = raw.index(b"\r\n", pos)
+        n = int(raw[pos:eol], 16)
+        if n == 0:
+            return bytes(out)
+        out += raw[eol + 2:eol + 2 + n]
+        pos = eol + 2 + n + 2
+

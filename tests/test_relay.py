@@ -17,17 +17,20 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from llmproxy.proxy.errors import ProxyError, ShuttingDown, UpstreamFailed
+from llmproxy.proxy.errors import ProxyError, ShuttingDown, Superseded, UpstreamFailed
 from llmproxy.proxy.relay import Responder
-from tests.helpers import serve_app, wait_until
+from tests.helpers import dechunk, serve_app, wait_until
 
 Script = Callable[[Responder, web.Request], Awaitable[None]]
 
 
 @contextlib.asynccontextmanager
-async def responder_server(script: Script) -> AsyncIterator[tuple[str, dict[str, Responder]]]:
+async def responder_server(
+    script: Script, ends: list[str] | None = None
+) -> AsyncIterator[tuple[str, dict[str, Responder]]]:
     """A server whose one route answers through a Responder that ``script`` writes from its
-    own task; yields the URL and the last request's Responder (``seen["out"]``)."""
+    own task; yields the URL and the last request's Responder (``seen["out"]``). ``ends``
+    gets how each handler ended: "returned", "answered" (an error) or the exception's name."""
     seen: dict[str, Responder] = {}
     writers: set[asyncio.Task[None]] = set()
 
@@ -36,9 +39,15 @@ async def responder_server(script: Script) -> AsyncIterator[tuple[str, dict[str,
         writer = asyncio.create_task(script(out, request))
         writers.add(writer)
         try:
-            return await out.outcome()
+            resp = await out.outcome()
         except ProxyError as exc:  # the proxy's middleware does this
+            (ends if ends is not None else []).append("answered")
             return web.Response(status=exc.status, body=exc.body(), content_type="application/json")
+        except BaseException as exc:
+            (ends if ends is not None else []).append(type(exc).__name__)
+            raise
+        (ends if ends is not None else []).append("returned")
+        return resp
 
     app = web.Application()
     app.router.add_post("/r", handler)
@@ -200,3 +209,45 @@ async def test_error_after_an_interrupted_last_write_closes_instead_of_an_event(
         writer.close()
     assert got.startswith(b"HTTP/1.1 200") and got.endswith(b"0\r\n\r\n")  # the body's own end
     assert b"shutting_down" not in got
+
+
+async def test_a_writer_stopped_while_the_client_lags_leaves_an_event_that_parses() -> None:
+    """stop() cancels the job while its piece waits for a client that stopped reading (found
+    by review): the piece's bytes are in the transport already, so the error event must start
+    a new event after them; and aiohttp's flow-control future, cancelled with the job, must
+    not surface in the handler as a cancellation it was never sent."""
+    cut = asyncio.Event()
+    handler_ends: list[str] = []
+
+    async def script(out: Responder, request: web.Request) -> None:
+        await out.head(200, sse_head(), None)
+        await out.piece(b'data: {"content":"a"}\n\n')  # a whole event: the tail at a boundary
+        write = asyncio.create_task(out.piece(b'data: {"content":"' + b"x" * (8 << 20)))  # one cut mid-event
+        transport = request.transport
+        assert transport is not None
+        await wait_until(lambda: transport.get_write_buffer_size() > 0 and not write.done(), timeout=20,
+                         what="the piece to wait on the client")
+        write.cancel()  # what stop() does to the job task
+        with contextlib.suppress(asyncio.CancelledError):
+            await write
+        out.fail(Superseded("superseded by a newer request from the same session"))
+        cut.set()
+
+    async with responder_server(script, handler_ends) as (url, _):
+        host, port = url.removeprefix("http://").split("/")[0].split(":")
+        reader, writer = await asyncio.open_connection(host, int(port), limit=1 << 26)
+        writer.write(f"POST /r HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\n\r\n".encode())
+        await writer.drain()
+        await asyncio.wait_for(cut.wait(), 30)  # not reading until the writer was stopped
+        got = bytearray()
+        while not got.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's end
+            piece = await asyncio.wait_for(reader.read(1 << 20), 30)
+            assert piece, f"closed before the body's end: {bytes(got[-100:])!r}"
+            got += piece
+        writer.close()
+        await wait_until(lambda: bool(handler_ends), what="the handler to end")
+    assert handler_ends == ["returned"]  # no stray CancelledError in the handler
+    body = dechunk(bytes(got[got.index(b"\r\n\r\n") + 4:]))
+    events = body.split(b"\n\n")
+    assert events[-1] == b"" and events[-2].startswith(b"data: {") and events[0] == b'data: {"content":"a"}'
+    assert json.loads(events[-2].removeprefix(b"data: "))["error"]["type"] == "superseded"

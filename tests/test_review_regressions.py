@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 
 import aiohttp
 import structlog
+from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict
 
@@ -16,7 +18,7 @@ from llmproxy.proxy.jobs import UpstreamJob, UpstreamRequest
 from llmproxy.proxy.record import RequestRecord
 from llmproxy.proxy.relay import Responder
 from tests.conftest import run_proxy
-from tests.helpers import wait_until
+from tests.helpers import dechunk, serve_app, wait_until
 
 
 async def test_unreachable_upstream_does_not_hold_the_permit(http: aiohttp.ClientSession) -> None:
@@ -158,3 +160,55 @@ async def test_health_exemption_is_get_only(fake: FakeUpstream, http: aiohttp.Cl
         async with http.get(px.url + "/llmproxy/health") as r:
             assert r.status == 200
         assert len(fake.received) == before
+
+
+async def test_superseded_while_its_job_waits_on_a_client_that_lags() -> None:
+    """A streamed request whose client stopped reading is superseded (policy cancel) while
+    its job waits to write: the client still gets what was sent, then the superseded event,
+    standing on its own; the request is logged superseded with its 200, not as a client
+    that left (the job's cancel used to surface in the handler through aiohttp's shared
+    flow-control future)."""
+    piece = b"data: " + b"x" * (64 << 10) + b"\n\n"
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        while True:
+            await resp.write(piece)
+
+    def ask(session: str) -> bytes:
+        body = b'{"prompt":"a","stream":true}'
+        return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"X-LLMProxy-Session: {session}\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", endless)
+    async with serve_app(app) as upstream, run_proxy(
+        upstream, upstream_kind="openai", capacity=2, supersede_inflight="cancel", on_disconnect="cancel",
+        unconfirmed_cancel_hold_s=0,  # the newer request streams for ever too: closing it ends it
+    ) as px:
+        host, port = px.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port), limit=1 << 26)
+        writer.write(ask("S"))
+        await wait_until(lambda: px.state.gate.inflight == 1, what="the stream in flight")
+        job = px.state.gate.inflight_snapshot()[0].on_supersede.__self__  # type: ignore[union-attr]
+        await wait_until(lambda: job.out._request.protocol.writing_paused, timeout=20,
+                         what="the job waiting for the client to read")
+        _, newer = await asyncio.open_connection(host, int(port))
+        newer.write(ask("S"))
+        await wait_until(lambda: job.record.outcome == "superseded", what="the stream superseded")
+        got = bytearray()
+        while not got.endswith(b"\r\n0\r\n\r\n"):  # read it all now, to the chunked body's end
+            data = await asyncio.wait_for(reader.read(1 << 20), 30)
+            assert data, f"closed before the body's end: {bytes(got[-100:])!r}"
+            got += data
+        writer.close()
+        newer.close()
+        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        await wait_until(lambda: job.record.total_s is not None, what="the request to be accounted for")
+    body = dechunk(bytes(got[got.index(b"\r\n\r\n") + 4:]))
+    before, sep, event = body.rpartition(b"data: {\"error\"")
+    assert sep and before.endswith(b"\n\n") and event.endswith(b"}\n\n"), body[-200:]  # an event of its own
+    assert json.loads(sep.removeprefix(b"data: ") + event)["error"]["type"] == "superseded"
+    assert job.record.status == 200 and not job.record.client_gone
