@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -56,6 +57,30 @@ async def responder_server(
             yield url + "/r", seen
         finally:
             await asyncio.gather(*writers, return_exceptions=True)
+
+
+async def lagging_client(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to ``url`` with a small receive buffer (set before the connect, so the
+    window stays small): with ``small_send_buffer`` on the server's side, a few MB written
+    to a client that does not read stay in the server's transport, whatever the kernel's
+    buffer autotuning would otherwise absorb."""
+    host, port = url.removeprefix("http://").split("/")[0].split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 26)
+    writer.write(f"POST /r HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\n\r\n".encode())
+    await writer.drain()
+    return reader, writer
+
+
+def small_send_buffer(request: web.Request) -> asyncio.Transport:
+    """The request's transport, its socket's send buffer made small (see lagging_client)."""
+    transport = request.transport
+    assert transport is not None
+    transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 32 << 10)
+    return transport  # type: ignore[return-value]
 
 
 def json_head() -> CIMultiDict[str]:
@@ -187,10 +212,9 @@ async def test_error_after_an_interrupted_last_write_closes_instead_of_an_event(
     cut = asyncio.Event()
 
     async def script(out: Responder, request: web.Request) -> None:
+        transport = small_send_buffer(request)
         await out.head(200, sse_head(), None)
         last = asyncio.create_task(out.end(big))
-        transport = request.transport
-        assert transport is not None
         await wait_until(lambda: transport.get_write_buffer_size() > 0 and not last.done(),
                          what="the last write to wait on the client")
         last.cancel()
@@ -200,10 +224,7 @@ async def test_error_after_an_interrupted_last_write_closes_instead_of_an_event(
         cut.set()
 
     async with responder_server(script) as (url, _):
-        host, port = url.removeprefix("http://").split("/")[0].split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(f"POST /r HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\n\r\n".encode())
-        await writer.drain()
+        reader, writer = await lagging_client(url)
         await asyncio.wait_for(cut.wait(), 30)  # not reading until the writer was cut
         got = await asyncio.wait_for(reader.read(), 30)  # until the server closes
         writer.close()
@@ -220,11 +241,10 @@ async def test_a_writer_stopped_while_the_client_lags_leaves_an_event_that_parse
     handler_ends: list[str] = []
 
     async def script(out: Responder, request: web.Request) -> None:
+        transport = small_send_buffer(request)
         await out.head(200, sse_head(), None)
         await out.piece(b'data: {"content":"a"}\n\n')  # a whole event: the tail at a boundary
         write = asyncio.create_task(out.piece(b'data: {"content":"' + b"x" * (8 << 20)))  # one cut mid-event
-        transport = request.transport
-        assert transport is not None
         await wait_until(lambda: transport.get_write_buffer_size() > 0 and not write.done(), timeout=20,
                          what="the piece to wait on the client")
         write.cancel()  # what stop() does to the job task
@@ -234,10 +254,7 @@ async def test_a_writer_stopped_while_the_client_lags_leaves_an_event_that_parse
         cut.set()
 
     async with responder_server(script, handler_ends) as (url, _):
-        host, port = url.removeprefix("http://").split("/")[0].split(":")
-        reader, writer = await asyncio.open_connection(host, int(port), limit=1 << 26)
-        writer.write(f"POST /r HTTP/1.1\r\nHost: {host}\r\nContent-Length: 0\r\n\r\n".encode())
-        await writer.drain()
+        reader, writer = await lagging_client(url)
         await asyncio.wait_for(cut.wait(), 30)  # not reading until the writer was stopped
         got = bytearray()
         while not got.endswith(b"\r\n0\r\n\r\n"):  # the chunked body's end
