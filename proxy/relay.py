@@ -5,8 +5,8 @@ soon as it arrives. A body that arrived whole with the upstream's head goes out 
 status line and headers in one write; a stream's last piece goes out with its
 terminator. Once the response has started its status cannot change, so a later error ends
 the stream with an error event in the stream's own format (SSE ``data:`` line or NDJSON
-line); for other bodies the connection is closed so the client sees a truncated response
-rather than a silently short one.
+line); for other bodies, and for any body of fixed length (Content-Length), the connection
+is closed so the client sees a truncated response rather than a silently short one.
 
 Concurrency contract (``Responder``):
 - One writer task at a time calls ``whole``/``head``/``piece``/``end``: a gated request's
@@ -189,8 +189,10 @@ class Responder:
                 raise error
             raise ConnectionResetError("client gone before the response started")
         if error is not None and not self.gone:
-            # after the body's end went out (a cut while it drained), nothing can follow
-            last = None if self._last_write else stream_error_bytes(resp.content_type, error, self._tail)
+            # Nothing can follow the body's end once it went out (a cut while it drained), nor
+            # fit in a body of fixed length: the event would be clipped to the bytes still owed.
+            fixed = self._last_write or resp.content_length is not None
+            last = None if fixed else stream_error_bytes(resp.content_type, error, self._tail)
             try:
                 if last is not None:
                     await resp.write(last)

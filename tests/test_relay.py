@@ -159,6 +159,22 @@ async def test_failure_after_the_start_of_a_plain_body_cuts_the_connection() -> 
                 await r.read()
 
 
+async def test_failure_inside_a_stream_of_fixed_length_cuts_the_connection() -> None:
+    """An SSE body the upstream framed with a Content-Length: an event after the cut would
+    be clipped to the bytes still owed and read as a whole body of the promised length."""
+
+    async def script(out: Responder, _r: web.Request) -> None:
+        await out.head(200, sse_head(), 100)
+        await out.piece(b"data: 1\n\n")
+        out.fail(UpstreamFailed("upstream failed: reset"))
+
+    async with responder_server(script) as (url, _), aiohttp.ClientSession() as http:
+        async with http.post(url) as r:
+            assert r.headers["Content-Length"] == "100"
+            with pytest.raises(aiohttp.ClientPayloadError):  # short of its Content-Length
+                await r.read()
+
+
 async def test_client_gone_turns_writes_into_no_ops() -> None:
     client_left = asyncio.Event()
     writes_after: list[int] = []
