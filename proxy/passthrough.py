@@ -2,11 +2,14 @@
 
 No permit, no queue: the request is forwarded to the configured upstream only, and the
 response written as it arrives, like a gated one (upstream.py, relay.py), by this handler
-itself. A client disconnect cancels the handler, which closes the upstream request.
+itself. A client disconnect cancels the handler, which closes the upstream request. Errors,
+ours included, end the response through the Responder: the envelope if nothing was sent
+yet, else the stream's error event or a cut.
 """
 
 from __future__ import annotations
 
+import structlog
 from aiohttp import web
 
 from llmproxy.proxy.bodies import read_body
@@ -16,6 +19,8 @@ from llmproxy.proxy.relay import Responder
 from llmproxy.proxy.security import auth_headers_to_strip
 from llmproxy.proxy.state import RECORD, STATE
 from llmproxy.proxy.upstream import forward
+
+log = structlog.get_logger("llmproxy.passthrough")
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
@@ -29,4 +34,11 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     except ProxyError as exc:
         rec.upstream_error = exc
         out.fail(exc)  # answered in the envelope, or the started stream's last event
+    except Exception as exc:
+        # Our own bug, as an upstream job treats it: once the response started, the
+        # middleware's answer could only go out as a second status line inside this body.
+        log.exception("passthrough relay failed", request_id=rec.request_id)
+        rec.error = repr(exc)
+        rec.outcome = "error"
+        out.fail(ProxyError("internal proxy error"))
     return await out.outcome()

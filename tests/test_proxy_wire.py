@@ -18,7 +18,7 @@ from yarl import URL
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
 from llmproxy.proxy.errors import Superseded
 from llmproxy.proxy.headers import proxied_location, response_headers
-from llmproxy.proxy.relay import stream_error_bytes
+from llmproxy.proxy.relay import Responder, stream_error_bytes
 from tests.conftest import run_proxy
 from tests.helpers import closed_port, serve_app, wait_until
 
@@ -439,3 +439,47 @@ async def test_upstream_cookies_are_not_kept_between_clients(http: aiohttp.Clien
                     async with client.post(px.url + "/v1/completions", json={"prompt": "a"}) as r:
                         assert r.status == 200 and r.headers["Set-Cookie"].startswith("sess=client-a-secret")
     assert cookies == [None, None]
+
+
+async def test_passthrough_bug_after_the_start_ends_the_stream_not_the_wire(
+    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unexpected exception in an ungated relay once the response started (a fault
+    injected into the second piece's write) ends the stream with the error event, as an
+    upstream failure does; before, the middleware's 500 went out as a second status line
+    inside the chunked body."""
+
+    async def events(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in (1, 2):
+            await resp.write(b"data: %d\n\n" % i)
+            await asyncio.sleep(0.05)  # read apart at the proxy: pieces 1 and 2, then the last
+        await resp.write_eof(b"data: 3\n\n")
+        return resp
+
+    upstream = web.Application()
+    upstream.router.add_get("/events", events)
+    real_piece = Responder.piece
+    pieces = 0
+
+    async def faulty_piece(self: Responder, data: bytes) -> None:
+        nonlocal pieces
+        pieces += 1
+        if pieces == 2:
+            raise RuntimeError("injected bug")
+        await real_piece(self, data)
+
+    monkeypatch.setattr(Responder, "piece", faulty_piece)
+    async with serve_app(upstream) as up, run_proxy(up, upstream_kind="openai") as px:
+        with structlog.testing.capture_logs() as logs:
+            async with http.get(px.url + "/events") as r:
+                assert r.status == 200
+                body = await r.read()
+            px.flush_log()
+    events_out = [e for e in body.split(b"\n\n") if e]
+    assert events_out[0] == b"data: 1" and len(events_out) == 2, body
+    error = json.loads(events_out[1].removeprefix(b"data: "))["error"]
+    assert error["src"] == "llmproxy" and error["code"] == 500 and error["type"] == "server_error"
+    [line] = [e for e in logs if e.get("event") == "request"]
+    assert line["outcome"] == "error" and line["route"] == "/events"
