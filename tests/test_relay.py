@@ -147,25 +147,21 @@ async def test_failure_after_the_start_ends_the_stream_with_an_event() -> None:
     assert json.loads(events[1].removeprefix(b"data: "))["error"]["src"] == "llmproxy"
 
 
-async def test_failure_after_the_start_of_a_plain_body_cuts_the_connection() -> None:
-    async def script(out: Responder, _r: web.Request) -> None:
-        await out.head(200, json_head(), 100)
-        await out.piece(b'{"content":')
-        out.fail(UpstreamFailed("upstream failed: reset"))
-
-    async with responder_server(script) as (url, _), aiohttp.ClientSession() as http:
-        async with http.post(url) as r:
-            with pytest.raises(aiohttp.ClientPayloadError):  # short of its Content-Length
-                await r.read()
-
-
-async def test_failure_inside_a_stream_of_fixed_length_cuts_the_connection() -> None:
-    """An SSE body the upstream framed with a Content-Length: an event after the cut would
-    be clipped to the bytes still owed and read as a whole body of the promised length."""
+@pytest.mark.parametrize(
+    ("head", "first"),
+    [(json_head, b'{"content":'), (sse_head, b"data: 1\n\n")],
+    ids=["plain", "sse-of-fixed-length"],
+)
+async def test_failure_inside_a_body_of_fixed_length_cuts_the_connection(
+    head: Callable[[], CIMultiDict[str]], first: bytes
+) -> None:
+    """A plain body has no error event; nor has any body framed with a Content-Length (an
+    SSE stream, say): an event after the cut would be clipped to the bytes still owed and
+    read as a whole body of the promised length."""
 
     async def script(out: Responder, _r: web.Request) -> None:
-        await out.head(200, sse_head(), 100)
-        await out.piece(b"data: 1\n\n")
+        await out.head(200, head(), 100)
+        await out.piece(first)
         out.fail(UpstreamFailed("upstream failed: reset"))
 
     async with responder_server(script) as (url, _), aiohttp.ClientSession() as http:
