@@ -39,13 +39,19 @@ class Case:
         return f"{pace} {self.mode} c={self.concurrency}"
 
 
-def _missed(direct: LoadResult, other: LoadResult) -> list[str]:
-    """The goals (p50, p99, thr) that ``other`` misses against ``direct``."""
+def _added(direct: LoadResult, other: LoadResult) -> tuple[float, float, float]:
+    """What ``other`` adds over ``direct``: p50 and p99 (ms), and its throughput ratio."""
     ratio = other.rps / direct.rps if direct.rps else float("nan")
+    return (other.percentile_ms(50) - direct.percentile_ms(50),
+            other.percentile_ms(99) - direct.percentile_ms(99), ratio)
+
+
+def _missed(added: tuple[float, float, float]) -> list[str]:
+    """The goals (p50, p99, thr) that an ``_added`` result misses."""
+    add50, add99, ratio = added
     return [
         name for name, ok in (
-            ("p50", other.percentile_ms(50) - direct.percentile_ms(50) <= GOAL_ADDED_P50_MS),
-            ("p99", other.percentile_ms(99) - direct.percentile_ms(99) <= GOAL_ADDED_P99_MS),
+            ("p50", add50 <= GOAL_ADDED_P50_MS), ("p99", add99 <= GOAL_ADDED_P99_MS),
             ("thr", ratio >= GOAL_THROUGHPUT_RATIO),
         ) if not ok
     ]
@@ -55,10 +61,8 @@ def _goals(case: Case) -> tuple[float, float, float, list[str]]:
     d, p = case.direct, case.proxied
     if p is None:
         return float("nan"), float("nan"), float("nan"), ["n/a"]
-    add50 = p.percentile_ms(50) - d.percentile_ms(50)
-    add99 = p.percentile_ms(99) - d.percentile_ms(99)
-    ratio = p.rps / d.rps if d.rps else float("nan")
-    missed = _missed(d, p)
+    add50, add99, ratio = added = _added(d, p)
+    missed = _missed(added)
     marks = [f"{goal} {'FAIL' if goal in missed else 'PASS'}" for goal in ("p50", "p99", "thr")]
     if d.errors or p.errors:
         marks.append(f"ERRORS {d.errors}/{p.errors}")
@@ -75,7 +79,7 @@ def _references_missing(case: Case) -> list[str]:
     return [
         f"{name} misses {' '.join(missed)}"
         for name, ref in (("floor", case.floor), ("raw", case.raw))
-        if ref is not None and (missed := _missed(case.direct, ref))
+        if ref is not None and (missed := _missed(_added(case.direct, ref)))
     ]
 
 
@@ -83,8 +87,8 @@ def _reference(direct: LoadResult, ref: LoadResult | None) -> tuple[float, float
     """A reference target's added p50, added p99 (ms) and CPU us/req; NaN when not measured."""
     if ref is None:
         return float("nan"), float("nan"), float("nan")
-    added50 = ref.percentile_ms(50) - direct.percentile_ms(50)
-    return added50, ref.percentile_ms(99) - direct.percentile_ms(99), ref.cpu_us_per_request(1)
+    add50, add99, _ratio = _added(direct, ref)
+    return add50, add99, ref.cpu_us_per_request(1)
 
 
 def format_table(cases: list[Case], loop: str) -> str:
