@@ -110,7 +110,7 @@ class Responder:
             self._resp = resp
             await resp.write_eof()
         except ConnectionError:
-            self._lost()
+            self.detach()
             return
         self._end()
 
@@ -125,7 +125,7 @@ class Responder:
         try:
             await resp.prepare(self._request)
         except ConnectionError:
-            self._lost()
+            self.detach()
             return
         self._resp = resp
 
@@ -140,7 +140,7 @@ class Responder:
         try:
             await self._resp.write(data)
         except ConnectionError:
-            self._lost()
+            self.detach()
 
     async def end(self, last: bytes = b"") -> None:
         """The body's end, with its ``last`` piece if there is one (one write, after ``head``)."""
@@ -151,7 +151,7 @@ class Responder:
         try:
             await self._resp.write_eof(last)
         except ConnectionError:
-            self._lost()
+            self.detach()
             return
         self._end()
 
@@ -162,16 +162,13 @@ class Responder:
             self._ended.set_result(None)
 
     def detach(self) -> None:
-        """The client left: later writes are no-ops."""
+        """The client left (the handler was cancelled, or a write found the connection
+        closed): later writes are no-ops."""
         self.gone = True
         self._end()
 
     def _stopped(self) -> bool:
         return self.gone or self._ended.done()
-
-    def _lost(self) -> None:
-        self.gone = True
-        self._end()
 
     def _end(self) -> None:
         if not self._ended.done():
