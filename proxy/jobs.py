@@ -34,13 +34,14 @@ import structlog
 from multidict import CIMultiDict
 
 from llmproxy.proxy.adapters.base import Adapter
+from llmproxy.proxy.assemble import Assembler
 from llmproxy.proxy.breaker import CircuitBreaker
 from llmproxy.proxy.errors import ProxyError, ShuttingDown, Superseded
 from llmproxy.proxy.gate import Gate, Ticket
 from llmproxy.proxy.metrics import Metrics
 from llmproxy.proxy.record import RequestRecord
 from llmproxy.proxy.relay import Responder
-from llmproxy.proxy.upstream import forward
+from llmproxy.proxy.upstream import forward, forward_assembled
 
 log = structlog.get_logger("llmproxy.job")
 
@@ -196,7 +197,13 @@ class UpstreamJob:
             await self.adapter.settle(self.gate, self.ticket)
         body = self.adapter.prepare_body(req.path, req.body, rec.parsed_body, self.slot)
         try:
-            await forward(self.adapter, req.method, req.raw_path, req.headers, body, self.out, rec, self._upstream_ended)
+            if self.adapter.assembles(req.path, rec.parsed_body):  # sent as a stream (assemble.py)
+                rec.assembled = True
+                await forward_assembled(self.adapter, req.method, req.raw_path, req.headers, body, self.out, rec,
+                                        Assembler(req.path), self._upstream_ended)
+            else:
+                await forward(self.adapter, req.method, req.raw_path, req.headers, body, self.out, rec,
+                              self._upstream_ended)
         except ProxyError as exc:
             rec.upstream_error = exc
             log.warning("upstream request failed", error=exc.message, request_id=rec.request_id)

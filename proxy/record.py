@@ -35,6 +35,7 @@ class RequestRecord:
     slot: int | None = None
     permits: int = 1  # slots the request runs on at once (n_cmpl); ``slot`` is the first
     queue_wait_s: float | None = None
+    assembled: bool = False  # sent upstream as a stream, answered whole (assemble.py)
     upstream_sent: bool = False  # its bytes were handed to the upstream connection (mark_sent)
     upstream_s: float | None = None
     upstream_ttfb_s: float | None = None
@@ -108,6 +109,8 @@ class RequestRecord:
             "confirm_wait_ms": ms(self.confirm_wait_s),
             "total_ms": ms(self.total_s),
         }
+        if self.assembled:
+            fields["assembled"] = True
         if self.confirm_timed_out:
             fields["confirm_timed_out"] = True
         error = self.error or (self.upstream_error.message if self.upstream_error is not None else None)

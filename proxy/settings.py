@@ -35,6 +35,12 @@ class ProxySettings(LayeredSettings):
     upstream: str | None = Field(
         None, description="Backend base URL (e.g. http://127.0.0.1:8012); unset = start the embedded backend"
     )
+    upstream_stream: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="llamacpp: send non-streaming completions upstream as streams and answer them whole, so that "
+        "a cancelled one stops at its next token (llama-server does not notice a dropped non-streaming client); "
+        "auto = on except for llmproxy's own backend",
+    )
     upstream_kind: Literal["auto", "llamacpp", "openai", "ollama"] = Field(
         "auto", description="Upstream adapter; auto detects (/props -> llamacpp, /api/version -> ollama, else openai)"
     )

@@ -10,6 +10,9 @@ so whatever is raised comes from the upstream. A cancellation closes the upstrea
 connection at once (that close is how a generation is cancelled). Redirects are relayed,
 never followed: the proxy talks to the configured upstream only, and what it sends there
 is what the gate admitted.
+
+``forward_assembled`` is the same exchange for a request the proxy turned into a stream
+(assemble.py): the stream is read to its end, then its non-streaming form goes out whole.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from llmproxy.proxy.adapters.base import Adapter
+from llmproxy.proxy.assemble import CONTENT_TYPE, Assembler
 from llmproxy.proxy.errors import map_client_errors
 from llmproxy.proxy.headers import response_headers
 from llmproxy.proxy.record import RequestRecord
@@ -69,3 +73,39 @@ async def forward(
     else:  # no body (HEAD, 204, an empty answer): the head keeps the upstream's framing
         await out.head(status, head, resp.content_length)
         await out.end()
+
+
+async def forward_assembled(
+    adapter: Adapter, method: str, raw_path: str, headers: Mapping[str, str], body: bytes,
+    out: Responder, rec: RequestRecord, assembler: Assembler, on_end: Callable[[], None] | None = None,
+) -> None:
+    """``forward`` for a request sent with ``stream: true`` on behalf of a client that did not
+    ask for a stream: an event stream (200, ``text/event-stream``) is fed to ``assembler`` and
+    its rendering written in one piece once the upstream's body ended; any other answer (an
+    error the upstream gave before streaming) is relayed as it came. Records as ``forward``."""
+    start = time.monotonic()
+    pieces: list[bytes] = []
+    try:
+        with map_client_errors():
+            async with adapter.client.exchange(method, raw_path, headers, body, rec.mark_sent) as resp:
+                status, content = resp.status, resp.content
+                rec.upstream_status = status
+                head = response_headers(resp.headers, adapter.base_url)
+                streamed = status == 200 and resp.headers.get("Content-Type", "").startswith("text/event-stream")
+                async for data in content.iter_any():
+                    if rec.upstream_ttfb_s is None:
+                        rec.upstream_ttfb_s = time.monotonic() - start
+                    if streamed:
+                        assembler.feed(data)
+                    else:
+                        pieces.append(data)
+    finally:
+        rec.upstream_s = time.monotonic() - start
+    if on_end is not None:
+        on_end()
+    if streamed:
+        status, payload = assembler.render()  # or UpstreamFailed: the stream had no end
+        head["Content-Type"] = CONTENT_TYPE
+    else:
+        payload = b"".join(pieces)
+    await out.whole(status, head, payload)

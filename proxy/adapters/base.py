@@ -67,6 +67,10 @@ class Adapter:
         """Body to send upstream for a gated request holding permit ``slot``."""
         return raw
 
+    def assembles(self, path: str, parsed: Any) -> bool:
+        """Is this request sent as a stream and answered whole (assemble.py)? See llamacpp's."""
+        return False
+
     def permits(self, path: str, parsed: Any, capacity: int) -> int:
         """How many slots (1..``capacity``) a gated request on ``path`` occupies at once, or
         ``BadRequest`` if it cannot fit (see llamacpp's)."""

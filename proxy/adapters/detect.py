@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 
 from llmproxy.proxy.adapters.base import Adapter, get_json, log
-from llmproxy.proxy.adapters.llamacpp import LlamaCppAdapter, total_slots
+from llmproxy.proxy.adapters.llamacpp import LlamaCppAdapter
 from llmproxy.proxy.adapters.ollama import OllamaAdapter
 from llmproxy.proxy.adapters.openai import OpenAIAdapter
 from llmproxy.proxy.settings import ProxySettings
@@ -46,7 +46,8 @@ def _llama_unavailable(body: Any) -> bool:
     return isinstance(error, dict) and error.get("type") == "unavailable_error"
 
 
-async def _probe(session: aiohttp.ClientSession, base: str, settings: ProxySettings) -> tuple[str, int | None]:
+async def _probe(session: aiohttp.ClientSession, base: str, settings: ProxySettings) -> tuple[str, Any]:
+    """The kind, and for llamacpp its /props answer."""
     status, props = await get_json(session, base + "/props")
     if status in (502, 503, 504):
         raise _Loading(status == 503 and _llama_unavailable(props), status)
@@ -55,7 +56,7 @@ async def _probe(session: aiohttp.ClientSession, base: str, settings: ProxySetti
         log.warning("upstream refused /props: cannot detect a llama-server that wants an API key", status=status,
                     hint=hint)
     if status == 200 and isinstance(props, dict) and ("total_slots" in props or "default_generation_settings" in props):
-        return "llamacpp", total_slots(props)
+        return "llamacpp", props
     status, version = await get_json(session, base + "/api/version")
     if status == 200 and isinstance(version, dict) and "version" in version:
         return "ollama", None
@@ -65,14 +66,14 @@ async def _probe(session: aiohttp.ClientSession, base: str, settings: ProxySetti
 async def create_adapter(session: aiohttp.ClientSession, settings: ProxySettings, base_url: str) -> Adapter:
     base = base_url.rstrip("/")
     kind: str | None = None if settings.upstream_kind == "auto" else settings.upstream_kind
-    slots: int | None = None
+    props: Any = None
     gave_up = False  # the deadline passed (unreachable, or still loading): no slot count yet
     undetected = False  # kind auto, and the upstream never answered: detected again later
     loop = asyncio.get_running_loop()
     deadline = loop.time() + settings.detect_timeout_s
     while True:
         try:
-            detected, slots = await _probe(session, base, settings)
+            detected, props = await _probe(session, base, settings)
             kind = kind or detected
             break
         except _Loading as exc:
@@ -92,7 +93,7 @@ async def create_adapter(session: aiohttp.ClientSession, settings: ProxySettings
                 gave_up = True
                 break
         await asyncio.sleep(0.2)
-    adapter = await _build(session, settings, base, kind, slots, props_pending=gave_up)
+    adapter = await _build(session, settings, base, kind, props, props_pending=gave_up)
     adapter.undetected = undetected
     if not adapter.pending():
         adapter.known.set()
@@ -106,23 +107,25 @@ async def redetect(session: aiohttp.ClientSession, settings: ProxySettings, base
     shape that is not llama-server's)."""
     base = base_url.rstrip("/")
     try:
-        kind, slots = await _probe(session, base, settings)
+        kind, props = await _probe(session, base, settings)
         loading = False
     except _Loading as exc:
         if not exc.llama_shaped:
             return None
-        kind, slots, loading = "llamacpp", None, True
+        kind, props, loading = "llamacpp", None, True
     except (aiohttp.ClientError, TimeoutError, OSError):
         return None
-    return await _build(session, settings, base, kind, slots, props_pending=loading)
+    return await _build(session, settings, base, kind, props, props_pending=loading)
 
 
 async def _build(
-    session: aiohttp.ClientSession, settings: ProxySettings, base: str, kind: str, slots: int | None,
+    session: aiohttp.ClientSession, settings: ProxySettings, base: str, kind: str, props: Any,
     *, props_pending: bool,
 ) -> Adapter:
-    adapter = KINDS[kind](base, session, settings, slots=slots)
+    adapter = KINDS[kind](base, session, settings)
     if isinstance(adapter, LlamaCppAdapter):
+        if not props_pending:
+            adapter.learn_props(props)
         adapter.props_pending = props_pending  # learnt later by watch.watch_upstream
         await adapter.probe_slots()
     return adapter

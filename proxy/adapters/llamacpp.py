@@ -31,6 +31,7 @@ from typing import Any
 import aiohttp
 
 from llmproxy.proxy.adapters.base import Adapter, get_json, log
+from llmproxy.proxy.assemble import assembles
 from llmproxy.proxy.adapters.body import set_top_level
 from llmproxy.proxy.errors import BadRequest
 from llmproxy.proxy.gate import Gate, Ticket
@@ -63,6 +64,9 @@ def total_slots(props: Any) -> int | None:
     return slots if isinstance(slots, int) and not isinstance(slots, bool) and slots > 0 else None
 
 
+OWN_BACKEND = "llmproxy-backend"  # /props build_info of llmproxy's own backend
+
+
 def slot_busy(entry: dict[str, Any]) -> bool:
     """Busy flag of one /slots entry (new builds: is_processing; old builds: state != 0)."""
     if "is_processing" in entry:
@@ -77,10 +81,26 @@ class LlamaCppAdapter(Adapter):
         super().__init__(*args, **kwargs)
         self.props_pending = False  # slot count still to be read from /props (detection gave up)
         self.slots_pending = False  # /slots failed in a way that may pass (timeout, refused, 5xx)
+        self.streams = self.settings.upstream_stream != "off"  # until /props says which server it is
+
+    def learn_props(self, props: Any) -> None:
+        """What /props tells: the slot count, and whether this is llmproxy's own backend,
+        which notices a dropped non-streaming client itself (``upstream_stream`` auto)."""
+        self.slots = total_slots(props)
+        own = isinstance(props, dict) and props.get("build_info") == OWN_BACKEND
+        self.streams = self.settings.upstream_stream == "on" or (self.settings.upstream_stream == "auto" and not own)
+
+    def assembles(self, path: str, parsed: Any) -> bool:
+        """A non-streaming completion is sent as a stream (assemble.py): llama-server notices
+        a dropped streaming client at its next token, a non-streaming one only when another
+        completion request arrives."""
+        return self.streams and assembles(path, parsed)
 
     def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
         if path in SLOT_ROUTES and isinstance(parsed, dict):
-            return set_top_level(raw, "id_slot", slot, present="id_slot" in parsed)
+            raw = set_top_level(raw, "id_slot", slot, present="id_slot" in parsed)
+            if self.assembles(path, parsed):
+                raw = set_top_level(raw, "stream", True, present="stream" in parsed)
         return raw
 
     def permits(self, path: str, parsed: Any, capacity: int) -> int:
@@ -152,7 +172,7 @@ class LlamaCppAdapter(Adapter):
                 status, props = None, None
             if status == 200 and isinstance(props, dict):
                 self.props_pending = False
-                self.slots = total_slots(props)
+                self.learn_props(props)
             elif status is not None and status < 500:  # an answer that will not change (404: no /props)
                 self.props_pending = False
         if self.slots_pending and not self.can_confirm:

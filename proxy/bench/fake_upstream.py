@@ -411,6 +411,8 @@ class FakeUpstream:
             if script.fail == "malformed":
                 payload = payload[: len(payload) // 2]
             resp.content_type = "application/json"
+            if self.kind == "llamacpp":
+                resp.charset = "utf-8"  # llama-server: application/json; charset=utf-8
             resp.content_length = len(payload)
             await resp.prepare(request)
             if script.fail in ("reset_mid_stream", "hang_mid_body"):
