@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from llmproxy.backend.settings import BackendSettings
-from llmproxy.proxy.config import add_settings_arguments, settings_from_args
+from llmproxy.proxy.config import add_settings_arguments, settings_from_args, usage_exit
 
 HELP = "Run the local model server (llama-server compatible API)"
 
@@ -31,8 +31,8 @@ def run(args: argparse.Namespace) -> int:
     factory = loops.choose(settings.loop, "llmproxy backend")[1]
     try:
         loops.run(serve(settings), factory)
-    except ModelNotFound as exc:
-        raise SystemExit(f"llmproxy backend: {exc}") from None
+    except ModelNotFound as exc:  # a start-up mistake: status 2, as a bad flag
+        usage_exit(f"llmproxy backend: {exc}")
     return 0
 
 

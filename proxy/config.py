@@ -5,12 +5,21 @@ One frozen pydantic-settings class per process is built exactly once, in the CLI
 ``LLMPROXY_*`` environment variables and command-line flags. The argparse parser is
 generated from the settings class, so ``--help`` documents every field with its
 ``Field(description=...)`` and nothing can drift.
+
+A start-up mistake (a bad value from any layer, a flag given more than once, a config file
+that is missing or not valid TOML, an environment value that cannot be parsed) ends the
+process with exit status 2 and ``llmproxy: invalid settings:`` followed by one line per
+mistake, never a traceback (``SettingsError``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import sys
+import tomllib
 import types
 import typing
 from pathlib import Path
@@ -20,10 +29,35 @@ from pydantic import SecretStr, ValidationError
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
+    SettingsError as SourceError,
     TomlConfigSettingsSource,
 )
 
 S = TypeVar("S", bound=BaseSettings)
+EXIT_USAGE = 2  # what argparse exits with for a bad command line
+_REPEATED = "_llmproxy_repeated"  # namespace attribute: [(dest, values), ...] of flags given twice
+
+
+class SettingsError(SystemExit):
+    """A start-up mistake: exit status 2; ``str()`` is the message (already on stderr)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(EXIT_USAGE)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def usage_exit(message: str) -> typing.NoReturn:
+    """Write ``message`` to stderr and raise ``SettingsError`` (exit status 2)."""
+    print(message, file=sys.stderr, flush=True)
+    raise SettingsError(message)
+
+
+def fail(lines: list[str]) -> typing.NoReturn:
+    """``usage_exit`` with ``llmproxy: invalid settings:`` and ``lines``, one per mistake."""
+    usage_exit("\n".join(["llmproxy: invalid settings:", *(f"  {ln}" for ln in lines)]))
 
 
 class LayeredSettings(BaseSettings):
@@ -60,8 +94,33 @@ def _is_sequence(tp: Any) -> bool:
     return typing.get_origin(tp) in (list, tuple, set, frozenset)
 
 
+def _note_repeat(ns: argparse.Namespace, dest: str, values: Any) -> None:
+    """Record a flag given again (an earlier occurrence already set ``dest``)."""
+    if hasattr(ns, dest):
+        setattr(ns, _REPEATED, [*getattr(ns, _REPEATED, []), (dest, values)])
+
+
+class _Once(argparse._StoreAction):
+    """``store``, remembering a second occurrence for ``settings_from_args`` to reject."""
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any, option: Any = None) -> None:
+        _note_repeat(ns, self.dest, values)
+        super().__call__(parser, ns, values, option)
+
+
+class _BoolOnce(argparse.BooleanOptionalAction):
+    """``--x/--no-x``, remembering a second occurrence of either for ``settings_from_args``."""
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any, option: Any = None) -> None:
+        _note_repeat(ns, self.dest, option)
+        super().__call__(parser, ns, values, option)
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
-    """Add one ``--flag`` per settings field (defaults suppressed: unset means "not given")."""
+    """Add one ``--flag`` per settings field (defaults suppressed: unset means "not given").
+
+    Each flag, ``--config`` included, may be given once: ``settings_from_args`` rejects a
+    repeat (a list setting takes its items comma-separated in one flag)."""
     env_prefix = cls.model_config.get("env_prefix", "")
     for name, field in cls.model_fields.items():
         tp = _unwrap_optional(field.annotation)
@@ -73,53 +132,82 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettin
         help_text = f"{field.description or ''} [env {env}; {shown}]"
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         if tp is bool:
-            parser.add_argument(_flag(name), action=argparse.BooleanOptionalAction, **kwargs)
+            parser.add_argument(_flag(name), action=_BoolOnce, **kwargs)
             continue
         if _is_sequence(tp):
             kwargs["metavar"] = "A,B,..."
             kwargs["type"] = lambda s: [x.strip() for x in s.split(",") if x.strip()]
         elif typing.get_origin(tp) is typing.Literal:
             kwargs["choices"] = [str(c) for c in typing.get_args(tp)]
-        parser.add_argument(_flag(name), **kwargs)
+        parser.add_argument(_flag(name), action=_Once, **kwargs)
     parser.add_argument(
         "--config",
+        action=_Once,
         type=Path,
-        default=None,
+        default=argparse.SUPPRESS,
         help="TOML file with settings (same names as the flags, with underscores); "
         "env vars and flags override it",
     )
 
 
 def settings_from_args(cls: type[S], ns: argparse.Namespace) -> S:
-    """Build the settings object from parsed arguments (flags > env > TOML > defaults)."""
+    """Build the settings object from parsed arguments (flags > env > TOML > defaults);
+    a mistake ends the process (``fail``: exit status 2, no traceback)."""
+    env_prefix = cls.model_config.get("env_prefix", "")
+    repeated = getattr(ns, _REPEATED, [])
+    if repeated:
+        fail([f"{_flag(dest)} is given more than once (again as {_shown(values)!r}); give it once"
+              for dest, values in repeated])
     values = {k: v for k, v in vars(ns).items() if k in cls.model_fields}
     config: Path | None = getattr(ns, "config", None)
     target: type[S] = cls
     if config is not None:
-        if not config.is_file():
-            raise SystemExit(f"llmproxy: config file not found: {config}")
+        _check_toml(config)
         target = type(cls.__name__, (cls,), {"model_config": {**cls.model_config, "toml_file": config}})
     try:
         return target(**values)
     except ValidationError as exc:
-        raise SystemExit(invalid_settings_message(cls, exc)) from None
+        fail(_invalid_lines(cls, exc))
+    except SourceError as exc:  # an env value of a list setting that is not JSON
+        m = re.search(r'field "(\w+)"', str(exc))
+        name = m.group(1) if m else "?"
+        fail([f"env {env_prefix}{name.upper()}: cannot parse {os.environ.get(f'{env_prefix}{name}'.upper())!r} "
+              f"({exc.__cause__ or exc}); a list from the environment is JSON, e.g. '[\"a\",\"b\"]'"])
 
 
-def invalid_settings_message(cls: type[BaseSettings], exc: ValidationError) -> str:
-    """One line per invalid value, naming the flag and env var it can come from (no traceback)."""
+def _shown(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def _check_toml(config: Path) -> None:
+    """``--config``: an existing file that is valid TOML (else ``fail`` names the problem)."""
+    if not config.is_file():
+        fail([f"--config: file not found: {config}"])
+    try:
+        tomllib.loads(config.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        fail([f"--config: cannot read {config}: {exc.strerror or exc}"])
+    except UnicodeDecodeError as exc:
+        fail([f"--config: {config} is not UTF-8 text: {exc.reason} at byte {exc.start}"])
+    except tomllib.TOMLDecodeError as exc:
+        fail([f"--config: {config} is not valid TOML: {exc}"])
+
+
+def _invalid_lines(cls: type[BaseSettings], exc: ValidationError) -> list[str]:
+    """One line per invalid value, naming the flag and env var it can come from."""
     env_prefix = cls.model_config.get("env_prefix", "")
-    lines = ["llmproxy: invalid settings:"]
+    lines = []
     for err in exc.errors():
         msg = err["msg"].removeprefix("Value error, ")
         name = err["loc"][0] if err["loc"] else None
         if isinstance(name, str) and name in cls.model_fields:
             where = f"{_flag(name)} (env {env_prefix}{name.upper()}, config {name})"
-            lines.append(f"  {where}: {msg}; got {err['input']!r}")
+            lines.append(f"{where}: {msg}; got {err['input']!r}")
         elif err["type"] == "extra_forbidden":
-            lines.append(f"  unknown setting {name!r} in the config file")
+            lines.append(f"unknown setting {name!r} in the config file")
         else:
-            lines.append(f"  {msg}")
-    return "\n".join(lines)
+            lines.append(msg)
+    return lines
 
 
 def describe(settings: BaseSettings) -> dict[str, Any]:

@@ -10,7 +10,10 @@ then with no client left: it gets ``BACKEND_DRAIN_S`` for its own drain). A SIG_
 before exec would not do: uvloop's spawn (libuv) resets every signal disposition in the
 child. The child gets PR_SET_PDEATHSIG so it never outlives a proxy that was SIGKILLed,
 and no file descriptor beyond 0-2 (see ``child_preexec``). A backend that exits on its
-own while the proxy serves stops the proxy with exit status 1 (``_watch_exit``).
+own while the proxy serves stops the proxy with exit status 1 (``_watch_exit``); one that
+exits during start-up with status 2 (a start-up mistake, e.g. ``--model`` names no file,
+explained on the shared stderr) raises ``BackendMistake``, for ``llmproxy serve`` to exit
+with status 2 too.
 """
 
 from __future__ import annotations
@@ -30,12 +33,18 @@ import structlog
 from aiohttp import web
 
 from llmproxy.backend.settings import stop_budget_s
+from llmproxy.proxy.config import EXIT_USAGE
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import SETTINGS, STOP, UPSTREAM_URL, StopRequest
 
 log = structlog.get_logger("llmproxy.embedded")
 BACKEND_DRAIN_S = 0.5  # the backend's own --shutdown-timeout-s: the proxy's connections are closed by then
 BACKEND_STOP_S = stop_budget_s(BACKEND_DRAIN_S) + 1.0  # SIGTERM -> SIGKILL (9 s)
+
+
+class BackendMistake(RuntimeError):
+    """The embedded backend exited during start-up with status 2: it rejected its settings
+    and said why on stderr."""
 
 
 def child_preexec() -> Callable[[], None]:
@@ -96,6 +105,8 @@ async def _wait_ready(proc: asyncio.subprocess.Process, port_file: Path, timeout
     last_note = 0.0
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
         while loop.time() < deadline:
+            if proc.returncode == EXIT_USAGE:
+                raise BackendMistake(f"embedded backend rejected its settings (code {proc.returncode})")
             if proc.returncode is not None:
                 raise RuntimeError(f"embedded backend exited during start-up (code {proc.returncode})")
             if url is None and port_file.exists() and (text := port_file.read_text().strip()):

@@ -13,6 +13,8 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any, Literal, TypeVar
 
+from llmproxy.proxy.config import usage_exit
+
 LoopChoice = Literal["auto", "asyncio", "uvloop"]
 LoopFactory = Callable[[], asyncio.AbstractEventLoop]
 T = TypeVar("T")
@@ -39,11 +41,12 @@ def resolve(choice: LoopChoice) -> tuple[str, LoopFactory | None]:
 
 
 def choose(choice: LoopChoice, prog: str) -> tuple[str, LoopFactory | None]:
-    """``resolve`` for a command line: a missing uvloop exits with ``prog: <why>`` (status 1)."""
+    """``resolve`` for a command line: a missing uvloop exits with ``prog: <why>`` (status 2,
+    a start-up mistake: ``config.usage_exit``)."""
     try:
         return resolve(choice)
     except LoopUnavailable as exc:
-        raise SystemExit(f"{prog}: {exc}") from None
+        usage_exit(f"{prog}: {exc}")
 
 
 def running() -> str:

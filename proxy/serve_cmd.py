@@ -8,7 +8,8 @@ import structlog
 
 from llmproxy.proxy import loops
 from llmproxy.proxy.app import build_app
-from llmproxy.proxy.config import add_settings_arguments, describe, settings_from_args
+from llmproxy.proxy.config import SettingsError, add_settings_arguments, describe, settings_from_args
+from llmproxy.proxy.embedded import BackendMistake
 from llmproxy.proxy.logs import configure_logging
 from llmproxy.proxy.server import serve
 from llmproxy.proxy.settings import ProxySettings
@@ -19,7 +20,10 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_json)
     loop_name, loop_factory = loops.choose(settings.loop, "llmproxy")
     structlog.get_logger("llmproxy").info("starting llmproxy", loop=loop_name, settings=describe(settings))
-    return loops.run(serve(settings, build_app(settings)), loop_factory)
+    try:
+        return loops.run(serve(settings, build_app(settings)), loop_factory)
+    except BackendMistake as exc:  # the backend's own line on stderr says why
+        raise SettingsError(str(exc)) from None
 
 
 def register(sub: argparse._SubParsersAction) -> None:

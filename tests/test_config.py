@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,3 +99,75 @@ def test_session_key_parts_and_override() -> None:
 def test_warmup_detection() -> None:
     assert is_warmup({"n_predict": 0}) and is_warmup({"max_tokens": 0})
     assert not is_warmup({"n_predict": 1}) and not is_warmup({}) and not is_warmup({"n_predict": False})
+
+
+LLMPROXY = str(Path(sys.executable).with_name("llmproxy"))
+BAD_TOML = "max_queue = 3\nport = \n"
+
+
+@pytest.mark.parametrize(("argv", "env", "expected"), [
+    (["serve", "--config", "{bad}"], {}, r"  --config: \S+bad\.toml is not valid TOML: Invalid value \(at line 2, column 8\)"),
+    (["backend", "--config", "{bad}"], {}, r"  --config: \S+bad\.toml is not valid TOML: Invalid value"),
+    (["bench", "soak", "--config", "{bad}"], {}, r"  --config: \S+bad\.toml is not valid TOML"),
+    (["serve", "--config", "{missing}"], {}, r"  --config: file not found: \S+missing\.toml"),
+    (["serve", "--upstream", "http://127.0.0.1:9", "--upstream", "http://127.0.0.1:8"], {},
+     r"  --upstream is given more than once \(again as 'http://127.0.0.1:8'\); give it once"),
+    (["backend", "--port", "0", "--port", "0"], {}, r"  --port is given more than once \(again as '0'\); give it once"),
+    (["serve", "--upstream", "http://127.0.0.1:9", "--log-json", "--no-log-json"], {},
+     r"  --log-json is given more than once \(again as '--no-log-json'\)"),
+    (["serve", "--upstream", "http://127.0.0.1:9", "--config", "{good}", "--config", "{good}"], {},
+     r"  --config is given more than once"),
+    (["bench", "overhead", "--requests", "5", "--requests", "6"], {}, r"  --requests is given more than once"),
+    (["serve", "--upstream", "http://127.0.0.1:9"], {"LLMPROXY_SESSION_PARTS": "peer,model"},
+     r"  env LLMPROXY_SESSION_PARTS: cannot parse 'peer,model' .*JSON"),
+    (["serve", "--max-queue", "-1"], {}, r"  --max-queue \(env LLMPROXY_MAX_QUEUE, config max_queue\): "),
+    (["backend", "--model", "{missing}"], {}, r"llmproxy backend: model not found: \S+missing\.toml"),
+], ids=["serve-toml", "backend-toml", "bench-toml", "no-config", "serve-twice", "backend-twice", "bool-twice",
+        "config-twice", "bench-twice", "env-list", "bad-value", "backend-model"])
+async def test_startup_mistake_is_one_clear_line_and_status_2(
+    tmp_path: Path, argv: list[str], env: dict[str, str], expected: str
+) -> None:
+    """Through the real CLI: every start-up mistake (a bad value, a flag given twice, a config
+    file that is missing or not TOML, an env list that is not JSON) ends the command at once
+    with status 2 and a line naming it; no traceback, nothing started."""
+    (tmp_path / "bad.toml").write_text(BAD_TOML)
+    (tmp_path / "good.toml").write_text("max_queue = 3\n")
+    paths = {"bad": str(tmp_path / "bad.toml"), "good": str(tmp_path / "good.toml"),
+             "missing": str(tmp_path / "missing.toml")}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LLMPROXY_")}
+    proc = await asyncio.create_subprocess_exec(
+        LLMPROXY, *(a.format(**paths) for a in argv), env={**clean, **env},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        if proc.returncode is None:  # a server that started despite the mistake
+            proc.kill()
+            await proc.wait()
+    text = err.decode()
+    assert "Traceback" not in text, text
+    assert (proc.returncode, out) == (2, b""), text
+    assert re.match(expected, text.splitlines()[-1]), text
+    if not expected.startswith("llmproxy backend:"):
+        assert text.splitlines()[-2] == "llmproxy: invalid settings:", text
+
+
+async def test_serve_embedded_backend_mistake_is_status_2(tmp_path: Path) -> None:
+    """``llmproxy serve`` passes ``--model`` on to its embedded backend: a file that does not
+    exist ends both with status 2 and the backend's line, no traceback from the proxy."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LLMPROXY_")}
+    proc = await asyncio.create_subprocess_exec(
+        LLMPROXY, "serve", "--port", "0", "--model", str(tmp_path / "none.gguf"), "--log-json", env=clean,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    text = err.decode()
+    assert "Traceback" not in text, text
+    assert (proc.returncode, out) == (2, b""), text
+    assert f"llmproxy backend: model not found: {tmp_path / 'none.gguf'}" in text.splitlines()

@@ -87,7 +87,7 @@ async def test_loop_uvloop_without_uvloop_is_a_clear_error(tmp_path: Path) -> No
         stderr=asyncio.subprocess.PIPE, env=env,
     )
     _, err = await asyncio.wait_for(proc.communicate(), 30)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert err.decode().strip().splitlines()[-1] == (
         "llmproxy: loop = uvloop, but uvloop cannot be imported (uvloop hidden by the test): "
         "install the speedups extra (pip install 'llmproxy[speedups]') or choose loop = asyncio"

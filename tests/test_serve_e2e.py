@@ -189,7 +189,7 @@ async def test_invalid_option_exits_with_one_readable_error() -> None:
     )
     out, err = await asyncio.wait_for(proc.communicate(), 30)
     text = err.decode()
-    assert proc.returncode == 1 and out == b""
+    assert proc.returncode == 2 and out == b""
     assert "Traceback" not in text
     assert "--max-queue (env LLMPROXY_MAX_QUEUE, config max_queue)" in text
     assert "--queue-timeout-s (env LLMPROXY_QUEUE_TIMEOUT_S" in text and "got 'soon'" in text
