@@ -54,33 +54,23 @@ def wait_until(pred: Any, timeout: float, interval: float = 0.02) -> bool:
 
 
 class Backend:
-    """A backend server subprocess."""
+    """A backend server subprocess; ``args`` add flags or replace the defaults below (a flag
+    may be given once)."""
 
     def __init__(self, tmp: Path, engine: str, *args: str, cwd: Path | None = None) -> None:
         self.port_file = tmp / f"port-{engine}-{time.monotonic_ns()}"
         self.log_path = tmp / f"{self.port_file.name}.log"
         self.engine = engine
-        cmd = [
-            sys.executable,
-            "-m",
-            "llmproxy.backend",
-            "--port",
-            "0",
-            "--port-file",
-            str(self.port_file),
-            "--engine",
-            engine,
-            "--log-level",
-            "warning",
-            "--log-json",
-            "--n-threads",
-            os.environ.get("LLMPROXY_TEST_THREADS", "1"),  # shared CI boxes: 1 thread is steadier
-            "--n-predict-max",
-            "512",
-            "--restart-backoff-min-s",
-            "0.2",
-            *args,
-        ]
+        defaults = {
+            "--log-level": "warning",
+            "--n-threads": os.environ.get("LLMPROXY_TEST_THREADS", "1"),  # shared CI boxes: 1 thread is steadier
+            "--n-predict-max": "512",
+            "--restart-backoff-min-s": "0.2",
+        }
+        cmd = [sys.executable, "-m", "llmproxy.backend", "--port", "0", "--port-file", str(self.port_file),
+               "--engine", engine, "--log-json"]
+        cmd += [part for flag, value in defaults.items() if flag not in args for part in (flag, value)]
+        cmd += args
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd)
         self.port = 0
