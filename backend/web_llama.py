@@ -9,6 +9,8 @@ many slots, as llama-server does: the request's ``id_slot`` (or the lowest free 
 the first, the lowest other free slots the rest, all started together once all are free
 (the proxy holds one permit per slot and grants the same slots); not streamed. A stream that fails before its first token gets a plain JSON error with the
 right status; after the first token, an SSE event ``data: {"error": {...}}``.
+A request's ``response_fields`` (llama.vim sends them) narrows each final object, not the
+partial events of a stream, to those paths (``select_fields``), as llama-server does.
 Cancellation is ``Gen``'s (web_gen.py).
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -31,6 +34,7 @@ from llmproxy.backend.web_requests import (
     n_cmpl,
     read_body,
     read_completion,
+    response_fields,
     sampling_params,
 )
 
@@ -43,11 +47,30 @@ def _context_full(d: Done, params: SamplingParams, n_ctx: int) -> bool:
     return d.stop_reason == "limit" and d.n_prompt_tokens + d.n_predicted >= n_ctx and not 0 <= asked <= d.n_predicted
 
 
-def _final_llama(app: web.Application, g: Gen, content: str) -> dict[str, Any]:
+def select_fields(obj: dict[str, Any], paths: Sequence[str]) -> dict[str, Any]:
+    """llama-server's ``response_fields`` rule (``json_get_nested_values``): ``obj`` itself
+    when ``paths`` is empty; else, in the order of ``paths``, ``{path: value}`` for each path
+    whose "/"-separated keys lead through nested objects to a value (the key is the whole
+    path, e.g. ``{"timings/prompt_n": 12}``); a path that leads nowhere is left out."""
+    if not paths:
+        return obj
+    out: dict[str, Any] = {}
+    for path in paths:
+        value: Any = obj
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            out[path] = value
+    return out
+
+
+def _final_llama(app: web.Application, g: Gen, content: str, fields: Sequence[str], index: int = 0) -> dict[str, Any]:
     d = g.done
     assert d is not None
-    return {
-        "index": 0,
+    return select_fields({
+        "index": index,
         "content": content,
         "tokens": [],
         "id_slot": g.slot_id,
@@ -63,7 +86,7 @@ def _final_llama(app: web.Application, g: Gen, content: str) -> dict[str, Any]:
         "stopping_word": d.stopping_word,
         "tokens_cached": d.n_prompt_tokens + d.n_predicted,
         "timings": timings(d),
-    }
+    }, fields)
 
 
 async def _run_llama(request: web.Request, body: dict[str, Any], prompt: Prompt) -> web.StreamResponse:
@@ -72,18 +95,19 @@ async def _run_llama(request: web.Request, body: dict[str, Any], prompt: Prompt)
     slot = id_slot(body, app[DISPATCHER])
     stream = bool(body.get("stream", False))
     count = n_cmpl(body, app[DISPATCHER])
+    fields = response_fields(body)
     if count > 1:
         if stream:
             raise BadRequest("'n_cmpl' > 1 is supported without streaming only")
-        return await _several(request, prompt, params, slot, count)
+        return await _several(request, prompt, params, slot, count, fields)
     async with Gen(request, prompt, params, slot) as g:
         if not stream:
             failed = await collect(g)
-            return failed_response(failed) if failed else json_response(_final_llama(app, g, "".join(g.content)))
+            return failed_response(failed) if failed else json_response(_final_llama(app, g, "".join(g.content), fields))
 
         def render(ev: Token | Done) -> list[Any]:
             if isinstance(ev, Done):
-                return [_final_llama(app, g, "")]
+                return [_final_llama(app, g, "", fields)]
             return [
                 {
                     "index": 0,
@@ -99,7 +123,9 @@ async def _run_llama(request: web.Request, body: dict[str, Any], prompt: Prompt)
         return await stream_sse(request, g, render)
 
 
-async def _several(request: web.Request, prompt: Prompt, params: SamplingParams, slot: int, count: int) -> web.Response:
+async def _several(
+    request: web.Request, prompt: Prompt, params: SamplingParams, slot: int, count: int, fields: Sequence[str]
+) -> web.Response:
     """``count`` completions of one prompt at once on ``count`` slots (a fixed seed advances
     by one for each). Each runs in its own ``Gen``; a client that leaves cancels them all
     (the handler's cancellation reaches every ``Gen`` through the exit stack), and one that
@@ -126,7 +152,7 @@ async def _several(request: web.Request, prompt: Prompt, params: SamplingParams,
     failed = next((f for f in (r.result() for r in runs) if f is not None), None)
     if failed:
         return failed_response(failed)
-    return json_response([{**_final_llama(request.app, g, "".join(g.content)), "index": i} for i, g in enumerate(gens)])
+    return json_response([_final_llama(request.app, g, "".join(g.content), fields, i) for i, g in enumerate(gens)])
 
 
 async def completion(request: web.Request) -> web.StreamResponse:

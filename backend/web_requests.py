@@ -101,6 +101,17 @@ def sampling_params(body: dict[str, Any], openai: bool = False) -> SamplingParam
     )
 
 
+def response_fields(body: dict[str, Any]) -> tuple[str, ...]:
+    """The ``response_fields`` of a /completion or /infill request: "/"-separated paths
+    into the final answer (``web_llama.select_fields``); empty when absent."""
+    v = body.get("response_fields")
+    if v is None:
+        return ()
+    if isinstance(v, list) and all(isinstance(path, str) for path in v):
+        return tuple(v)
+    raise BadRequest("'response_fields' must be a list of strings")
+
+
 def id_slot(body: dict[str, Any], dispatcher: Dispatcher) -> int:
     v = body.get("id_slot", -1)
     if v is None:

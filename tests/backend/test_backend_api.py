@@ -120,6 +120,52 @@ async def test_infill(backend: Any, stream: bool) -> None:
         assert sse_events(raw)[-1]["stop"] is True
 
 
+FIELDS_ASKED = ["timings/predicted_n", "content", "nope", "content/x", "timings/nope", "", "tokens_cached",
+               "generation_settings/n_predict", "truncated", "timings/prompt_n", "content"]
+FIELDS_GIVEN = ["timings/predicted_n", "content", "tokens_cached", "generation_settings/n_predict", "truncated",
+                "timings/prompt_n"]
+
+
+@pytest.mark.parametrize("route", ["/completion", "/infill"])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_response_fields_narrow_the_final_answer(backend: Any, route: str, stream: bool) -> None:
+    """As llama-server (llama.vim sends ``response_fields``): the final object holds only the
+    paths asked for that resolve, each under its whole "/"-separated path, in the order
+    asked; the partial events of a stream stay whole; an empty list means everything."""
+    req = {"prompt": PROMPT, "input_prefix": "def add(a, b):\n    ", "input_suffix": "\n", "n_predict": 4,
+           "stream": stream, **GREEDY}
+    if stream:
+        status, _, raw = await post_stream(backend.url + route, {**req, "response_fields": FIELDS_ASKED})
+        assert status == 200, raw
+        *partial, final = sse_events(raw)
+        assert partial and all(e["stop"] is False and e["id_slot"] == 0 for e in partial), partial
+        status, _, raw = await post_stream(backend.url + route, {**req, "response_fields": []})
+        full = sse_events(raw)[-1]
+    else:
+        status, final = backend.post(route, {**req, "response_fields": FIELDS_ASKED})
+        assert status == 200, final
+        status, full = backend.post(route, {**req, "response_fields": []})
+    assert status == 200 and full["stop"] is True and "generation_settings" in full, full
+    assert list(final) == FIELDS_GIVEN, final
+    assert final == {
+        "timings/predicted_n": full["timings"]["predicted_n"], "content": full["content"],
+        "tokens_cached": full["tokens_cached"], "generation_settings/n_predict": 4, "truncated": full["truncated"],
+        "timings/prompt_n": final["timings/prompt_n"],  # differs: the prompt cache
+    }
+    assert isinstance(final["timings/prompt_n"], int) and final["timings/prompt_n"] >= 0
+
+
+def test_response_fields_bad_type_and_oai_routes(backend: Any) -> None:
+    """A malformed ``response_fields`` is a 400, as any malformed field here; the OpenAI
+    routes do not read it (as llama-server)."""
+    for bad in ("content", ["content", 1], {"content": True}):
+        status, body = backend.post("/completion", {"prompt": PROMPT, "n_predict": 1, "response_fields": bad})
+        _envelope(status, body, 400)
+        assert "response_fields" in body["error"]["message"]
+    status, body = backend.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "response_fields": ["content"]})
+    assert status == 200 and body["object"] == "text_completion" and "choices" in body, body
+
+
 def test_infill_warmup_fills_the_prompt_cache(backend: Any) -> None:
     """llama.vim's warm-up: the context chunks with ``n_predict: 0`` answer at once with no
     tokens, and (llama-cpp) leave them in the cache: the next completion with the same
