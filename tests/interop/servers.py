@@ -1,0 +1,131 @@
+"""Real backends for the interop suite: llama.cpp's llama-server and llama-cpp-python's server.
+
+``llama_server_binary`` finds the binary ``build_llama_server.sh`` built (``make interop``
+builds it once and passes its path in ``LLMPROXY_LLAMA_SERVER``). ``fim_model`` writes a
+copy of the SmolLM2 GGUF whose metadata names three unused special tokens as the FIM
+prefix/suffix/middle tokens, so that llama-server serves ``/infill`` with it (its text is
+meaningless; the wire behaviour is what is tested). ``running`` starts a server as a child
+that dies with the test process (parent-death signal), waits until it answers, and stops
+it at the end; its output goes to a log file the tests read (``stopped_tasks``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from llmproxy.backend.model_path import default_model_path
+from llmproxy.proxy.embedded import child_preexec
+
+VERSION = "11434.0.0"  # tests/interop/build_llama_server.sh's default
+FIM_TOKENS = {"tokenizer.ggml.fim_pre_token_id": 8, "tokenizer.ggml.fim_suf_token_id": 9,
+              "tokenizer.ggml.fim_mid_token_id": 10}
+
+
+def llama_server_binary() -> Path | None:
+    given = os.environ.get("LLMPROXY_LLAMA_SERVER")
+    if given:
+        return Path(given)
+    cache = Path(os.environ.get("LLMPROXY_CACHE", Path.home() / ".cache" / "llmproxy"))
+    path = cache / f"llama-server-{VERSION}" / "llama-server"
+    return path if path.is_file() else None
+
+
+def fim_model(dest: Path) -> Path:
+    """A copy of the default GGUF with FIM token ids in its metadata (the ``gguf`` package's writer)."""
+    import gguf
+
+    out = dest / "smollm2-fim.gguf"
+    if out.exists():
+        return out
+    reader = gguf.GGUFReader(default_model_path())
+    arch = reader.fields["general.architecture"]
+    writer = gguf.GGUFWriter(str(out), str(bytes(arch.parts[arch.data[0]]), "utf-8"))
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture" or field.name in FIM_TOKENS:
+            continue
+        value_type = field.types[0]
+        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
+    for name, token in FIM_TOKENS.items():
+        writer.add_uint32(name, token)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    log: Path
+    proc: asyncio.subprocess.Process
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stopped_tasks(self) -> int:
+        """How many times llama-server logged that it cancelled a task (a dropped client seen)."""
+        return self.log_text().count("stop: cancel task")
+
+
+async def wait_ready(url: str, path: str, proc: asyncio.subprocess.Process, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            if proc.returncode is not None:
+                raise RuntimeError(f"server exited with {proc.returncode} during start-up")
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.get(url + path) as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.1)
+    raise TimeoutError(f"{url} not ready within {timeout}s")
+
+
+@contextlib.asynccontextmanager
+async def running(argv: Sequence[str], log: Path, ready_path: str, port: int) -> AsyncIterator[Server]:
+    """Run ``argv`` (a server listening on ``port``) until the block ends."""
+    with log.open("wb") as out:
+        proc = await asyncio.create_subprocess_exec(*argv, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                                                    stdin=asyncio.subprocess.DEVNULL, preexec_fn=child_preexec())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready(url, ready_path, proc)
+        yield Server(url, log, proc)
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 10)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+def llama_server_argv(binary: Path, model: Path, port: int, parallel: int, ctx_per_slot: int = 2048) -> list[str]:
+    return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(parallel),
+            "-c", str(ctx_per_slot * parallel), "-t", str(os.cpu_count() or 2), "--no-webui"]
+
+
+def llama_cpp_python_argv(model: Path, port: int) -> list[str]:
+    return [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
+            "--port", str(port), "--n_ctx", "2048", "--n_threads", str(os.cpu_count() or 2)]

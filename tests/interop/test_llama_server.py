@@ -1,0 +1,130 @@
+"""The proxy in front of a real llama-server (``make interop``).
+
+- Differential: a non-streaming request answered through the proxy (sent upstream as a
+  stream, assemble.py) equals llama-server's own non-streaming answer to the same request,
+  field for field except the timings (and OpenAI's ``created`` and random ``id``).
+- A cancelled non-streaming generation stops within a few tokens, and only because the
+  proxy streams it: with ``upstream_stream=off`` llama-server runs it to its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import run_proxy
+from tests.interop.conftest import LlamaServer
+
+PREFIX = "def fibonacci(n: int) -> int:\n    \"\"\"The n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
+LLAMA_VIM = {
+    "id_slot": 0, "input_prefix": PREFIX, "input_suffix": "\n\nprint(fibonacci(10))\n",
+    "input_extra": [{"text": "import math\n", "time": [1738000000, 123456], "filename": "src/util.py"}],
+    "prompt": "    retu", "n_predict": 24, "stop": [], "n_indent": 4, "top_k": 40, "top_p": 0.90,
+    "samplers": ["top_k", "top_p", "infill"], "stream": False, "cache_prompt": True, "seed": 3,
+    "t_max_prompt_ms": 5000, "t_max_predict_ms": 5000,
+    "response_fields": ["content", "timings/prompt_n", "timings/predicted_n", "truncated", "tokens_cached",
+                        "generation_settings/stream"],
+}
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("/completion", {"prompt": PREFIX, "n_predict": 24, "seed": 7}),
+    ("/completion", {"prompt": PREFIX, "n_predict": 48, "seed": 7, "stop": ["\n"], "stream": False}),
+    ("/completion", {"prompt": PREFIX, "n_predict": 16, "seed": 7, "n_cmpl": 2}),
+    ("/completions", {"prompt": PREFIX + "ü€ 😀", "n_predict": 16, "seed": 9}),
+    ("/infill", LLAMA_VIM),
+    ("/infill", {"input_prefix": PREFIX, "input_suffix": "\n", "prompt": "", "n_predict": 16, "seed": 5}),
+    ("/v1/completions", {"prompt": PREFIX, "max_tokens": 24, "seed": 7}),
+    ("/v1/completions", {"prompt": PREFIX, "max_tokens": 12, "seed": 7, "n": 2, "stop": ["\n\n"]}),
+    ("/completion", {"prompt": "word " * 3000, "n_predict": 4}),  # over the slot's context: an error
+]
+VARYING = {"timings", "created", "id"}
+
+
+def normalised(body: Any) -> Any:
+    """The body without what differs between any two runs of the same request."""
+    if isinstance(body, list):
+        return [normalised(b) for b in body]
+    if not isinstance(body, dict):
+        return body
+    return {k: normalised(v) for k, v in body.items() if k not in VARYING and not k.startswith("timings/")}
+
+
+async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, str, bytes]:
+    async with http.post(url, data=json.dumps(body, separators=(",", ":"))) as r:
+        return r.status, r.headers["Content-Type"], await r.read()
+
+
+@pytest.mark.parametrize(("route", "body"), CASES, ids=[f"{r}-{i}" for i, (r, _) in enumerate(CASES)])
+async def test_non_streaming_answer_through_the_proxy_matches_llama_server(
+    llama_server: LlamaServer, fim_gguf: Any, route: str, body: dict[str, Any]
+) -> None:
+    async with llama_server(parallel=2, model=fim_gguf) as srv, run_proxy(srv.url) as px, aiohttp.ClientSession() as http:
+        direct_body = {**body, "id_slot": 0}  # what the proxy sends: its permit's slot, 0 when all are free
+        await post(http, srv.url + route, direct_body)  # the same prompt cache state for both
+        status, ctype, direct = await post(http, srv.url + route, direct_body)
+        p_status, p_ctype, proxied = await post(http, px.url + route, body)
+        px.flush_log()
+        assert (p_status, p_ctype) == (status, ctype)
+        assert normalised(json.loads(proxied)) == normalised(json.loads(direct))
+        if status == 200:
+            assert px.state.gate.free == 2
+            assert b'"content":"' in proxied or b'"text":"' in proxied  # compact, as llama.vim matches it
+            assert b'": ' not in proxied.replace(b'\\"', b"")
+
+
+async def slot_state(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with http.get(url + "/slots") as r:
+        return (await r.json())[0]
+
+
+def decoded(state: dict[str, Any]) -> int:
+    """Tokens the slot's current (or last) task decoded; 0 before its first task."""
+    return state.get("next_token", [{}])[0].get("n_decoded", 0)
+
+
+async def decoded_when_idle_after_disconnect(srv_url: str, px_url: str) -> tuple[int, int, float]:
+    """Start a long non-streaming generation through the proxy, drop the client once it has
+    decoded a few tokens; (tokens decoded at the drop, at idle, seconds to idle)."""
+    body = {"prompt": PREFIX, "n_predict": 200, "ignore_eos": True, "seed": 1}
+    async with aiohttp.ClientSession() as http:
+        task = asyncio.create_task(post(http, px_url + "/completion", body))
+        deadline = time.monotonic() + 300
+        while decoded(state := await slot_state(http, srv_url)) < 8 or not state["is_processing"]:
+            assert time.monotonic() < deadline, "generation never started"
+            await asyncio.sleep(0.01)
+        at_drop, dropped = decoded(state), time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        while (state := await slot_state(http, srv_url))["is_processing"]:
+            assert time.monotonic() < deadline, "generation never stopped"
+            await asyncio.sleep(0.01)
+        return at_drop, decoded(state), time.monotonic() - dropped
+
+
+async def test_a_dropped_non_streaming_client_stops_its_generation_within_a_few_tokens(
+    llama_server: LlamaServer,
+) -> None:
+    async with llama_server(parallel=1) as srv:
+        async with run_proxy(srv.url, upstream_stream="off") as px:  # as before: not streamed upstream
+            _, _, off_s = await decoded_when_idle_after_disconnect(srv.url, px.url)
+            assert srv.stopped_tasks() == 0  # llama-server never noticed: it ran to the end
+        async with run_proxy(srv.url) as px:
+            at_drop, _, streamed_s = await decoded_when_idle_after_disconnect(srv.url, px.url)
+            assert srv.stopped_tasks() == 1
+            await asyncio.wait_for(_until_free(px, 1), 10)
+    # llama-server's log: "release: ... stop processing: n_tokens = N", N = prompt + generated
+    ran_off, ran_streamed = [int(n) for n in re.findall(r"stop processing: n_tokens = (\d+)", srv.log_text())]
+    prompt = ran_off - 200  # the first ran to its end: all 200 tokens
+    assert ran_streamed - prompt - at_drop <= 4, (ran_streamed - prompt, at_drop)
+    assert off_s > 10 * streamed_s, (off_s, streamed_s)
+
+
+async def _until_free(px: Any, n: int) -> None:
+    while px.state.gate.free != n:
+        await asyncio.sleep(0.01)
