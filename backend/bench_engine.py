@@ -132,14 +132,19 @@ class Bare:
 
 
 class Server:
-    def __init__(self, args: argparse.Namespace, n_threads: int) -> None:
+    """A ``python -m llmproxy.backend`` subprocess on a free port (``engine``, plus any
+    ``extra`` flags), its log in a temporary folder; ``stop`` ends it."""
+
+    def __init__(
+        self, args: argparse.Namespace, n_threads: int, engine: str = "llama-cpp", extra: tuple[str, ...] = ()
+    ) -> None:
         self.tmp = tempfile.mkdtemp(prefix="llmproxy-bench-")
         port_file = Path(self.tmp) / "port"
         cmd = [
             sys.executable, "-m", "llmproxy.backend", "--port", "0", "--port-file", str(port_file),
-            "--engine", "llama-cpp", "--n-threads", str(n_threads), "--n-ctx", str(args.n_ctx),
+            "--engine", engine, "--n-threads", str(n_threads), "--n-ctx", str(args.n_ctx),
             "--n-batch", str(args.n_batch),
-            "--log-level", "warning", "--log-json",
+            "--log-level", "warning", "--log-json", *extra,
         ]  # fmt: skip
         if args.model is not None:
             cmd += ["--model", str(args.model)]
@@ -173,6 +178,8 @@ class Server:
         self.last_prompt_ms = 0.0
         self.last_prompt_n = -1
         async with session.post(self.url + "/completion", json=body) as r:
+            if r.status != 200:
+                raise RuntimeError(f"request failed: HTTP {r.status} {(await r.text())[:200]}")
             async for line in r.content:
                 if not line.startswith(b"data: "):
                     continue
@@ -215,7 +222,7 @@ class Server:
     async def _until_idle(self, session: Any, t0: float) -> float:
         while True:
             async with session.get(self.url + "/slots") as r:
-                if not (await r.json())[0]["is_processing"]:
+                if not any(slot["is_processing"] for slot in await r.json()):
                     return (time.perf_counter() - t0) * 1000.0
             await asyncio.sleep(0.001)
 

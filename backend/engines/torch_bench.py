@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Any
@@ -36,20 +37,30 @@ PROMPTS = [
 
 
 class Driver:
-    """The worker loop's contract in-process: admit between steps, step while busy."""
+    """The worker loop's contract in-process: admit between steps, step while busy.
 
-    def __init__(self, engine: Any) -> None:
+    Records per request the first-token and done times (``perf_counter``) and the tokens
+    generated. A ``Failed`` event raises (``strict``) or is kept in ``failed``.
+    """
+
+    def __init__(self, engine: Any, strict: bool = True) -> None:
         self.e = engine
+        self.strict = strict
+        self.sent: dict[str, float] = {}
         self.first: dict[str, float] = {}
+        self.done_at: dict[str, float] = {}
         self.tokens: dict[str, int] = {}
         self.done: set[str] = set()
+        self.failed: list[Any] = []
         self.n = 0
 
-    def submit(self, n_predict: int) -> str:
+    def submit(self, n_predict: int, text: str | None = None) -> str:
         self.n += 1
         rid = f"b{self.n}"
         params = SamplingParams(n_predict=n_predict, temperature=0, ignore_eos=True, seed=1)
-        self._feed(self.e.admit(Submit(rid, 0, Prompt(kind="completion", text=PROMPTS[self.n % len(PROMPTS)]), params)))
+        prompt = Prompt(kind="completion", text=text if text is not None else PROMPTS[self.n % len(PROMPTS)])
+        self.sent[rid] = time.perf_counter()
+        self._feed(self.e.admit(Submit(rid, 0, prompt, params)))
         return rid
 
     def _feed(self, events: list[Any]) -> None:
@@ -60,9 +71,13 @@ class Driver:
                 self.tokens[ev.request_id] = ev.n_decoded
             elif isinstance(ev, Done):
                 self.done.add(ev.request_id)
+                self.done_at[ev.request_id] = now
                 self.tokens[ev.request_id] = ev.n_predicted
-            else:
+            elif self.strict:
                 raise RuntimeError(f"bench request failed: {ev}")
+            else:
+                self.failed.append(ev)
+                self.done.add(ev.request_id)
 
     def step(self) -> None:
         self._feed(self.e.step())
@@ -78,15 +93,35 @@ class Driver:
             self.step()
 
 
-def throughput(d: Driver, conc: int, n_predict: int) -> float:
+def sweep(d: Driver, conc: int, n_predict: int) -> dict[str, float]:
+    """``conc`` requests admitted at once, run to the end: aggregate tok/s (all tokens over
+    the wall time), median per-sequence decode tok/s (first token excluded) and median TTFT."""
     t0 = time.perf_counter()
     ids = [d.submit(n_predict) for _ in range(conc)]
     d.drain()
-    return sum(d.tokens[i] for i in ids) / (time.perf_counter() - t0)
+    wall = time.perf_counter() - t0
+    per_seq = [
+        (d.tokens[i] - 1) / (d.done_at[i] - d.first[i])
+        for i in ids
+        if i in d.first and i in d.done_at and d.tokens.get(i, 0) > 1 and d.done_at[i] > d.first[i]
+    ]
+    ttfts = [(d.first[i] - d.sent[i]) * 1000.0 for i in ids if i in d.first]
+    return {
+        "tok_s": sum(d.tokens.get(i, 0) for i in ids) / wall,
+        "per_seq_tok_s": statistics.median(per_seq) if per_seq else float("nan"),
+        "ttft_ms": statistics.median(ttfts) if ttfts else float("nan"),
+        "tokens": float(sum(d.tokens.get(i, 0) for i in ids)),
+    }
 
 
-def ttft(d: Driver, n_predict: int, background: int) -> float:
-    long = [d.submit(4 * n_predict) for _ in range(background)]
+def throughput(d: Driver, conc: int, n_predict: int) -> float:
+    return sweep(d, conc, n_predict)["tok_s"]
+
+
+def ttft(d: Driver, n_predict: int, background: int, background_tokens: int | None = None) -> float:
+    """ms to the first token of an 8-token request admitted once ``background`` running
+    requests (``background_tokens`` each, default 4 x ``n_predict``) streamed 3 tokens."""
+    long = [d.submit(background_tokens or 4 * n_predict) for _ in range(background)]
     d.until(lambda: all(d.tokens.get(i, 0) >= 3 for i in long))
     t0 = time.perf_counter()
     rid = d.submit(8)
