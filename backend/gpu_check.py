@@ -150,11 +150,16 @@ class Run:
         from llmproxy.backend.gpu_check_report import goals, markdown
 
         self.doc["elapsed_s"] = time.monotonic() - self.t0
-        self.doc["goals"] = goals(self.doc)
         self.doc["failed_requests"] = failed_requests(self.doc)
         self.doc["errors"] = errors(self.doc)
+        try:  # the measurements are written even if rendering them fails
+            self.doc["goals"] = goals(self.doc)
+            text = markdown(self.doc)
+        except Exception as exc:  # noqa: BLE001
+            self.doc["report_error"] = traceback.format_exc()[-3000:]
+            text = f"## GPU check\n\nreport failed: {exc!r}; see {JSON_NAME}\n"
         _atomic(self.s.out / JSON_NAME, json.dumps(self.doc, indent=1, default=str))
-        _atomic(self.s.out / MD_NAME, markdown(self.doc))
+        _atomic(self.s.out / MD_NAME, text)
 
 
 def _atomic(path: Path, text: str) -> None:
@@ -203,7 +208,7 @@ def run(s: CheckSettings) -> int:
                     base = device_used_mib(opts.device)
                     r.part((*key, "server"), lambda: measure_server(opts, model_dir, dtype, base))
         skipped = _walk(r.doc, "skipped")
-        r.doc["complete"] = not skipped and not errors(r.doc)
+        r.doc["complete"] = not skipped and not errors(r.doc) and "report_error" not in r.doc
         r.write()
     ok = r.doc["complete"] and r.doc["failed_requests"] == 0
     log.info("gpu_check.done", out=str(s.out), complete=r.doc["complete"], failed_requests=r.doc["failed_requests"],

@@ -156,7 +156,10 @@ def markdown(doc: dict[str, Any]) -> str:
             lines.append(f"| {name} | " + " | ".join(c.get(name, "-") for c in cols) + " |")
     for shape, err in ((s, m["error"]) for s, m in (doc.get("models") or {}).items() if "error" in m):
         lines += ["", f"model {shape}: {err}"]
-    lines += ["", "### Goals", "", "| shape | dtype | goal | value | verdict |", "|---|---|---|---|---|"]
+    lines += ["", "### Goals", ""]
+    if meta.get("device") != "cuda":
+        lines += ["Set for a GPU: on a CPU the memory goals are n/a and the speed verdicts are not the judged ones.", ""]
+    lines += ["| shape | dtype | goal | value | verdict |", "|---|---|---|---|---|"]
     for g in doc.get("goals", []):
         verdict = {True: "PASS", False: "FAIL", None: "n/a"}[g["pass"]]
         lines.append(f"| {g['shape']} | {g['dtype']} | {g['goal']} | {g['value']} | {verdict} |")

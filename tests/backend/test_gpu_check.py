@@ -120,7 +120,7 @@ def test_shapes(carry: Path) -> None:
 
 
 def test_goal_thresholds() -> None:
-    from llmproxy.backend.gpu_check_report import goals
+    from llmproxy.backend.gpu_check_report import goals, markdown
 
     def doc(shape: str, c1: float, c16: float) -> dict[str, Any]:
         engine = {"tps": {"1": {"tok_s": c1}, "16": {"tok_s": c16}}, "ttft_idle_ms": 10.0, "ttft_late_ms": 25.0,
@@ -142,3 +142,19 @@ def test_goal_thresholds() -> None:
     assert small["kv_store"] is None  # not measured: not judged
     cpu = {"meta": {"device": "cpu"}, "runs": doc("135m", 10.0, 90.0)["runs"]}
     assert verdicts(cpu)["peak_memory"] is None and verdicts(cpu)["sleep_freed"] is None  # GPU goals
+    gpu = doc("1.7b", 10.0, 120.0)
+    gpu["goals"] = goals(gpu)
+    md = markdown(gpu)
+    assert "| 1.7b | bfloat16 | tok/s c16 >= 10x c1 | 12.00x | PASS |" in md
+    assert "| 1.7b | bfloat16 | peak reserved <= 1.1x profiled | 1.05x | PASS |" in md
+
+
+def test_predicted_peak() -> None:
+    """Profiled weights (with the initial store) + activation peak + the store's growth (x1.5 while copying)."""
+    from llmproxy.backend.gpu_check_engine import _predicted_peak
+
+    facts = {"weights_mib": "500", "activation_peak_mib": "100"}
+    kv = {"columns": 256, "initial_columns": 256, "store_mib": 50.0, "initial_store_mib": 50.0}
+    assert _predicted_peak(facts, kv) == 600.0
+    grown = {**kv, "columns": 1024, "store_mib": 200.0}
+    assert _predicted_peak(facts, grown) == 500 + 100 + 1.5 * 200 - 50
