@@ -5,8 +5,8 @@
 # scripts/gpu_check/wheels, when present and python lacks a package of them (or
 # GPU_CHECK_FORCE_WHEELS=1), into a temporary folder (no index, no deps).
 # Runs this checkout's sources as the llmproxy package (nothing installed system-wide).
-# Default: CUDA, bf16 and fp16, shapes 135m and 1.7b, at most about 7 minutes on one
-# H100 (no new part starts after --budget-s 360);
+# Default: CUDA, bf16 and fp16, shapes 135m and 1.7b; the run ends near --budget-s
+# (default 420 s: parts that would end later are skipped and recorded so);
 # flags after the script's name go to `python -m llmproxy.backend.gpu_check run`
 # (e.g. --device cpu --dtypes float32 --shapes 135m --concurrency 1,4,8 --n-predict 16).
 # Env: PYTHON (default python3), GPU_CHECK_CARRY (default scripts/gpu_check).
