@@ -83,6 +83,11 @@ class UpstreamJob:
         self._crashed = False  # our own code failed during the transfer
         self._stop_reason: str | None = None
         self._finished = False  # upstream body read to its end
+        # A stop after the request was sent waits for the upstream's head before it closes
+        # the connection, where the adapter says the head comes once the request runs
+        # (Adapter.answers_at_start): a stop confirmed before that could miss a task that
+        # was still on its way to the slot.
+        self._cancel_on_head = adapter.answers_at_start(request.path, record.parsed_body)
 
     # -- control (called from the handler / the gate) ------------------------------
     def _superseded(self) -> None:
@@ -101,8 +106,18 @@ class UpstreamJob:
         self._stop_reason = reason
         self.gate.mark_stopping(self.ticket)
         if self._task is not None and not self._stop_cancelled:
+            if self._cancel_on_head and self.record.sent and self.record.upstream_status is None:
+                return  # sent, not answered yet: cut when the head arrives (_on_head)
             self._stop_cancelled = True
             self._task.cancel()
+
+    def _on_head(self) -> None:
+        """The upstream answered: a stop that waited for it (``_cancel_on_head``) cuts now, in
+        the job's own task, before anything goes to the client (the transfer scope takes the
+        CancelledError as its stop's)."""
+        if self._stop_reason is not None and not self._stop_cancelled:
+            self._stop_cancelled = True
+            raise asyncio.CancelledError
 
     # -- the job ----------------------------------------------------------------------
     async def run(self) -> None:
@@ -200,10 +215,10 @@ class UpstreamJob:
             if self.adapter.assembles(req.path, rec.parsed_body):  # sent as a stream (assemble.py)
                 rec.assembled = True
                 await forward_assembled(self.adapter, req.method, req.raw_path, req.headers, body, self.out, rec,
-                                        Assembler(req.path), self._upstream_ended)
+                                        Assembler(req.path), self._upstream_ended, self._on_head)
             else:
                 await forward(self.adapter, req.method, req.raw_path, req.headers, body, self.out, rec,
-                              self._upstream_ended)
+                              self._upstream_ended, self._on_head)
         except ProxyError as exc:
             rec.upstream_error = exc
             log.warning("upstream request failed", error=exc.message, request_id=rec.request_id)

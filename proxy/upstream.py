@@ -31,13 +31,17 @@ from llmproxy.proxy.relay import Responder
 async def forward(
     adapter: Adapter, method: str, raw_path: str, headers: Mapping[str, str], body: bytes | None,
     out: Responder, rec: RequestRecord, on_end: Callable[[], None] | None = None,
+    on_head: Callable[[], None] | None = None,
 ) -> None:
     """``method raw_path`` on the adapter's upstream, its response written through ``out``.
 
     Records on ``rec``: the request handed to the connection (``mark_sent``), the upstream's
-    status, time to its first body byte and to its end. ``on_end`` is called once the
-    upstream's body was read to its end, before its last bytes are written to the client
-    (the upstream is idle for this request from then on, however slow the client)."""
+    status, time to its first body byte and to its end. ``on_head`` is called when the
+    upstream's response head arrived, before anything is written (it may raise
+    CancelledError: the exchange then ends there and its connection is closed). ``on_end`` is
+    called once the upstream's body was read to its end, before its last bytes are written
+    to the client (the upstream is idle for this request from then on, however slow the
+    client)."""
     start = time.monotonic()
     last: bytes | None = None  # the body's last piece (all of it, if it came whole with the head)
     try:
@@ -45,6 +49,8 @@ async def forward(
             async with adapter.client.exchange(method, raw_path, headers, body, rec.mark_sent) as resp:
                 status, content = resp.status, resp.content
                 rec.upstream_status = status
+                if on_head is not None:
+                    on_head()
                 head = response_headers(resp.headers, adapter.base_url)
                 if content.is_eof():  # a non-streamed answer
                     last = content.read_nowait()
@@ -78,6 +84,7 @@ async def forward(
 async def forward_assembled(
     adapter: Adapter, method: str, raw_path: str, headers: Mapping[str, str], body: bytes,
     out: Responder, rec: RequestRecord, assembler: Assembler, on_end: Callable[[], None] | None = None,
+    on_head: Callable[[], None] | None = None,
 ) -> None:
     """``forward`` for a request sent with ``stream: true`` on behalf of a client that did not
     ask for a stream: an event stream (200, ``text/event-stream``) is fed to ``assembler`` and
@@ -90,6 +97,8 @@ async def forward_assembled(
             async with adapter.client.exchange(method, raw_path, headers, body, rec.mark_sent) as resp:
                 status, content = resp.status, resp.content
                 rec.upstream_status = status
+                if on_head is not None:
+                    on_head()
                 head = response_headers(resp.headers, adapter.base_url)
                 streamed = status == 200 and resp.headers.get("Content-Type", "").startswith("text/event-stream")
                 async for data in content.iter_any():

@@ -71,6 +71,11 @@ class Adapter:
         """Is this request sent as a stream and answered whole (assemble.py)? See llamacpp's."""
         return False
 
+    def answers_at_start(self, path: str, parsed: Any) -> bool:
+        """Does the upstream send its response head only once the request runs on its slot,
+        so that a stop may wait for the head before it cuts (jobs.py)? See llamacpp's."""
+        return False
+
     def permits(self, path: str, parsed: Any, capacity: int) -> int:
         """How many slots (1..``capacity``) a gated request on ``path`` occupies at once, or
         ``BadRequest`` if it cannot fit (see llamacpp's)."""

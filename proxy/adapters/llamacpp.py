@@ -82,12 +82,13 @@ class LlamaCppAdapter(Adapter):
         self.props_pending = False  # slot count still to be read from /props (detection gave up)
         self.slots_pending = False  # /slots failed in a way that may pass (timeout, refused, 5xx)
         self.streams = self.settings.upstream_stream != "off"  # until /props says which server it is
+        self.own: bool | None = None  # llmproxy's own backend? (None: /props not read yet)
 
     def learn_props(self, props: Any) -> None:
         """What /props tells: the slot count, and whether this is llmproxy's own backend,
         which notices a dropped non-streaming client itself (``upstream_stream`` auto)."""
         self.slots = total_slots(props)
-        own = isinstance(props, dict) and props.get("build_info") == OWN_BACKEND
+        self.own = own = isinstance(props, dict) and props.get("build_info") == OWN_BACKEND
         self.streams = self.settings.upstream_stream == "on" or (self.settings.upstream_stream == "auto" and not own)
 
     def assembles(self, path: str, parsed: Any) -> bool:
@@ -95,6 +96,16 @@ class LlamaCppAdapter(Adapter):
         a dropped streaming client at its next token, a non-streaming one only when another
         completion request arrives."""
         return self.streams and assembles(path, parsed)
+
+    def answers_at_start(self, path: str, parsed: Any) -> bool:
+        """llama-server sends a stream's head when the task starts on its slot (after reading
+        the body, tokenizing the prompt and queueing the task, all before the slot shows it
+        busy). A stop before the head arrives waits for it, so that the confirmation never
+        counts as stopped a task that is still on its way to the slot; a confirmation by two
+        idle polls would, for a long prompt."""
+        if not (self.own is False and self.confirms(path)) or not isinstance(parsed, dict):
+            return False
+        return parsed.get("stream") is True or self.assembles(path, parsed)
 
     def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
         if path in SLOT_ROUTES and isinstance(parsed, dict):

@@ -380,17 +380,18 @@ class FakeUpstream:
         out, as llama-server releases a slot before its HTTP thread sends the final result
         (so a client that sends its next request at once never finds the slot still busy)."""
         n = token_count(script.tokens, body)
+        stream = shape.wants_stream(body)
+        resp = web.StreamResponse()
+        if stream and script.fail != "hang_before_headers":  # llama-server: the head once the task starts
+            resp.content_type = shape.stream_type
+            await resp.prepare(request)
         if script.hold is not None:
             await script.hold.wait()
-        stream = shape.wants_stream(body)
         if script.fail == "hang_before_headers":
             await self._hang()
             return self._cut(request, web.StreamResponse(status=503))
-        resp = web.StreamResponse()
         start, delay = asyncio.get_running_loop().time(), script.token_delay_s
         if stream:
-            resp.content_type = shape.stream_type
-            await resp.prepare(request)
             for i in range(n):
                 await self._tick(script, slots, start + (i + 1) * delay)
                 if script.fail == "reset_mid_stream" and i == max(1, n // 2):

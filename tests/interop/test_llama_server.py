@@ -128,3 +128,29 @@ async def test_a_dropped_non_streaming_client_stops_its_generation_within_a_few_
 async def _until_free(px: Any, n: int) -> None:
     while px.state.gate.free != n:
         await asyncio.sleep(0.01)
+
+
+async def test_a_long_prompt_cancelled_before_its_answer_never_runs_after_its_permit_came_back(
+    llama_server: LlamaServer,
+) -> None:
+    """llama-server reads the body, tokenizes the prompt and queues the task before the slot
+    shows it busy: a stop confirmed by idle polls alone could hand the slot on while the task
+    is still on its way. The proxy cuts a stream only once its head arrived (the task runs)."""
+    prompt = " ".join(f"word{i}" for i in range(1800))  # about 7000 tokens: a long tokenization
+    violations: list[tuple[float, float]] = []
+    async with llama_server(parallel=1, ctx_per_slot=8192) as srv, run_proxy(srv.url, confirm_timeout_s=600) as px, \
+            aiohttp.ClientSession() as http:
+        for delay in [0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.015, 0.02] * 2:
+            request = asyncio.create_task(post(http, px.url + "/completion", {"prompt": prompt, "n_predict": 8}))
+            await asyncio.sleep(delay)  # the next keystroke, this long after the request
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+            await asyncio.wait_for(_until_free(px, 1), 120)
+            released = time.monotonic()
+            while time.monotonic() - released < 0.5:  # does the slot turn busy after the release?
+                if (await slot_state(http, srv.url))["is_processing"]:
+                    violations.append((delay, time.monotonic() - released))
+                    break
+                await asyncio.sleep(0.02)
+    assert violations == []
