@@ -8,7 +8,7 @@ returns a dict (every value JSON-serializable) of:
 * ``tps``: per concurrency, aggregate tok/s, median per-sequence decode tok/s, TTFT;
 * ``ttft_idle_ms`` / ``ttft_late_ms``: first token on an idle engine and for a request
   joining ``late_background`` running generations; ``long_prompt``: the longest step
-  while a prompt of 4 prefill chunks joins a running batch, over the median step;
+  while a prompt of 4 prefill chunks joins a running batch, over its median decode step;
 * ``kv``: the KV store's bytes vs ``kv_bytes_per_token`` x slots x columns, and vs budget;
 * ``memory``: peak allocated/reserved (CUDA) vs weights + activation peak + KV store;
 * ``sleep``: ``engine.sleep()`` (what ``idle_unload_s`` calls): memory before/after,
@@ -130,12 +130,14 @@ def ttfts(d: Driver, opts: Any) -> dict[str, Any]:
 
 
 def long_prompt(d: Driver, opts: Any) -> dict[str, float]:
-    """Step times while a prompt of 4 prefill chunks joins ``late_background`` running rows."""
+    """Step times while a prompt of 4 prefill chunks (at most half the context) joins
+    ``late_background`` running rows."""
     tok = d.e.tokenizer
+    n = min(4 * opts.prefill_chunk, opts.n_ctx // 2)
     text = "\n".join(PROMPTS)
-    while len(tok(text).input_ids) < 4 * opts.prefill_chunk:
+    while len(tok(text).input_ids) < n:
         text += "\n" + text
-    ids = tok(text).input_ids[: 4 * opts.prefill_chunk]
+    ids = tok(text).input_ids[:n]
     text = tok.decode(ids)
     bg = [d.submit(max(opts.n_predict, 32)) for _ in range(opts.late_background)]
     d.until(lambda: all(d.tokens.get(i, 0) >= 3 for i in bg))
