@@ -101,8 +101,8 @@ async def _forward(
             metrics=st.metrics,
             breaker=st.breaker,
             breaker_probe=probe,
-            supersede_policy=st.policy(s.supersede_inflight, request.path, adapter),
-            disconnect_policy=st.policy(s.on_disconnect, request.path, adapter),
+            supersede_policy=st.policy(s.supersede_inflight, request.path, adapter, rec.parsed_body),
+            disconnect_policy=st.policy(s.on_disconnect, request.path, adapter, rec.parsed_body),
             unconfirmed_hold_s=s.unconfirmed_cancel_hold_s,
         )
     except BaseException:

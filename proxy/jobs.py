@@ -202,9 +202,16 @@ class UpstreamJob:
                 self.metrics.confirm_timeouts.inc()
                 self.record.confirm_timed_out = True
         elif self._stop_reason is not None and self.unconfirmed_hold_s > 0:
-            await asyncio.sleep(self.unconfirmed_hold_s)  # policy cancel without a view: best effort
+            await asyncio.sleep(self._unconfirmed_hold())  # policy cancel without a view: best effort
         waited = time.monotonic() - start
         self.record.confirm_wait_s = waited
+
+    def _unconfirmed_hold(self) -> float:
+        """How long a stop nothing can confirm holds the permit: a stream stops at its next
+        token, so twice the gap between its last two pieces, when one was seen (at most
+        ``unconfirmed_cancel_hold_s``, which is also the hold before the first pieces)."""
+        gap = self.record.piece_gap_s
+        return self.unconfirmed_hold_s if gap is None else min(self.unconfirmed_hold_s, 2 * gap)
 
     async def _transfer_body(self) -> None:
         rec, req = self.record, self.request

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -28,12 +29,17 @@ class ProxyState:
     metrics: Metrics
     breaker: CircuitBreaker
 
-    def policy(self, configured: str, path: str | None = None, adapter: Adapter | None = None) -> str:
+    def policy(
+        self, configured: str, path: str | None = None, adapter: Adapter | None = None, parsed: Any = None
+    ) -> str:
         """Resolve 'auto': cancel where the adapter (``adapter``, else the one in use) can
-        confirm the stop (on ``path``), else finish."""
+        confirm the stop (on ``path``), or where closing a stream stops its generation at the
+        next token (``Adapter.stops_streams``, a request body asking for a stream); else finish."""
         if configured == "auto":
             a = adapter or self.adapter
-            return "cancel" if (a.confirms(path) if path else a.can_confirm) else "finish"
+            confirms = a.confirms(path) if path else a.can_confirm
+            stream = isinstance(parsed, dict) and parsed.get("stream") is True
+            return "cancel" if confirms or (stream and a.stops_streams) else "finish"
         return configured
 
 

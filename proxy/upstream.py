@@ -42,7 +42,7 @@ async def forward(
     called once the upstream's body was read to its end, before its last bytes are written
     to the client (the upstream is idle for this request from then on, however slow the
     client)."""
-    start = time.monotonic()
+    start = last_at = time.monotonic()
     last: bytes | None = None  # the body's last piece (all of it, if it came whole with the head)
     try:
         with map_client_errors():
@@ -57,8 +57,12 @@ async def forward(
                 else:
                     await out.head(status, head, resp.content_length)
                     async for data in content.iter_any():
+                        now = time.monotonic()
                         if rec.upstream_ttfb_s is None:
-                            rec.upstream_ttfb_s = time.monotonic() - start
+                            rec.upstream_ttfb_s = now - start
+                        else:
+                            rec.piece_gap_s = now - last_at
+                        last_at = now
                         if content.is_eof():  # the last piece: it goes out with the terminator
                             last = data
                             break

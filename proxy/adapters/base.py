@@ -47,6 +47,10 @@ def upstream_authorization(settings: ProxySettings) -> str | None:
 
 class Adapter:
     kind: ClassVar[str] = "openai"
+    #: closing a streaming request's connection stops its generation at the next token, with
+    #: nothing to confirm it by: policy auto cancels such a stream and holds the permit about
+    #: one token's time (jobs.py), instead of letting it run to its end
+    stops_streams: ClassVar[bool] = False
 
     def __init__(
         self, base_url: str, session: aiohttp.ClientSession, settings: ProxySettings, *, slots: int | None = None
