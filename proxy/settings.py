@@ -82,7 +82,8 @@ class ProxySettings(LayeredSettings):
     supersede_inflight: Policy = Field(
         "auto",
         description="In-flight request superseded: cancel at the backend, or let it finish; "
-        "auto = cancel where the adapter can confirm the stop, else finish",
+        "auto = cancel where the adapter can confirm the stop (llamacpp) or where a stream stops at its next "
+        "token (openai: held about one token), else finish",
     )
     on_disconnect: Policy = Field(
         "auto", description="Client disconnects while in flight: cancel or finish (auto as above)"

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Literal
 
 import aiohttp
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from llmproxy.proxy.bench.burst_profiles import PROFILES, Profile, delivered_tokens, typed_text
@@ -61,10 +61,25 @@ class BurstSettings(LayeredSettings):
     slots_poll_ms: float = Field(20.0, gt=0, description="GET /slots poll interval")
     idle_timeout_s: float = Field(120.0, gt=0, description="Longest wait for the backend to become idle")
     request_timeout_s: float = Field(300.0, gt=0, description="Read timeout per request")
+    extra_body: str = Field(
+        "", description='JSON object whose fields are set in every request body, e.g. \'{"stream": false, "ignore_eos": true}\''
+    )
     compare: str | None = Field(None, description="Second target URL: run the same script against it too")
     plot: Path | None = Field(None, description="Write a latency-over-time PNG here (needs matplotlib)")
     json_out: Path | None = Field(None, description="Write the results as JSON here")
     log_level: str = Field("warning", description="Log level")
+
+    @field_validator("extra_body")
+    @classmethod
+    def _json_object(cls, text: str) -> str:
+        if text:
+            try:
+                value = json.loads(text)
+            except ValueError as exc:
+                raise ValueError(f"not JSON: {exc}") from None
+            if not isinstance(value, dict):
+                raise ValueError("must be a JSON object")
+        return text
 
 
 class Client:
@@ -77,10 +92,11 @@ class Client:
             self.headers["X-LLMProxy-Session"] = f"burst-editor-{editor}"
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=settings.request_timeout_s)
         self.http = aiohttp.ClientSession(timeout=timeout)
+        self.extra = json.loads(settings.extra_body) if settings.extra_body else None
 
     async def send(self, req: Req, keystroke: int) -> None:
         """POST the completion for ``keystroke``; cancelling this closes the connection."""
-        body = self.profile.encode(typed_text(keystroke), self.settings.n_predict, self.settings.model)
+        body = self.profile.encode(typed_text(keystroke), self.settings.n_predict, self.settings.model, self.extra)
         req.t_sent = time.perf_counter()
         try:
             async with self.http.post(self.url + self.profile.route, data=body, headers=self.headers) as resp:

@@ -38,8 +38,11 @@ class Profile:
     body: Body  # (typed text, n_predict, model) -> request JSON
     compact: bool = False  # serialise without spaces (llama.vim)
 
-    def encode(self, typed: str, n_predict: int, model: str) -> bytes:
+    def encode(self, typed: str, n_predict: int, model: str, extra: dict[str, Any] | None = None) -> bytes:
+        """The request body; ``extra`` fields are set over the profile's own."""
         obj = self.body(typed, n_predict, model)
+        if extra:
+            obj.update(extra)
         if self.compact:
             return json.dumps(obj, separators=(",", ":")).encode()
         return json.dumps(obj).encode()

@@ -49,7 +49,9 @@ class SlotsPoller:
         self.busy_now = len(busy)
         for s in busy:
             key = (int(s.get("id", -1)), int(s.get("id_task", -1)))
-            n = (s.get("next_token") or {}).get("n_decoded", s.get("n_decoded", 0))
+            nxt = s.get("next_token") or {}
+            nxt = nxt[0] if isinstance(nxt, list) and nxt else nxt  # llama-server: a list of one
+            n = nxt.get("n_decoded", s.get("n_decoded", 0)) if isinstance(nxt, dict) else 0
             self.decoded[key] = max(self.decoded.get(key, 0), int(n or 0))
             self.last_seen[key] = sent
         return True

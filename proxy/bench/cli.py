@@ -9,6 +9,7 @@ _BENCHES = (
     "llmproxy.proxy.bench.overhead",
     "llmproxy.backend.bench_engine",
     "llmproxy.proxy.bench.burst",
+    "llmproxy.proxy.bench.backends",
     "llmproxy.proxy.bench.soak",
 )
 
