@@ -24,7 +24,7 @@ from pathlib import Path
 import aiohttp
 
 from llmproxy.backend.model_path import default_model_path
-from llmproxy.proxy.embedded import child_preexec
+from llmproxy.proxy.children import child_preexec
 
 VERSION = "11434.0.0"  # tests/interop/build_llama_server.sh's default
 FIM_TOKENS = {"tokenizer.ggml.fim_pre_token_id": 8, "tokenizer.ggml.fim_suf_token_id": 9,
