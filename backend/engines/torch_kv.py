@@ -19,6 +19,7 @@ Single-threaded: owned by ``torch_batch.Batch``, used from the worker loop's thr
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Any
 
 import torch
@@ -45,7 +46,10 @@ class SlotLayer(CacheLayerMixin):
 
     def __init__(self, owner: SlotCache, index: int) -> None:
         super().__init__()
-        self.owner, self.index = owner, index
+        # A weak proxy: the cache holds its layers, and a strong reference back would make a
+        # cycle that only the garbage collector frees; the worker freezes the loaded engine
+        # out of it (gc.freeze), so sleep() would never give the store back.
+        self.owner, self.index = weakref.proxy(owner), index
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

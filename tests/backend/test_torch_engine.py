@@ -358,6 +358,23 @@ def test_sleep_then_admit_reloads(eng: Any) -> None:
     assert eng.load_count == loads + 1 and eng.last_load["converted"] is False
 
 
+def test_sleep_frees_the_kv_store_with_the_worker_gc_frozen(eng: Any) -> None:
+    """The worker freezes the loaded engine's objects out of the garbage collector
+    (worker.py): the store must go by reference counting alone, with no cycle holding it."""
+    import gc
+    import weakref
+
+    alone(eng, PROMPTS[0])
+    store = weakref.ref(eng.batch.kv.store)
+    gc.freeze()
+    try:
+        eng.sleep()
+        assert store() is None
+    finally:
+        gc.unfreeze()
+    alone(eng, PROMPTS[0])  # and it reloads
+
+
 def _fields(p: SamplingParams) -> dict[str, Any]:
     return {k: getattr(p, k) for k in SamplingParams.__slots__}
 
