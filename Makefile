@@ -12,7 +12,7 @@ PIPC   := $(PIP) install -q -c constraints.txt
 # rm .venv/.llama && make LLAMA_CMAKE_ARGS=-DGGML_NATIVE=ON ...
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF
 
-.PHONY: serve test interop install install-dev bench clean
+.PHONY: serve test interop gpu-check-prep gpu-check-cpu install install-dev bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,16 @@ $(VENV)/.interop: $(VENV)/.dev
 interop: $(VENV)/.interop
 	LLMPROXY_LLAMA_SERVER="$$(PYTHON=$(PY) bash tests/interop/build_llama_server.sh)" && \
 	  export LLMPROXY_LLAMA_SERVER && $(PY) -m pytest -m interop tests/interop $(PYTEST_ARGS)
+
+# The torch engine's GPU check (scripts/gpu_check.sh): gpu-check-prep fills scripts/gpu_check/
+# (the model's config and tokenizer, the wheels a GPU machine lacks; git ignores both) for
+# carrying to a GPU machine; gpu-check-cpu runs the same check, smaller, on this CPU.
+gpu-check-prep: $(VENV)/.dev
+	PY=$(PY) bash scripts/gpu_check_prepare.sh
+
+gpu-check-cpu: $(VENV)/.dev
+	OUT=out/gpu-check-cpu PYTHON=$(PY) bash scripts/gpu_check.sh --device cpu --dtypes float32 --shapes 135m \
+	  --concurrency 1,4,8,16,32 --n-predict 16 --cancels 5 --idle-unload-s 1 --n-threads 1
 
 bench: $(VENV)/.dev
 	$(VENV)/bin/llmproxy bench overhead

@@ -1,4 +1,4 @@
-"""Wire profiles of real editor clients for ``llmproxy bench burst`` (see /work/shared/CLIENTS.md).
+"""Wire profiles of real editor clients for ``llmproxy bench burst``, read from the clients' own source.
 
 A profile says which route a client calls, the JSON body it sends (byte shape included:
 llama.vim sends compact JSON), its User-Agent, whether it streams, and how it abandons
