@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from llmproxy.backend.settings import BackendSettings
 from llmproxy.proxy.config import add_settings_arguments, settings_from_args, usage_exit
@@ -21,12 +22,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    parent = os.getppid()  # read first: a parent that dies before this line goes unnoticed
     from llmproxy.backend.model_path import ModelNotFound
     from llmproxy.backend.server import serve
     from llmproxy.proxy import loops
+    from llmproxy.proxy.children import exit_with_parent
     from llmproxy.proxy.logs import configure_logging
 
     settings = settings_from_args(BackendSettings, args)
+    if settings.exit_with_parent and not exit_with_parent(parent):
+        raise SystemExit("llmproxy backend: --exit-with-parent: the parent process is gone already")
     configure_logging(settings.log_level, settings.log_json)
     factory = loops.choose(settings.loop, "llmproxy backend")[1]
     try:

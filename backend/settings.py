@@ -62,6 +62,10 @@ class BackendSettings(LayeredSettings):
     sigint: bool = Field(
         True, description="Stop on SIGINT (Ctrl-C) too; llmproxy serve turns it off for its embedded backend, whose Ctrl-C it handles"
     )
+    exit_with_parent: bool = Field(
+        False, description="Stop as on SIGTERM when the process that started this one exits, even killed (Linux): "
+        "for a wrapper that runs it and may die without stopping it"
+    )
     restart_backoff_min_s: float = Field(0.5, ge=0, description="First delay before restarting a dead worker")
     restart_backoff_max_s: float = Field(30.0, ge=0, description="Restart delay cap (doubles after each quick death)")
 

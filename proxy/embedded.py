@@ -9,7 +9,7 @@ so only the proxy acts on it: it drains its requests first and then stops the ba
 then with no client left: it gets ``BACKEND_DRAIN_S`` for its own drain). A SIG_IGN set
 before exec would not do: uvloop's spawn (libuv) resets every signal disposition in the
 child. The child gets PR_SET_PDEATHSIG so it never outlives a proxy that was SIGKILLed,
-and no file descriptor beyond 0-2 (see ``child_preexec``). A backend that exits on its
+and no file descriptor beyond 0-2 (``children.child_preexec``). A backend that exits on its
 own while the proxy serves stops the proxy with exit status 1 (``_watch_exit``); one that
 exits during start-up with status 2 (a start-up mistake, e.g. ``--model`` names no file,
 explained on the shared stderr) raises ``BackendMistake``, for ``llmproxy serve`` to exit
@@ -19,13 +19,10 @@ with status 2 too.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import os
-import signal
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -33,6 +30,7 @@ import structlog
 from aiohttp import web
 
 from llmproxy.backend.settings import stop_budget_s
+from llmproxy.proxy.children import child_preexec
 from llmproxy.proxy.config import EXIT_USAGE
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import SETTINGS, STOP, UPSTREAM_URL, StopRequest
@@ -45,39 +43,6 @@ BACKEND_STOP_S = stop_budget_s(BACKEND_DRAIN_S) + 1.0  # SIGTERM -> SIGKILL (9 s
 class BackendMistake(RuntimeError):
     """The embedded backend exited during start-up with status 2: it rejected its settings
     and said why on stderr."""
-
-
-def child_preexec() -> Callable[[], None]:
-    """A ``preexec_fn``: the child gets SIGTERM when this process dies (Linux PR_SET_PDEATHSIG)
-    and keeps no file descriptor beyond 0-2 across exec.
-
-    The second is what asyncio's subprocesses do (``close_fds=True``) and uvloop's do not
-    (it spawns with every inheritable fd, e.g. one this process inherited from its own
-    parent): every fd from 3 up is marked close-on-exec (``close_range`` with
-    CLOSE_RANGE_CLOEXEC, Linux >= 5.11 and glibc >= 2.34; skipped where missing). Marking
-    rather than closing leaves the loop's own exec-status pipe working.
-
-    libc is resolved here, in the parent, so the child does no dynamic loading between fork
-    and exec; if the parent died before ``prctl`` took effect, the child exits at once.
-    """
-    parent = os.getpid()
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    except OSError:  # not glibc/Linux: neither is available
-        return lambda: None
-    prctl = libc.prctl
-    close_range = getattr(libc, "close_range", None)
-    if close_range is not None:
-        close_range.argtypes = (ctypes.c_uint, ctypes.c_uint, ctypes.c_int)
-
-    def preexec() -> None:
-        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os._exit(1)
-        if close_range is not None:
-            close_range(3, 0xFFFFFFFF, 4)  # CLOSE_RANGE_CLOEXEC; an old kernel's ENOSYS is ignored
-
-    return preexec
 
 
 def backend_command(s: ProxySettings, port_file: Path) -> list[str]:

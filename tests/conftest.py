@@ -3,6 +3,10 @@
 The in-process proxy suites run twice, on asyncio's loop and on uvloop (what ``llmproxy
 serve`` runs on by default; see proxy/loops.py); the rest run on asyncio's. Subprocess
 tests check the served process's own loop (tests/test_loops.py).
+
+A process a test starts gets ``child_preexec()`` (llmproxy.proxy.children: it dies with
+pytest) and is stopped by its test; a run that ends with one still running fails
+(tests/leftovers.py, whose hooks are imported here).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import aiohttp
 import pytest
 import uvloop
 from aiohttp import web
+from leftovers import pytest_configure, pytest_sessionfinish  # noqa: F401 - hooks: the end-of-session check
 
 from llmproxy.proxy import parse_errors
 from llmproxy.proxy.app import build_app

@@ -17,6 +17,7 @@ from llmproxy.proxy.bench.burst import BurstSettings, run_target, send_times
 from llmproxy.proxy.bench.burst_profiles import PROFILES, delivered_tokens
 from llmproxy.proxy.bench.burst_slots import SlotsPoller
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
+from llmproxy.proxy.children import child_preexec
 from tests.test_serve_e2e import serve
 
 KEYS = 5
@@ -95,7 +96,7 @@ async def test_cli_compare_json_and_plot(tmp_path: Path) -> None:
         png = tmp_path / "p.png"
         cmd = [sys.executable, "-m", "llmproxy.proxy", "bench", "burst", a.url, "--compare", b.url,
                "--keystrokes", "3", "--bursts", "1", "--baseline-runs", "1", "--json-out", str(out), "--plot", str(png)]
-        proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.PIPE)
+        proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.PIPE, preexec_fn=child_preexec())
         stdout, _ = await proc.communicate()
         assert proc.returncode == 0
         table = stdout.decode()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from llmproxy.proxy.children import child_preexec
 from llmproxy.proxy.cli import build_parser
 from llmproxy.proxy.config import add_settings_arguments, settings_from_args
 from llmproxy.proxy.sessions import is_warmup, session_key
@@ -137,7 +138,7 @@ async def test_startup_mistake_is_one_clear_line_and_status_2(
     clean = {k: v for k, v in os.environ.items() if not k.startswith("LLMPROXY_")}
     proc = await asyncio.create_subprocess_exec(
         LLMPROXY, *(a.format(**paths) for a in argv), env={**clean, **env},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=child_preexec(),
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), 60)
@@ -159,7 +160,7 @@ async def test_serve_embedded_backend_mistake_is_status_2(tmp_path: Path) -> Non
     clean = {k: v for k, v in os.environ.items() if not k.startswith("LLMPROXY_")}
     proc = await asyncio.create_subprocess_exec(
         LLMPROXY, "serve", "--port", "0", "--model", str(tmp_path / "none.gguf"), "--log-json", env=clean,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=child_preexec(),
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), 120)

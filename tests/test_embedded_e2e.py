@@ -20,6 +20,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from llmproxy.proxy.children import child_preexec
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
@@ -61,6 +62,7 @@ async def start(tmp_path: Path) -> tuple[asyncio.subprocess.Process, str]:
         LLMPROXY, "serve", "--port", "0", "--port-file", str(port_file), "--log-json",
         "--backend-start-timeout-s", "120", env=env, stderr=asyncio.subprocess.PIPE,
         start_new_session=True,  # its own process group, as a shell runs a job
+        preexec_fn=child_preexec(),
     )
     await wait_until(lambda: port_file.exists() or proc.returncode is not None, 150, what="proxy listening")
     assert proc.returncode is None

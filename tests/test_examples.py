@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
+from llmproxy.proxy.children import child_preexec
 from llmproxy.proxy.docs_ref import sample_toml
 from llmproxy.proxy.settings import COMPLETION_ROUTES, ProxySettings
 from tests.test_serve_e2e import serve
@@ -29,7 +30,8 @@ PROXY = "http://127.0.0.1:8080"  # `llmproxy serve`'s default address
 
 async def run_example(name: str, url: str) -> str:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(EXAMPLES / name), url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        sys.executable, str(EXAMPLES / name), url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        preexec_fn=child_preexec(),
     )
     out, err = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode == 0, err.decode()[-3000:]

@@ -21,6 +21,7 @@ import pytest
 
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
 from llmproxy.proxy.bench.loadgen import run_load
+from llmproxy.proxy.children import child_preexec
 
 TEXT8 = "".join(f"t{i} " for i in range(8))
 
@@ -332,7 +333,7 @@ def test_subprocess_entry(tmp_path: Path) -> None:
     port_file = tmp_path / "port"
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmproxy.proxy.bench.fake_upstream", "--port", "0", "--port-file", str(port_file),
-         "--slots", "3", "--tokens", "2", "--token-delay-ms", "0"],
+         "--slots", "3", "--tokens", "2", "--token-delay-ms", "0"], preexec_fn=child_preexec(),
     )
     try:
         deadline = time.monotonic() + 30
@@ -390,7 +391,8 @@ asyncio.run(main())
 
 def test_bench_child_dies_with_its_parent(tmp_path: Path) -> None:
     """A bench killed without cleanup (SIGKILL) leaves no orphan server behind."""
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                              preexec_fn=child_preexec())
     try:
         assert parent.stdout is not None
         pid = int(parent.stdout.readline())

@@ -21,6 +21,7 @@ import pytest
 
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
 from llmproxy.proxy.bench.soak import rss_kb
+from llmproxy.proxy.children import child_preexec
 from tests.test_serve_e2e import serve
 
 # One kept-alive connection (like a monitoring agent): measures the proxy's event loop, not
@@ -92,7 +93,8 @@ async def test_thousand_connections_queue_limit_status_rss_fds(tmp_path: Path, m
                     return r.status
 
             poller = await asyncio.create_subprocess_exec(  # its own process: our busy loop does not skew it
-                sys.executable, "-c", POLLER, url + "/llmproxy/status", stdout=asyncio.subprocess.PIPE
+                sys.executable, "-c", POLLER, url + "/llmproxy/status", stdout=asyncio.subprocess.PIPE,
+                preexec_fn=child_preexec(),
             )
             assert poller.stdout is not None
             await poller.stdout.readline()  # first answer: the poller is running

@@ -20,7 +20,8 @@ import uvloop
 
 from llmproxy.proxy import loops
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream
-from llmproxy.proxy.embedded import backend_command, child_preexec
+from llmproxy.proxy.children import child_preexec
+from llmproxy.proxy.embedded import backend_command
 from llmproxy.proxy.settings import ProxySettings
 from tests.test_serve_e2e import LLMPROXY, serve
 
@@ -84,7 +85,7 @@ async def test_loop_uvloop_without_uvloop_is_a_clear_error(tmp_path: Path) -> No
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMPROXY_")} | _hide_uvloop(tmp_path)
     proc = await asyncio.create_subprocess_exec(
         LLMPROXY, "serve", "--port", "0", "--upstream", "http://127.0.0.1:9", "--loop", "uvloop",
-        stderr=asyncio.subprocess.PIPE, env=env,
+        stderr=asyncio.subprocess.PIPE, env=env, preexec_fn=child_preexec(),
     )
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2

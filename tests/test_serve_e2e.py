@@ -18,6 +18,7 @@ from pathlib import Path
 import aiohttp
 
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
+from llmproxy.proxy.children import child_preexec
 from tests.helpers import raw_exchange, wait_until
 
 LLMPROXY = str(Path(sys.executable).with_name("llmproxy"))
@@ -31,7 +32,7 @@ async def serve(
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMPROXY_")} | (env_extra or {})
     proc = await asyncio.create_subprocess_exec(
         LLMPROXY, "serve", "--port", "0", "--port-file", str(port_file), "--log-json", *args,
-        stderr=asyncio.subprocess.PIPE, env=env,
+        stderr=asyncio.subprocess.PIPE, env=env, preexec_fn=child_preexec(),
     )
     try:
         await wait_until(lambda: port_file.exists() or proc.returncode is not None, 30, what="port file")
@@ -185,7 +186,7 @@ async def test_invalid_option_exits_with_one_readable_error() -> None:
     env = {**os.environ, "LLMPROXY_QUEUE_TIMEOUT_S": "soon"}
     proc = await asyncio.create_subprocess_exec(
         LLMPROXY, "serve", "--port", "0", "--max-queue", "-1", env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=child_preexec(),
     )
     out, err = await asyncio.wait_for(proc.communicate(), 30)
     text = err.decode()
@@ -205,7 +206,7 @@ async def test_port_file_is_cleared_at_start_and_removed_at_exit(tmp_path: Path)
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLMPROXY_")}
         proc = await asyncio.create_subprocess_exec(
             LLMPROXY, "serve", "--port", "0", "--port-file", str(port_file), "--log-json", "--upstream", fake.url,
-            stderr=asyncio.subprocess.PIPE, env=env,
+            stderr=asyncio.subprocess.PIPE, env=env, preexec_fn=child_preexec(),
         )
         try:
             await wait_for_log(proc, "listening", 30)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
 from llmproxy.proxy.bench.soak import SoakResult, outcomes_from_metrics
+from llmproxy.proxy.children import child_preexec
 
 LLMPROXY = str(Path(sys.executable).with_name("llmproxy"))
 
@@ -38,7 +39,7 @@ async def test_soak_short_run_against_fake() -> None:
         proc = await asyncio.create_subprocess_exec(
             LLMPROXY, "bench", "soak", "--minutes", "0.17", "--capacity", "2", "--editors", "4",
             "--upstream", fake.url, "--start-timeout-s", "30",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env, preexec_fn=child_preexec(),
         )
         out, _ = await asyncio.wait_for(proc.communicate(), 60)
         text = out.decode()

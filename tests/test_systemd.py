@@ -23,6 +23,7 @@ import aiohttp
 import pytest
 
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
+from llmproxy.proxy.children import child_preexec
 from llmproxy.proxy.systemd_cmd import repo_copies
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +101,7 @@ async def test_socket_activation_serves_and_drains(tmp_path: Path) -> None:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", ACTIVATE, str(listener.fileno()), *argv,
             pass_fds=[listener.fileno()], env=env, stderr=asyncio.subprocess.PIPE,
+            preexec_fn=child_preexec(cloexec=False),  # it would close the passed fd
         )
         listener.close()  # the child holds it now
         try:
@@ -140,6 +142,7 @@ async def test_socket_activation_keeps_the_socket_from_the_embedded_backend(tmp_
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", ACTIVATE, str(listener.fileno()), *shlex.split(exec_line.removeprefix("ExecStart=")),
         pass_fds=[listener.fileno()], env=env, stderr=asyncio.subprocess.DEVNULL,
+        preexec_fn=child_preexec(cloexec=False),  # it would close the passed fd
     )
     listener.close()
     try:

@@ -13,6 +13,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from llmproxy.proxy.children import child_preexec
+
 LONG = {"prompt": "Once upon a time", "n_predict": 500, "ignore_eos": True, "stream": True}
 
 
@@ -72,7 +74,7 @@ class Backend:
         cmd += [part for flag, value in defaults.items() if flag not in args for part in (flag, value)]
         cmd += args
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, preexec_fn=child_preexec())
         self.port = 0
 
     @property

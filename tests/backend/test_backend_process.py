@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
-from backend_helpers import parallel_flags, pid_alive, wait_until
+import pytest
+from backend_helpers import parallel_flags, pid_alive, processes_in, wait_until
+
+from llmproxy.proxy.children import child_preexec
 
 
 def test_sigterm_drains_and_leaves_no_workers(engine: str, start_backend: Any) -> None:
@@ -40,3 +48,53 @@ def test_sigkill_parent_leaves_no_orphans(engine: str, start_backend: Any) -> No
     assert all(pid_alive(p) for p in pids)
     b.stop(signal.SIGKILL)
     assert wait_until(lambda: not any(pid_alive(p) for p in pids), 5, 0.05), [p for p in pids if pid_alive(p)]
+
+
+_PARENT = """
+import subprocess, sys, time
+from pathlib import Path
+tests, tmp, how = sys.argv[1:4]
+sys.path.insert(0, tests)
+from backend_helpers import Backend
+if how == "helper":  # as the tests start their servers
+    pid = Backend(Path(tmp), "llama-cpp", cwd=Path(tmp)).wait_ready().proc.pid
+else:  # a wrapper that sets nothing up for its child: the backend's own flag
+    port_file = Path(tmp) / "port"
+    proc = subprocess.Popen([sys.executable, "-m", "llmproxy.backend", "--port", "0", "--port-file", str(port_file),
+                             "--exit-with-parent", "--n-threads", "1", "--log-level", "warning"], cwd=tmp)
+    while not port_file.exists():
+        if proc.poll() is not None:
+            sys.exit(f"the backend exited: {proc.returncode}")
+        time.sleep(0.05)
+    pid = proc.pid
+print(pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+@pytest.mark.parametrize("how", ["helper", "flag"])
+def test_backend_dies_with_the_process_that_started_it(tmp_path: Path, how: str) -> None:
+    """A backend whose parent is killed (SIGKILL: no cleanup) stops, workers included: one
+    started by the tests' helper (it dies with the test process) and one started with
+    ``--exit-with-parent`` by a parent that sets nothing up."""
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(Path(__file__).parent), str(tmp_path), how],
+                              stdout=subprocess.PIPE, text=True, preexec_fn=child_preexec())
+    backend = 0
+    try:
+        assert parent.stdout is not None
+        line = parent.stdout.readline()
+        assert line, "the parent did not start a backend"
+        backend = int(line)
+        assert pid_alive(backend) and len(processes_in(tmp_path)) >= 2  # the backend and its worker
+        parent.kill()
+        parent.wait()
+        assert wait_until(lambda: not processes_in(tmp_path), 30, 0.05), "the backend outlived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if parent.stdout is not None:
+            parent.stdout.close()
+        for pid in processes_in(tmp_path):  # what a failure left
+            os.kill(pid, signal.SIGKILL)
