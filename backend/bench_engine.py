@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from llmproxy.proxy.children import child_preexec
+
 PROMPTS = [
     "def quicksort(items):\n    \"\"\"Sort a list with quicksort.\"\"\"\n"
     "    if len(items) <= 1:\n        return items\n",
@@ -149,7 +151,7 @@ class Server:
         if args.model is not None:
             cmd += ["--model", str(args.model)]
         self.log = open(Path(self.tmp) / "backend.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=child_preexec())
         deadline = time.monotonic() + 300
         while not port_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:

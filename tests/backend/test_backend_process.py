@@ -58,6 +58,11 @@ sys.path.insert(0, tests)
 from backend_helpers import Backend
 if how == "helper":  # as the tests start their servers
     pid = Backend(Path(tmp), "llama-cpp", cwd=Path(tmp)).wait_ready().proc.pid
+elif how == "bench":  # as llmproxy bench engine starts its server
+    import argparse, os
+    from llmproxy.backend.bench_engine import Server
+    os.chdir(tmp)
+    pid = Server(argparse.Namespace(model=None, n_ctx=2048, n_batch=16), 1).proc.pid
 else:  # a wrapper that sets nothing up for its child: the backend's own flag
     port_file = Path(tmp) / "port"
     proc = subprocess.Popen([sys.executable, "-m", "llmproxy.backend", "--port", "0", "--port-file", str(port_file),
@@ -73,11 +78,11 @@ time.sleep(600)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
-@pytest.mark.parametrize("how", ["helper", "flag"])
+@pytest.mark.parametrize("how", ["helper", "bench", "flag"])
 def test_backend_dies_with_the_process_that_started_it(tmp_path: Path, how: str) -> None:
     """A backend whose parent is killed (SIGKILL: no cleanup) stops, workers included: one
-    started by the tests' helper (it dies with the test process) and one started with
-    ``--exit-with-parent`` by a parent that sets nothing up."""
+    started by the tests' helper (it dies with the test process) or by ``llmproxy bench
+    engine``, and one started with ``--exit-with-parent`` by a parent that sets nothing up."""
     parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(Path(__file__).parent), str(tmp_path), how],
                               stdout=subprocess.PIPE, text=True, preexec_fn=child_preexec())
     backend = 0
