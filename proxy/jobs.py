@@ -5,8 +5,10 @@ Concurrency contract:
   task) as soon as its handler has a permit, and is independent of that handler: client
   disconnects cancel the handler, never the job.
 - The job's upstream transfer runs inside the job task, in a cancel scope (the pattern of
-  ``asyncio.timeout``): ``stop(reason)`` (supersede, or the client left under policy
-  ``cancel``) cancels the job task only while it is in that scope; the scope absorbs that
+  ``asyncio.timeout``): ``stop(reason)`` (supersede, or the client left, under policy
+  ``cancel``; under any policy while the request was not sent yet: one that never left
+  is stopped for free, so it never reaches the upstream) cancels the job task only while
+  it is in that scope; the scope absorbs that
   one cancellation (``Task.uncancel``) after the upstream connection was closed, and the
   job then waits for the adapter to confirm the stop (or, for adapters that cannot, holds
   the permit ``unconfirmed_cancel_hold_s``). Any other cancellation (shutdown) leaves
@@ -92,12 +94,12 @@ class UpstreamJob:
     # -- control (called from the handler / the gate) ------------------------------
     def _superseded(self) -> None:
         self.record.superseded_inflight = True
-        if self.supersede_policy == "cancel":
+        if self.supersede_policy == "cancel" or not self.record.sent:
             self.stop("superseded")
 
     def client_gone(self) -> None:
         self.out.detach()
-        if self.disconnect_policy == "cancel":
+        if self.disconnect_policy == "cancel" or not self.record.sent:
             self.stop("client_disconnect")
 
     def stop(self, reason: str) -> None:

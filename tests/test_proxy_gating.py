@@ -461,3 +461,40 @@ async def test_only_a_refused_connection_confirms_a_stop_at_once(failure: str) -
             assert await adapter.confirm_stopped([0]) is (failure == "refused")
         finally:
             adapter.close()
+
+
+@pytest.mark.parametrize("how", ["client_left", "superseded"])
+async def test_a_request_stopped_before_it_was_sent_never_reaches_the_upstream(http: aiohttp.ClientSession,
+                                                                               how: str) -> None:
+    """Policy ``finish`` lets a request that was sent run to its end; one stopped between its
+    grant and its send (here: while it waits to settle its ``n_cmpl`` slots behind a lower
+    slot granted to a request still on its way) is never sent, whatever the policy."""
+    async with FakeUpstream(slots=3) as fake, run_proxy(
+        fake.url, settle_timeout_s=1, on_disconnect="finish", supersede_inflight="finish"
+    ) as px:
+        gate = px.state.gate
+        on_its_way = gate.submit("x", supersedable=False, route="/completion")  # slot 0, never busy upstream
+        gate.take(on_its_way)
+        polls = sum(r.path == "/slots" for r in fake.received)
+        hdr = {"X-LLMProxy-Session": "editor", "X-Request-Id": "wide"}
+        with structlog.testing.capture_logs() as logs:
+            wide = asyncio.create_task(http.post(px.url + "/completion", json={"prompt": "p", "n_cmpl": 2}, headers=hdr))
+            await fake.wait_for(lambda f: sum(r.path == "/slots" for r in f.received) > polls)  # settling
+            assert gate.inflight == 2 and fake.generations == []
+            if how == "client_left":
+                wide.cancel()
+                await asyncio.gather(wide, return_exceptions=True)
+            else:
+                async with http.post(px.url + "/completion", json={"prompt": "q", "n_predict": 2},
+                                     headers={**hdr, "X-Request-Id": "newer"}) as r:
+                    assert r.status == 200
+                async with await wide as r:
+                    assert r.status == 499 and (await r.json())["error"]["type"] == "superseded"
+            await wait_until(lambda: gate.inflight == 1, what="the stopped request's permits back")
+            gate.release(on_its_way)
+            await asyncio.wait_for(gate.wait_quiescent(), 5)
+            px.flush_log()
+        assert all("n_cmpl" not in g.body for g in fake.generations), fake.snapshot()
+        line = request_events(logs)["wide"]
+        assert line["reached_upstream"] is False
+        assert line["outcome"] == ("cancelled_queued" if how == "client_left" else "superseded")
