@@ -113,6 +113,9 @@ class UpstreamClient:
         self._idle: deque[tuple[ResponseHandler, float]] = deque()  # (protocol, released at); newest last
         self._expiry: asyncio.TimerHandle | None = None  # closes idle connections as they expire
         self._closed = False
+        # False for llama-server: it closes a connection after an event stream although it
+        # says keep-alive, and a request sent on it at once fails (see Exchange.__aexit__)
+        self.reuse_after_stream = True
 
     @property
     def idle(self) -> int:
@@ -204,7 +207,8 @@ class Exchange:
     A plain async context manager rather than a generator-based one: it is on every
     relayed request's path."""
 
-    __slots__ = ("_client", "_method", "_target", "_headers", "_body", "_on_send", "_proto", "_payload", "_status")
+    __slots__ = ("_client", "_method", "_target", "_headers", "_body", "_on_send", "_proto", "_payload", "_status",
+                 "_stream")
 
     def __init__(
         self, client: UpstreamClient, method: str, target: str, headers: Mapping[str, str], body: bytes | None,
@@ -215,6 +219,7 @@ class Exchange:
         self._proto: ResponseHandler | None = None
         self._payload: StreamReader | None = None
         self._status = 0
+        self._stream = False  # the response is an event stream
 
     async def __aenter__(self) -> UpstreamResponse:
         client, loop = self._client, asyncio.get_running_loop()
@@ -239,6 +244,7 @@ class Exchange:
                 proto.abort()  # drops request bytes not yet sent: the upstream never gets the rest
                 raise
             self._proto, self._payload, self._status = proto, payload, message.code
+            self._stream = message.headers.get("Content-Type", "").startswith("text/event-stream")
             return UpstreamResponse(message.code, message.headers, payload)
 
     async def _attempt(self, proto: ResponseHandler, loop: asyncio.AbstractEventLoop) -> tuple[RawResponseMessage, StreamReader]:
@@ -284,7 +290,7 @@ class Exchange:
             sent_all = False
         if exc_type is not None or not payload.is_eof() or not sent_all:
             proto.abort()
-        elif proto.should_close or not proto.is_connected():
+        elif proto.should_close or not proto.is_connected() or (self._stream and not self._client.reuse_after_stream):
             proto.close()
         else:
             self._client._release(proto, asyncio.get_running_loop().time())

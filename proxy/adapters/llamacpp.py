@@ -83,12 +83,14 @@ class LlamaCppAdapter(Adapter):
         self.slots_pending = False  # /slots failed in a way that may pass (timeout, refused, 5xx)
         self.streams = self.settings.upstream_stream != "off"  # until /props says which server it is
         self.own: bool | None = None  # llmproxy's own backend? (None: /props not read yet)
+        self.client.reuse_after_stream = False
 
     def learn_props(self, props: Any) -> None:
         """What /props tells: the slot count, and whether this is llmproxy's own backend,
         which notices a dropped non-streaming client itself (``upstream_stream`` auto)."""
         self.slots = total_slots(props)
         self.own = own = isinstance(props, dict) and props.get("build_info") == OWN_BACKEND
+        self.client.reuse_after_stream = own  # llama-server closes a connection after a stream
         self.streams = self.settings.upstream_stream == "on" or (self.settings.upstream_stream == "auto" and not own)
 
     def assembles(self, path: str, parsed: Any) -> bool:

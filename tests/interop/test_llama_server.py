@@ -154,3 +154,17 @@ async def test_a_long_prompt_cancelled_before_its_answer_never_runs_after_its_pe
                     break
                 await asyncio.sleep(0.02)
     assert violations == []
+
+
+async def test_back_to_back_requests_after_streams_all_succeed(llama_server: LlamaServer) -> None:
+    """llama-server closes a connection after an event stream although it says keep-alive:
+    a request sent on it at once failed with 502 (ServerDisconnectedError) before the
+    proxy stopped pooling such connections."""
+    async with llama_server(parallel=1) as srv, run_proxy(srv.url) as px, aiohttp.ClientSession() as http:
+        statuses = []
+        for stream in (True, True, False, False, True, False, True):
+            body = {"prompt": PREFIX, "n_predict": 2, "stream": stream}
+            async with http.post(px.url + "/completion", json=body) as r:
+                await r.read()
+                statuses.append(r.status)
+        assert statuses == [200] * 7
