@@ -22,6 +22,12 @@ Pure asyncio logic, no sockets (tested directly). Concurrency contract:
   lowest free ids, the ones llama-server gives a request's extra completions. Until its
   job has sent it, ``settle_extras`` may trade those for lower slots freed meanwhile (the
   job's adapter owns that wait; ``settled`` ends it).
+- A queued ticket's permit count is decided when it is granted: its ``sizer`` (if any) is
+  called then, with the capacity at that moment, and its answer is the count granted (what
+  the request needs may change while it waits: the upstream's adapter is replaced once it
+  is detected, see watch.py). A sizer that raises a ProxyError fails the ticket with it:
+  its waiter raises that error. Sizers run synchronously inside the gate's calls and must
+  not call back into the gate.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from llmproxy.proxy.errors import QueueFull, ShuttingDown, Superseded
+from llmproxy.proxy.errors import ProxyError, QueueFull, ShuttingDown, Superseded
 
 State = Literal["queued", "granted", "running", "stopping", "done"]
 _AFFINITY_MAX = 4096
@@ -50,6 +56,7 @@ class Ticket:
     route: str
     future: asyncio.Future[int]
     permits: int = 1
+    sizer: Callable[[int], int] | None = None  # the permit count at grant time (capacity -> count)
     created: float = field(default_factory=time.monotonic)
     state: State = "queued"
     slot: int | None = None  # the first granted slot (the one ``id_slot`` names)
@@ -110,12 +117,17 @@ class Gate:
         await self._idle.wait()
 
     # -- the protocol ---------------------------------------------------------------
-    def submit(self, session: str, *, supersedable: bool, route: str = "", permits: int = 1) -> Ticket:
+    def submit(
+        self, session: str, *, supersedable: bool, route: str = "", permits: int = 1,
+        sizer: Callable[[int], int] | None = None,
+    ) -> Ticket:
         """Admit a new request (never blocks). Admission is decided first; only an admitted
         newcomer supersedes anything, so a 429 never costs the session its running request.
 
         ``permits``: how many slots the request runs on at once (1 to ``capacity``; the
-        handler answers 400 above that, as the upstream would)."""
+        handler answers 400 above that, as the upstream would). ``sizer``: if the ticket has
+        to wait, its count is asked again when it reaches the head of the queue (see the
+        module's contract)."""
         if not 1 <= permits <= self.capacity:
             raise ValueError(f"permits must be 1..{self.capacity}, got {permits}")
         if self._closed:
@@ -126,7 +138,9 @@ class Gate:
             raise QueueFull(
                 f"queue full ({self.max_queue} waiting)", headers={"Retry-After": str(self.retry_after_s)}
             )
-        ticket = Ticket(next(self._ids), session, supersedable, route, asyncio.get_running_loop().create_future(), permits)
+        ticket = Ticket(
+            next(self._ids), session, supersedable, route, asyncio.get_running_loop().create_future(), permits, sizer
+        )
         self._idle.clear()
         if supersedable:
             self._supersede_inflight(session)
@@ -236,6 +250,7 @@ class Gate:
         self._free.extend(range(self.capacity, capacity))
         self.capacity = capacity
         self._grant_waiters()
+        self._check_idle()
 
     def close(self) -> None:
         """Shutdown: refuse new tickets and answer every queued one with ShuttingDown."""
@@ -252,6 +267,7 @@ class Gate:
     def _grant_waiters(self) -> None:
         """Hand free permits to waiters in FIFO order.
 
+        The head's permit count is its ``sizer``'s answer now, if it has one.
         Cancelling a task that awaits ``Ticket.wait`` cancels the ticket's future at once,
         while its ``abandon`` runs only when that task resumes; such tickets are dropped
         here (state "done", so the later ``abandon`` is a no-op), never granted.
@@ -262,6 +278,15 @@ class Gate:
                 self._queue.pop(0)
                 ticket.state = "done"
                 continue
+            if ticket.sizer is not None:
+                try:
+                    ticket.permits = ticket.sizer(self.capacity)
+                except ProxyError as exc:  # it cannot run here any more (too wide for the upstream found)
+                    self._queue.pop(0)
+                    ticket.state = "done"
+                    ticket.future.set_exception(exc)
+                    ticket.future.exception()  # retrieved: the waiter may already be gone
+                    continue
             if len(self._free) < ticket.permits:
                 return  # strict FIFO: nobody overtakes a waiter that needs more permits
             self._queue.pop(0)

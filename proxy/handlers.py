@@ -1,5 +1,9 @@
 """The gated request handler: body -> session -> breaker -> queue -> permit -> job -> relay.
 
+The adapter a request runs with, and so its permit count and its body (``id_slot``), is
+the one in use when it is granted (``_Sizing``, the ticket's sizer): the watcher may swap
+in the adapter detection found while it waited (watch.py).
+
 Concurrency contract: the handler task belongs to the client connection (aiohttp runs
 with ``handler_cancellation=True``, so a client disconnect cancels it). While queued, a
 cancellation abandons the ticket (the request never reaches the upstream). Once the
@@ -28,10 +32,26 @@ from llmproxy.proxy.sessions import is_warmup, session_key
 from llmproxy.proxy.state import RECORD, STATE, ProxyState
 
 
+class _Sizing:
+    """A gated request's permit count, asked of the adapter in use when it is asked: at
+    admission (a 400 before queueing) and again by the gate at the grant. ``adapter`` is
+    the one that answered last, the one the request then runs with from its grant on
+    (even if the watcher swaps it again meanwhile)."""
+
+    __slots__ = ("st", "path", "parsed", "adapter")
+
+    def __init__(self, st: ProxyState, path: str, parsed: object) -> None:
+        self.st, self.path, self.parsed = st, path, parsed
+        self.adapter = st.adapter
+
+    def __call__(self, capacity: int) -> int:
+        self.adapter = self.st.adapter
+        return self.adapter.permits(self.path, self.parsed, capacity)  # or BadRequest
+
+
 async def gated(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     s = st.settings
-    adapter = st.adapter  # one adapter for all of this request, even if the watcher swaps it meanwhile
     rec = request[RECORD]
     rec.gated = True
     raw = await read_body(request, s.max_body_bytes, s.body_timeout_s)
@@ -46,15 +66,18 @@ async def gated(request: web.Request) -> web.StreamResponse:
         body=parsed,
     )
     supersedable = s.supersede and request.path in s.supersede_routes and not is_warmup(parsed)
-    rec.permits = permits = adapter.permits(request.path, parsed, st.gate.capacity)  # or BadRequest
+    sizing = _Sizing(st, request.path, parsed)
+    rec.permits = permits = sizing(st.gate.capacity)  # or BadRequest
     probe = st.breaker.admit()  # raises UpstreamUnavailable (503) while the breaker is open
     try:
-        ticket = st.gate.submit(rec.session, supersedable=supersedable, route=request.path, permits=permits)
+        ticket = st.gate.submit(rec.session, supersedable=supersedable, route=request.path, permits=permits,
+                                sizer=sizing)
         await _wait_for_permit(st, ticket, request)
     except BaseException:
         st.breaker.neutral(probe)
         raise
-    return await _forward(st, adapter, ticket, request, raw, probe)
+    rec.permits = ticket.permits
+    return await _forward(st, sizing.adapter, ticket, request, raw, probe)
 
 
 async def _wait_for_permit(st: ProxyState, ticket: Ticket, request: web.Request) -> None:

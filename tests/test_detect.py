@@ -219,16 +219,18 @@ async def test_configured_llamacpp_without_props_gets_its_capacity_once_it_answe
         assert (adapter.slots, adapter.capacity_pending(), px.state.gate.capacity) == (None, False, 3)
 
 
-async def test_a_request_queued_across_the_swap_keeps_the_adapter_that_admitted_it(
+async def test_a_request_queued_across_the_swap_runs_with_the_adapter_in_use_at_its_grant(
     http: aiohttp.ClientSession,
 ) -> None:
-    """Its permits were counted by the adapter in use when it arrived (openai: one, whatever
-    ``n_cmpl`` says); the body must be prepared by that same adapter (no ``id_slot``), not by
-    the llamacpp adapter swapped in while it waited."""
+    """A request that waited while the watcher swapped in the llama-server's adapter is
+    counted and prepared by that adapter when it is granted: two permits for ``n_cmpl: 2``
+    (the openai adapter in use when it arrived counted one), and ``id_slot`` in its body. So
+    it waits for both slots in the proxy's queue instead of in the server's, and a stop of it
+    is confirmed on the slot it really runs on. One granted before the swap keeps its own."""
     port = closed_port()
     hold = asyncio.Event()
     async with run_proxy(f"http://127.0.0.1:{port}") as px:
-        first = px.state.adapter
+        first, gate = px.state.adapter, px.state.gate
         fake = FakeUpstream(kind="llamacpp", slots=2, port=port,
                             script=lambda _p, body: Script(tokens=2, hold=hold if body.get("prompt") == "a" else None))
         async with fake:
@@ -238,16 +240,18 @@ async def test_a_request_queued_across_the_swap_keeps_the_adapter_that_admitted_
             await fake.wait_for(lambda f: f.concurrent == 1)
             b = asyncio.ensure_future(http.post(px.url + "/completion", json={"prompt": "b", "n_cmpl": 2},
                                                 headers={"X-LLMProxy-Session": "b"}))
-            await wait_until(lambda: px.state.gate.queued == 1, 5)
-            await asyncio.wait_for(first.known.wait(), 15)  # swapped; the gate grew to 2: b is granted
+            await wait_until(lambda: gate.queued == 1, 5)
+            await asyncio.wait_for(first.known.wait(), 15)  # swapped; the gate grew to 2
             assert px.state.adapter is not first and px.state.adapter.kind == "llamacpp"
-            await fake.wait_for(lambda f: len(f.generations) == 2)
+            assert gate.capacity == 2 and gate.queued == 1 and gate.free == 1  # b needs both slots now
+            assert len(fake.generations) == 1
             hold.set()
             for task in (a, b):
                 async with await task as r:
                     assert r.status == 200
-        assert [("id_slot" in g.body, g.body.get("n_cmpl")) for g in fake.generations] == [(False, None), (False, 2)]
-        assert px.state.gate.free == px.state.gate.capacity == 2
+        assert [(g.body.get("id_slot"), g.body.get("n_cmpl")) for g in fake.generations] == [(None, None), (0, 2)]
+        assert fake.deferred == [] and fake.max_concurrent == 2
+        assert gate.free == gate.capacity == 2
 
 
 async def test_gate_grow_hands_new_permits_to_waiters_in_order() -> None:

@@ -272,3 +272,31 @@ async def test_two_wide_requests_settling_never_wait_on_each_other() -> None:
         gate.settled(t)
         gate.release(t)
     assert gate.free == 4
+
+
+async def test_a_queued_tickets_permits_are_counted_when_it_is_granted() -> None:
+    """The sizer answers at the grant (with the capacity then), not at admission; one that
+    raises a ProxyError fails its ticket and the next waiter goes on."""
+    from llmproxy.proxy.errors import BadRequest
+
+    gate = Gate(1, 5)
+    running = gate.submit("x", supersedable=False)
+    gate.take(running)
+    needs = {"wide": 1}
+
+    def too_wide(capacity: int) -> int:
+        raise BadRequest(f"needs more than {capacity}")
+
+    wide = gate.submit("w", supersedable=False, sizer=lambda capacity: needs["wide"])
+    bad = gate.submit("b", supersedable=False, sizer=too_wide)
+    last = gate.submit("l", supersedable=False, sizer=lambda capacity: 1)
+    needs["wide"] = 2
+    gate.grow(2)  # one more permit: not enough for the wide one any more
+    assert not wide.future.done() and gate.queued == 3
+    gate.release(running)
+    assert await wide.wait() == 0 and wide.slots == (0, 1) and wide.permits == 2
+    gate.take(wide)
+    gate.release(wide)
+    with pytest.raises(BadRequest):
+        await bad.wait()
+    assert await last.wait() == 0 and gate.queued == 0

@@ -11,9 +11,10 @@ or slot count is unknown: a refused connection or a 503 costs nothing, and reque
 meanwhile get one permit), until nothing is pending:
 
 - an undetected upstream that answers gets the adapter detection finds then
-  (``detect.redetect``), swapped into ``ProxyState.adapter``: requests admitted from then
-  on use it; jobs already running keep the one they started with, whose relay client is
-  closed (its connections close as those jobs release them);
+  (``detect.redetect``), swapped into ``ProxyState.adapter``: requests granted from then
+  on use it, those that waited in the queue meanwhile included (their permit count is
+  asked again at the grant, handlers.py); jobs already running keep the one they started
+  with, whose relay client is closed (its connections close as those jobs release them);
 - confirmation turns on from then on (for new requests, and for stops of requests already
   in flight, which ask the adapter when they stop);
 - the gate has one permit while the kind or slot count is unknown (nothing runs at the
