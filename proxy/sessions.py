@@ -1,6 +1,6 @@
 """Session keys: which editor session a gated request belongs to.
 
-No editor sends a session id (see CLIENTS.md), so the default key is peer address +
+No editor sends a session id (see docs/clients.md), so the default key is peer address +
 User-Agent + a hash of Authorization + route family + model; ``X-LLMProxy-Session`` (the
 configured header) wins when present. Keys are hashed: the raw Authorization value never
 leaves this module and ``/llmproxy/status`` shows only a short digest.

@@ -1,7 +1,7 @@
 """Property-based stress of the gate's invariants under random load (real loopback servers).
 
 Random arrivals, sessions, client aborts, upstream errors, slow aborts and requests on
-several slots at once (``n_cmpl``). Invariants (DESIGN.md): generations at the upstream
+several slots at once (``n_cmpl``). Invariants (docs/design.md): generations at the upstream
 (each ``n_cmpl`` completion counts) <= N at every instant; all N permits free at
 quiescence; exactly one outcome per request; what the proxy says reached the upstream is
 exactly what the upstream saw, so superseded / queue-cancelled requests never reach it.
