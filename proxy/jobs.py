@@ -11,7 +11,9 @@ Concurrency contract:
   it is in that scope; the scope absorbs that
   one cancellation (``Task.uncancel``) after the upstream connection was closed, and the
   job then waits for the adapter to confirm the stop (or, for adapters that cannot, holds
-  the permit ``unconfirmed_cancel_hold_s``). Any other cancellation (shutdown) leaves
+  the permit ``unconfirmed_cancel_hold_s``). A request that failed after it was sent (a
+  read timeout, a body cut short) had its connection closed the same way, and is treated
+  as such a stop: confirmed where the adapter can, else held ``unconfirmed_cancel_hold_s``. Any other cancellation (shutdown) leaves
   ``uncancel()`` above zero and propagates. No child task: one task per request.
 - The permit is released once the upstream is idle for this request: as soon as its body
   was read to its end (``_upstream_ended``, before the last bytes go to the client, so a
@@ -203,8 +205,10 @@ class UpstreamJob:
             if not await self.adapter.confirm_stopped(self.ticket.slots, answered=answered):
                 self.metrics.confirm_timeouts.inc()
                 self.record.confirm_timed_out = True
-        elif self._stop_reason is not None and self.unconfirmed_hold_s > 0:
+        elif self._stop_reason is not None:
             await asyncio.sleep(self._unconfirmed_hold())  # policy cancel without a view: best effort
+        else:  # failed mid-way (a read timeout, a cut body): the upstream may run on, unseen
+            await asyncio.sleep(self.unconfirmed_hold_s)
         waited = time.monotonic() - start
         self.record.confirm_wait_s = waited
 

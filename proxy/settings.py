@@ -99,7 +99,9 @@ class ProxySettings(LayeredSettings):
         1.0, ge=0, description="Longest wait before sending an n_cmpl request until the lower slots other requests hold are busy (llamacpp)"
     )
     unconfirmed_cancel_hold_s: float = Field(
-        1.0, ge=0, description="With policy 'cancel' on an adapter that cannot confirm stops, hold the permit this long"
+        1.0, ge=0,
+        description="Where a stop cannot be confirmed (policy 'cancel' without /slots, or a request that failed "
+        "mid-way: read timeout, body cut short), hold the permit this long (a cancelled stream: about one token)",
     )
 
     # limits, shutdown, logging

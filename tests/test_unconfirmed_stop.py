@@ -7,9 +7,11 @@ dropped streaming client after its next chunk and a dropped non-streaming one ne
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import aiohttp
+import pytest
 import structlog
 
 from llmproxy.proxy.bench.fake_upstream import FakeUpstream, Script
@@ -57,3 +59,43 @@ async def test_superseded_non_streaming_request_runs_to_its_end(http: aiohttp.Cl
     fake, (first, _second) = await supersede(http, stream=False)
     assert fake.aborted == [] and len(fake.completed) == 2 and fake.max_concurrent == 1
     assert first["outcome"] == "completed" and first["status"] == 200  # policy finish: its client got it
+
+
+FAILING = [
+    ("openai", True, "/v1/completions", {"model": "m", "prompt": "a", "stream": True}),
+    ("ollama", True, "/api/generate", {"model": "m", "prompt": "a"}),  # NDJSON stream
+    ("llamacpp", False, "/completion", {"prompt": "a", "stream": True}),  # --no-slots
+    ("llamacpp", True, "/v1/embeddings", {"model": "m", "input": "a"}),  # any slot: /slots cannot tell
+]
+
+
+@pytest.mark.parametrize(("kind", "slots_endpoint", "path", "body"), FAILING,
+                         ids=["openai", "ollama", "llamacpp-no-slots", "llamacpp-embeddings"])
+async def test_a_failure_nothing_can_confirm_holds_the_permit(
+    http: aiohttp.ClientSession, kind: str, slots_endpoint: bool, path: str, body: dict[str, Any]
+) -> None:
+    """A read timeout mid-body closes the upstream connection, like a stop: where nothing can
+    confirm that the generation ended, the permit is held ``unconfirmed_cancel_hold_s`` (the
+    upstream keeps the slot a while after the cut), so the next request does not wait
+    inside the upstream."""
+    def hangs(_path: str, b: dict[str, Any]) -> Script:
+        first = "a" in (b.get("prompt"), b.get("input"))
+        return Script(tokens=4, token_delay_s=0.001, fail="hang_mid_body" if first else None)
+
+    async with FakeUpstream(kind=kind, slots=1, script=hangs, abort_linger_s=0.3,  # type: ignore[arg-type]
+                            slots_endpoint=slots_endpoint) as fake, \
+            run_proxy(fake.url, read_timeout_s=0.3, unconfirmed_cancel_hold_s=1.0) as px:
+        with structlog.testing.capture_logs() as logs:
+            async with http.post(px.url + path, json=body, headers={"X-LLMProxy-Session": "a"}) as r:
+                with contextlib.suppress(aiohttp.ClientPayloadError):  # a body of fixed length is cut
+                    await r.read()
+            await fake.wait_for(lambda f: len(f.aborted) == 1)
+            again = {**body, "prompt": "b"} if "prompt" in body else {**body, "input": "b"}
+            async with http.post(px.url + path, json=again, headers={"X-LLMProxy-Session": "b"}) as r:
+                assert r.status == 200
+                await r.read()
+            await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+            px.flush_log()
+        assert fake.deferred == [] and fake.max_concurrent == 1, fake.snapshot()
+        failed = next(ln for ln in logs if ln.get("event") == "request" and ln["outcome"] == "error")
+        assert failed["confirm_wait_ms"] >= 1000
