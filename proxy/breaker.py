@@ -4,6 +4,14 @@ closed --(``threshold`` consecutive failures)--> open --(``cooldown_s``)--> half
 exactly one probe request is let through; its success closes the breaker, its failure
 opens it again for another cooldown. Failures are transport errors (unreachable, reset,
 timeout) and upstream 5xx other than 501. Single-threaded (event loop) state; no locks.
+
+The probe's slot belongs to the request admitted as the probe (``admit`` returned True):
+only its own report (``success``/``failure``/``neutral`` with ``probe=True``) frees it, so
+at most one probe is ever out. Any request's success closes the breaker and any failure
+counts (and re-opens an open or half-open breaker), but an older request's failure never
+lets a second probe through while the first is out. Callers report a success as soon as
+the upstream's response head says so (jobs.py), not after the body: a probe that streams
+for minutes does not keep everyone else out meanwhile.
 """
 
 from __future__ import annotations
@@ -51,18 +59,23 @@ class CircuitBreaker:
             f"upstream failing ({self._failures} consecutive errors); failing fast", headers={"Retry-After": str(retry)}
         )
 
-    def success(self) -> None:
+    def success(self, probe: bool = False) -> None:
+        """A request (the probe, if ``probe``) was answered: the upstream is up."""
         self._failures = 0
         self._opened_at = None
-        self._probe_out = False
+        if probe:
+            self._probe_out = False
 
-    def failure(self) -> None:
+    def failure(self, probe: bool = False) -> None:
+        """A request (the probe, if ``probe``) failed at the upstream."""
         self._failures += 1
-        self._probe_out = False
+        if probe:
+            self._probe_out = False
         if self.threshold and (self._opened_at is not None or self._failures >= self.threshold):
             self._opened_at = self._clock()
 
-    def neutral(self, was_probe: bool) -> None:
-        """The request ended without telling anything (client left first): free the probe."""
-        if was_probe:
+    def neutral(self, probe: bool) -> None:
+        """The request ended without telling anything (client left first): if it was the
+        probe, its slot is free for the next one."""
+        if probe:
             self._probe_out = False

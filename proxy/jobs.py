@@ -59,6 +59,11 @@ class UpstreamRequest:
     body: bytes
 
 
+def _upstream_failed(status: int) -> bool:
+    """An upstream status the breaker counts as a failure."""
+    return status >= 500 and status != 501
+
+
 class UpstreamJob:
     def __init__(
         self,
@@ -87,6 +92,7 @@ class UpstreamJob:
         self._crashed = False  # our own code failed during the transfer
         self._stop_reason: str | None = None
         self._finished = False  # upstream body read to its end
+        self._success_reported = False  # the breaker heard of this request's answer at its head
         # A stop after the request was sent waits for the upstream's head before it closes
         # the connection, where the adapter says the head comes once the request runs
         # (Adapter.answers_at_start): a stop confirmed before that could miss a task that
@@ -116,9 +122,14 @@ class UpstreamJob:
             self._task.cancel()
 
     def _on_head(self) -> None:
-        """The upstream answered: a stop that waited for it (``_cancel_on_head``) cuts now, in
-        the job's own task, before anything goes to the client (the transfer scope takes the
-        CancelledError as its stop's)."""
+        """The upstream answered. A good status is a success for the breaker now (a probe
+        must not keep the breaker half-open for its whole body). A stop that waited for the
+        head (``_cancel_on_head``) cuts now, in the job's own task, before anything goes to
+        the client (the transfer scope takes the CancelledError as its stop's)."""
+        status = self.record.upstream_status
+        if status is not None and not _upstream_failed(status):
+            self.breaker.success(self.breaker_probe)
+            self._success_reported = True
         if self._stop_reason is not None and not self._stop_cancelled:
             self._stop_cancelled = True
             raise asyncio.CancelledError
@@ -189,14 +200,18 @@ class UpstreamJob:
         return self._stop_reason is not None or (failed and not self._finished)
 
     def _report_health(self) -> None:
+        """Tell the breaker how the upstream did (a success may have been told at the head)."""
         rec = self.record
         status = rec.upstream_status
-        if rec.upstream_error is not None or (status is not None and status >= 500 and status != 501):
-            self.breaker.failure()
+        probe = self.breaker_probe and not self._success_reported  # the probe slot is freed once
+        if rec.upstream_error is not None or (status is not None and _upstream_failed(status)):
+            self.breaker.failure(probe)
+        elif self._success_reported:
+            pass
         elif status is not None:
-            self.breaker.success()
+            self.breaker.success(probe)
         else:  # never answered (cancelled before headers): no evidence either way
-            self.breaker.neutral(self.breaker_probe)
+            self.breaker.neutral(probe)
 
     async def _confirm(self) -> None:
         start = time.monotonic()
