@@ -45,6 +45,8 @@ async def status(request: web.Request) -> web.Response:
         {
             "permits": {"total": gate.capacity, "free": gate.free, "held": gate.held},
             "queue": {"depth": gate.queued, "max": gate.max_queue, "requests": queued},
+            # slots whose stop was not confirmed in time: out of the grants until seen idle
+            "quarantine": {"slots": gate.quarantined},
             "inflight": inflight,
             "upstream": st.adapter.describe(),
             "jobs": len(st.jobs),

@@ -28,6 +28,11 @@ Pure asyncio logic, no sockets (tested directly). Concurrency contract:
   is detected, see watch.py). A sizer that raises a ProxyError fails the ticket with it:
   its waiter raises that error. Sizers run synchronously inside the gate's calls and must
   not call back into the gate.
+- A slot whose stop could not be confirmed in time may still run its request: the job
+  ``quarantine``s it instead of releasing it. It is then in no one's hands and out of the
+  grants, and ``capacity`` (the permits there are) counts it down, until the job sees it
+  idle and calls ``unquarantine`` (slot ids stay 0..``total`` - 1). ``closing`` is set at
+  ``close``: such a job stops watching then.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import asyncio
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -74,10 +79,12 @@ class Gate:
     def __init__(self, capacity: int, max_queue: int, *, retry_after_s: int = 1) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
-        self.capacity = capacity
+        self.total = capacity  # slot ids 0..total-1, quarantined ones included
         self.max_queue = max_queue
         self.retry_after_s = retry_after_s
         self._free: list[int] = list(range(capacity))
+        self._quarantined: set[int] = set()
+        self.closing = asyncio.Event()  # set by close()
         self._queue: list[Ticket] = []
         self._inflight: dict[int, Ticket] = {}  # ticket id -> ticket (granted/running/stopping)
         self._settling: dict[int, Ticket] = {}  # wide tickets about to be sent (settle_extras)
@@ -88,6 +95,16 @@ class Gate:
         self._idle.set()
 
     # -- observation --------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Permits there are: the slots, less those quarantined."""
+        return self.total - len(self._quarantined)
+
+    @property
+    def quarantined(self) -> list[int]:
+        """Slots kept out of the grants until they are seen idle (see the module's contract)."""
+        return sorted(self._quarantined)
+
     @property
     def free(self) -> int:
         return len(self._free)
@@ -124,12 +141,12 @@ class Gate:
         """Admit a new request (never blocks). Admission is decided first; only an admitted
         newcomer supersedes anything, so a 429 never costs the session its running request.
 
-        ``permits``: how many slots the request runs on at once (1 to ``capacity``; the
+        ``permits``: how many slots the request runs on at once (1 to ``total``; the
         handler answers 400 above that, as the upstream would). ``sizer``: if the ticket has
         to wait, its count is asked again when it reaches the head of the queue (see the
         module's contract)."""
-        if not 1 <= permits <= self.capacity:
-            raise ValueError(f"permits must be 1..{self.capacity}, got {permits}")
+        if not 1 <= permits <= self.total:
+            raise ValueError(f"permits must be 1..{self.total}, got {permits}")
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
         replaced = self._queued_index(session) if supersedable else None
@@ -229,6 +246,11 @@ class Gate:
 
     def release(self, ticket: Ticket) -> None:
         """Return the ticket's permits; only once the upstream is idle for it."""
+        self.quarantine(ticket, ())
+
+    def quarantine(self, ticket: Ticket, slots: Iterable[int]) -> None:
+        """End the ticket like ``release``, except that ``slots`` (of its own) may still be
+        busy upstream: they stay out of the grants until ``unquarantine``."""
         if ticket.state not in ("granted", "running", "stopping"):
             return
         assert ticket.slots
@@ -236,25 +258,37 @@ class Gate:
         self._settling.pop(ticket.id, None)
         ticket.state = "done"
         ticket.on_supersede = None
-        self._free.extend(ticket.slots)
+        kept = set(slots) & set(ticket.slots)
+        self._quarantined |= kept
+        self._give_back([s for s in ticket.slots if s not in kept])
+
+    def unquarantine(self, slot: int) -> None:
+        """A quarantined slot was seen idle: a permit again."""
+        if slot in self._quarantined:
+            self._quarantined.discard(slot)
+            self._give_back([slot])
+
+    def _give_back(self, slots: list[int]) -> None:
+        self._free.extend(slots)
         for settling in self._settling.values():  # oldest first: see settle_extras
             self._take_lower_free(settling)
         self._grant_waiters()
         self._check_idle()
 
     def grow(self, capacity: int) -> None:
-        """More permits (slot ids up to ``capacity`` - 1): the upstream's slot count became
-        known after start (see watch.py). Waiters get them at once, in FIFO order; never shrinks."""
-        if capacity <= self.capacity:
+        """More slots (ids up to ``capacity`` - 1): the upstream's slot count became known
+        after start (see watch.py). Waiters get them at once, in FIFO order; never shrinks."""
+        if capacity <= self.total:
             return
-        self._free.extend(range(self.capacity, capacity))
-        self.capacity = capacity
+        self._free.extend(range(self.total, capacity))
+        self.total = capacity
         self._grant_waiters()
         self._check_idle()
 
     def close(self) -> None:
         """Shutdown: refuse new tickets and answer every queued one with ShuttingDown."""
         self._closed = True
+        self.closing.set()
         queued, self._queue = self._queue, []
         for t in queued:
             t.state = "done"
@@ -280,7 +314,7 @@ class Gate:
                 continue
             if ticket.sizer is not None:
                 try:
-                    ticket.permits = ticket.sizer(self.capacity)
+                    ticket.permits = ticket.sizer(self.total)
                 except ProxyError as exc:  # it cannot run here any more (too wide for the upstream found)
                     self._queue.pop(0)
                     ticket.state = "done"

@@ -67,7 +67,7 @@ async def gated(request: web.Request) -> web.StreamResponse:
     )
     supersedable = s.supersede and request.path in s.supersede_routes and not is_warmup(parsed)
     sizing = _Sizing(st, request.path, parsed)
-    rec.permits = permits = sizing(st.gate.capacity)  # or BadRequest
+    rec.permits = permits = sizing(st.gate.total)  # or BadRequest
     probe = st.breaker.admit()  # raises UpstreamUnavailable (503) while the breaker is open
     try:
         ticket = st.gate.submit(rec.session, supersedable=supersedable, route=request.path, permits=permits,

@@ -18,8 +18,11 @@ Concurrency contract:
 - The permit is released once the upstream is idle for this request: as soon as its body
   was read to its end (``_upstream_ended``, before the last bytes go to the client, so a
   slow reader never holds it after that), else in the job's ``finally`` once the stop was
-  confirmed. Only app shutdown cancels the job itself (``JobRegistry.drain``), and then
-  the permit is released as the job unwinds.
+  confirmed. A confirmation that timed out quarantines the request's slots instead
+  (gate.py): the request is over (logged, counted), and the job, still tracked by the
+  registry, watches them (``Adapter.watch_idle``) and gives each back once it shows idle,
+  or stops watching when the gate closes. Only app shutdown cancels the job itself
+  (``JobRegistry.drain``), and then the permit is released as the job unwinds.
 - The job writes the upstream's response to the client itself, through the request's
   ``Responder`` (relay.py), as it arrives: no hand-over to the handler per piece. A slow
   client holds the job back (backpressure); once the client is gone every write is a
@@ -93,6 +96,7 @@ class UpstreamJob:
         self._stop_reason: str | None = None
         self._finished = False  # upstream body read to its end
         self._success_reported = False  # the breaker heard of this request's answer at its head
+        self._quarantine = False  # the stop was not confirmed in time: the slots may still be busy
         # A stop after the request was sent waits for the upstream's head before it closes
         # the connection, where the adapter says the head comes once the request runs
         # (Adapter.answers_at_start): a stop confirmed before that could miss a task that
@@ -157,12 +161,19 @@ class UpstreamJob:
                 self.out.fail(ProxyError("upstream job ended without a response"))
             self._release()
             rec.end_ref()
+        if self._quarantine:
+            slots = self.ticket.slots
+            log.warning("slots quarantined until /slots shows them idle", slots=list(slots),
+                        request_id=rec.request_id)
+            await self.adapter.watch_idle(slots, self.gate.unquarantine, self.gate.closing,
+                                          answered=rec.upstream_status is not None)
 
     def _release(self) -> None:
-        """Give the permit back (once; the upstream is idle for this request)."""
+        """Give the permit back (once; the upstream is idle for this request, or its slots
+        are quarantined: ``_quarantine``)."""
         if self.record.permit_hold_s is None:
             self.record.permit_hold_s = time.monotonic() - (self.ticket.granted_at or time.monotonic())
-            self.gate.release(self.ticket)
+            self.gate.quarantine(self.ticket, self.ticket.slots if self._quarantine else ())
 
     def _upstream_ended(self) -> None:
         """The upstream's body was read to its end: nothing left to stop, permit back."""
@@ -220,6 +231,7 @@ class UpstreamJob:
             if not await self.adapter.confirm_stopped(self.ticket.slots, answered=answered):
                 self.metrics.confirm_timeouts.inc()
                 self.record.confirm_timed_out = True
+                self._quarantine = True
         elif self._stop_reason is not None:
             await asyncio.sleep(self._unconfirmed_hold())  # policy cancel without a view: best effort
         else:  # failed mid-way (a read timeout, a cut body): the upstream may run on, unseen

@@ -45,14 +45,19 @@ class Metrics:
             "llmproxy_confirm_wait_seconds", "Wait for the upstream to confirm a stop", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.confirm_timeouts = Counter(
-            "llmproxy_confirm_timeouts", "Stop confirmations that timed out (permit released unconfirmed)", registry=r
+            "llmproxy_confirm_timeouts", "Stop confirmations that timed out (the slot is quarantined until idle)",
+            registry=r
         )
         self.queue_depth = Gauge("llmproxy_queue_depth", "Requests waiting for a permit", registry=r)
         self.inflight = Gauge(
             "llmproxy_inflight", "Requests holding permits (at the upstream or being stopped)", registry=r
         )
         self.permits_free = Gauge("llmproxy_permits_free", "Free permits", registry=r)
-        self.permits_total = Gauge("llmproxy_permits_total", "Gate capacity", registry=r)
+        self.permits_total = Gauge("llmproxy_permits_total", "Gate capacity (quarantined slots not counted)", registry=r)
+        self.permits_quarantined = Gauge(
+            "llmproxy_permits_quarantined", "Slots kept out of the gate after an unconfirmed stop, until seen idle",
+            registry=r,
+        )
         self.breaker_state = Gauge(
             "llmproxy_breaker_state", "Upstream circuit breaker: 0 closed, 1 open, 2 half-open", registry=r
         )
@@ -80,4 +85,5 @@ class Metrics:
         self.queue_depth.set_function(lambda: gate.queued)
         self.inflight.set_function(lambda: gate.inflight)
         self.permits_free.set_function(lambda: gate.free)
-        self.permits_total.set_function(lambda: gate.capacity)  # may grow (Gate.grow)
+        self.permits_total.set_function(lambda: gate.capacity)  # may grow (Gate.grow), or count quarantine down
+        self.permits_quarantined.set_function(lambda: len(gate.quarantined))

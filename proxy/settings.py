@@ -91,7 +91,9 @@ class ProxySettings(LayeredSettings):
 
     # stop confirmation (llamacpp adapter)
     confirm_timeout_s: float = Field(
-        30.0, gt=0, description="Longest wait for /slots to show a cancelled slot idle (then logged as an error)"
+        30.0, gt=0,
+        description="Longest wait for /slots to show a cancelled slot idle (then logged as an error, and the slot kept "
+        "out of the gate until /slots shows it idle)",
     )
     confirm_poll_min_s: float = Field(0.005, gt=0, description="First /slots poll interval after a cancel")
     confirm_poll_max_s: float = Field(0.025, gt=0, description="Poll interval cap (backs off from min)")

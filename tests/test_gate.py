@@ -300,3 +300,19 @@ async def test_a_queued_tickets_permits_are_counted_when_it_is_granted() -> None
     with pytest.raises(BadRequest):
         await bad.wait()
     assert await last.wait() == 0 and gate.queued == 0
+
+
+async def test_a_quarantined_slot_is_out_of_the_grants_until_given_back() -> None:
+    gate = Gate(2, 5)
+    wide = gate.submit("w", supersedable=False, permits=2)
+    gate.take(wide)
+    waiter = gate.submit("x", supersedable=False)
+    gate.quarantine(wide, [1])  # slot 0 is idle, slot 1 may still run
+    assert await waiter.wait() == 0
+    assert (gate.total, gate.capacity, gate.free, gate.held, gate.quarantined) == (2, 1, 0, 1, [1])
+    two = gate.submit("y", supersedable=False, permits=2)  # fits the slots, waits for the quarantined one
+    gate.take(waiter)
+    gate.release(waiter)
+    assert not two.future.done() and gate.free == 1
+    gate.unquarantine(1)
+    assert await two.wait() == 0 and two.slots == (0, 1) and gate.quarantined == [] and gate.capacity == 2

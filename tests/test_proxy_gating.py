@@ -148,6 +148,39 @@ async def test_confirm_timeout_releases_loudly(http: aiohttp.ClientSession) -> N
         assert px.state.metrics.confirm_timeouts._value.get() == 1
 
 
+async def test_a_slot_whose_stop_was_not_confirmed_stays_out_of_the_gate_until_idle(
+    http: aiohttp.ClientSession,
+) -> None:
+    """After ``confirm_timeout_s`` the slot may still run the stopped request: it is
+    quarantined (shown in status and metrics, capacity counted down) instead of released,
+    and a request pinned to it waits in the proxy's queue, not in the server's, until /slots
+    shows it idle."""
+    script = lambda _p, _b: Script(tokens=200, token_delay_s=0.01)  # noqa: E731
+    async with FakeUpstream(slots=1, script=script, abort_linger_s=1.0) as fake, run_proxy(
+        fake.url, confirm_timeout_s=0.2
+    ) as px:
+        gate = px.state.gate
+        task = asyncio.create_task(http.post(px.url + "/completion", json={"prompt": "x"},
+                                             headers={"X-LLMProxy-Session": "a"}))
+        await fake.wait_for(lambda f: len(f.generations) == 1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await wait_until(lambda: px.state.metrics.confirm_timeouts._value.get() == 1, what="the confirm timeout")
+        assert fake.slot_busy == [True]  # still lingering after the abort
+        async with http.get(px.url + "/llmproxy/status") as r:
+            status = await r.json()
+        assert status["quarantine"] == {"slots": [0]} and status["permits"] == {"total": 0, "free": 0, "held": 0}
+        async with http.get(px.url + "/llmproxy/metrics") as r:
+            text = await r.text()
+        assert "llmproxy_permits_quarantined 1.0" in text and "llmproxy_permits_total 0.0" in text
+        async with http.post(px.url + "/completion", json={"prompt": "y", "n_predict": 2},
+                             headers={"X-LLMProxy-Session": "b"}) as r:
+            assert r.status == 200
+        assert fake.deferred == [] and fake.max_concurrent == 1
+        assert gate.quarantined == [] and gate.capacity == gate.free == 1
+        await asyncio.wait_for(gate.wait_quiescent(), 5)
+
+
 async def test_queue_full_429_and_queue_timeout_503(http: aiohttp.ClientSession) -> None:
     script = lambda _p, _b: Script(tokens=100, token_delay_s=0.01)  # noqa: E731
     async with FakeUpstream(slots=1, script=script) as fake, run_proxy(

@@ -13,7 +13,7 @@ The app's cleanup closes ``client`` (``close``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import aiohttp
@@ -108,6 +108,15 @@ class Adapter:
 
         ``answered``: the upstream had sent response headers, so its task had surely started."""
         return True
+
+    async def watch_idle(
+        self, slots: Sequence[int], idle: Callable[[int], None], closing: asyncio.Event, *, answered: bool = True
+    ) -> None:
+        """After ``confirm_stopped`` gave up: call ``idle(slot)`` for each of ``slots`` once the
+        backend shows it idle, and return when none is left, or once ``closing`` is set
+        (shutdown). Adapters without a view have nothing to watch: all idle at once."""
+        for slot in slots:
+            idle(slot)
 
     def close(self) -> None:
         """Close the relay client's idle connections (app cleanup)."""

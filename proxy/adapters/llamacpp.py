@@ -4,8 +4,10 @@ Permit i <-> slot i: ``id_slot`` is written into each gated body, so the proxy k
 exactly which slot runs which request. After a cancel (connection closed), the stop is
 confirmed by polling ``GET /slots`` until slot i is idle, with an interval that backs off
 from ``confirm_poll_min_s`` to ``confirm_poll_max_s``. If that takes longer than
-``confirm_timeout_s`` the permit is released anyway and the timeout is logged as an error
-and counted in metrics (never silently). Without ``/slots`` (``--no-slots``), the adapter
+``confirm_timeout_s`` the timeout is logged as an error and counted in metrics (never
+silently), and the job ends with its slots quarantined (gate.py): ``watch_idle`` keeps
+polling, backing off to ``QUARANTINE_POLL_MAX_S``, and gives each back once it shows idle,
+so a request pinned to it never waits inside the server. Without ``/slots`` (``--no-slots``), the adapter
 cannot confirm and the policies fall back to ``finish``; so do routes that carry no
 ``id_slot`` (``/v1/embeddings``), whose slot the proxy cannot know. An embeddings batch runs
 one task per input on any idle slots, so it holds min(inputs, capacity) permits.
@@ -25,7 +27,8 @@ generations still never exceeds the permits; only that other request waits in th
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -37,6 +40,7 @@ from llmproxy.proxy.errors import BadRequest
 from llmproxy.proxy.gate import Gate, Ticket
 from llmproxy.proxy.routes import SLOT_ROUTES
 
+QUARANTINE_POLL_MAX_S = 1.0
 
 
 def _json_int(body: dict[str, Any], key: str, default: int) -> int:
@@ -283,8 +287,36 @@ class LlamaCppAdapter(Adapter):
                     interval = min(interval * 2, s.confirm_poll_max_s)
         except TimeoutError:
             log.error(
-                "stop confirmation timed out: releasing the permit although the slot may still be busy",
+                "stop confirmation timed out: the slot stays out of the gate until /slots shows it idle",
                 slots=list(slots),
                 timeout_s=s.confirm_timeout_s,
             )
             return False
+
+    async def watch_idle(
+        self, slots: Sequence[int], idle: Callable[[int], None], closing: asyncio.Event, *, answered: bool = True
+    ) -> None:
+        """Poll /slots (from ``confirm_poll_max_s``, backing off to ``QUARANTINE_POLL_MAX_S``)
+        and call ``idle(slot)`` for each of ``slots`` once it shows idle (twice in a row when
+        the upstream had not answered: see ``confirm_stopped``); all of them at once if the
+        server refuses connections (down: nothing runs). Returns when none is left, or once
+        ``closing`` is set. Cancelled with the job that runs it."""
+        left = {slot: 0 for slot in slots}  # slot -> idle polls seen in a row
+        needed = 1 if answered else 2
+        interval = self.settings.confirm_poll_max_s
+        while left and not closing.is_set():
+            busy = await self._busy_map()
+            for slot in list(left):
+                if busy == "down" or (isinstance(busy, dict) and slot in busy and not busy[slot]):
+                    left[slot] += 1
+                else:
+                    left[slot] = 0
+                if busy == "down" or left[slot] >= needed:
+                    del left[slot]
+                    log.info("quarantined slot idle again: back in the gate", slot=slot)
+                    idle(slot)
+            if left:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(interval):
+                        await closing.wait()
+                interval = min(interval * 2, max(QUARANTINE_POLL_MAX_S, self.settings.confirm_poll_max_s))

@@ -98,10 +98,10 @@ def gate_capacity(settings: ProxySettings, adapter: Adapter, *, warn: bool = Tru
 
 def _fit_gate(gate: Gate, settings: ProxySettings, adapter: Adapter) -> None:
     """What sizes the gate was learnt after start: grow it to fit (it started at 1 permit)."""
-    if adapter.capacity_pending() or gate_capacity(settings, adapter, warn=False) <= gate.capacity:
+    if adapter.capacity_pending() or gate_capacity(settings, adapter, warn=False) <= gate.total:
         return
     capacity = gate_capacity(settings, adapter)  # says so once if it clamps
-    log.info("upstream learnt: more permits", permits=capacity, were=gate.capacity)
+    log.info("upstream learnt: more permits", permits=capacity, were=gate.total)
     gate.grow(capacity)
 
 
