@@ -12,7 +12,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmproxy.proxy.errors import NotAllowed, NotFound
-from llmproxy.proxy.routes import GATED_ROUTES
 from llmproxy.proxy.state import REQUEST_LOG, STATE
 
 
@@ -55,7 +54,7 @@ async def status(request: web.Request) -> web.Response:
                 "supersede_inflight": st.policy(st.settings.supersede_inflight),
                 "on_disconnect": st.policy(st.settings.on_disconnect),
                 # gated routes whose stop this upstream cannot confirm: 'auto' is 'finish' there
-                "unconfirmed_routes": sorted(r for r in GATED_ROUTES if not st.adapter.confirms(r)),
+                "unconfirmed_routes": sorted(r for r in st.adapter.gated_routes if not st.adapter.confirms(r)),
             },
         }
     )

@@ -21,7 +21,7 @@ from llmproxy.proxy.metrics import Metrics
 from llmproxy.proxy.middleware import proxy_middleware
 from llmproxy.proxy.passthrough import passthrough
 from llmproxy.proxy.request_log import RequestLog
-from llmproxy.proxy.routes import GATED_ROUTES, is_gated
+from llmproxy.proxy.routes import GATED_ROUTES, LLAMACPP_GATED_ROUTES, is_gated
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import METRICS, REQUEST_LOG, SETTINGS, STATE, UPSTREAM_URL, ProxyState
 
@@ -37,9 +37,14 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
 
 
 async def dispatch_gated(request: web.Request) -> web.StreamResponse:
-    """POST on a gated route as written (the router finds it in its index, not by the
-    catch-all's regex); anything else on these paths falls through to ``dispatch``."""
-    request.app[STATE].jobs.track_current()  # a graceful stop waits for this response too
+    """POST on a route gated on some upstream, as written (the router finds it in its index,
+    not by the catch-all's regex); anything else on these paths falls through to
+    ``dispatch``. Gated if the upstream in use runs it on a slot (``Adapter.gated_routes``),
+    else passed through."""
+    st = request.app[STATE]
+    st.jobs.track_current()  # a graceful stop waits for this response too
+    if request.path not in st.adapter.gated_routes:
+        return await passthrough(request)
     return await gated(request)
 
 
@@ -100,7 +105,7 @@ def build_app(settings: ProxySettings) -> web.Application:
     app.cleanup_ctx.append(_upstream_ctx)
     app.on_shutdown.append(_on_shutdown)
     admin.add_routes(app)
-    for route in sorted(GATED_ROUTES):
+    for route in sorted(GATED_ROUTES | LLAMACPP_GATED_ROUTES):
         app.router.add_post(route, dispatch_gated)
     app.router.add_route("*", "/{tail:.*}", dispatch)
     return app

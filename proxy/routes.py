@@ -1,4 +1,9 @@
-"""Which routes are gated, their family (for session keys) and their stream format."""
+"""Which routes are gated, their family (for session keys) and their stream format.
+
+``GATED_ROUTES`` are gated on every upstream; ``LLAMACPP_GATED_ROUTES`` too on a llama-server
+(``Adapter.gated_routes``): its own routes that run on its slots. Embeddings and reranking
+run one task per input (document) on any idle slots and cannot be pinned; ``/v1/messages``
+(Anthropic-style chat) is served by its chat-completions handler and takes ``id_slot``."""
 
 from __future__ import annotations
 
@@ -16,6 +21,10 @@ GATED_ROUTES = frozenset(
     }
 )
 
+EMBEDDING_ROUTES = frozenset({"/v1/embeddings", "/embedding", "/embeddings"})
+RERANK_ROUTES = frozenset({"/rerank", "/reranking", "/v1/rerank", "/v1/reranking"})
+LLAMACPP_GATED_ROUTES = frozenset({"/embedding", "/embeddings", "/v1/messages"}) | RERANK_ROUTES
+
 _FAMILY = {
     "/infill": "infill",
     "/completion": "completion",
@@ -26,19 +35,25 @@ _FAMILY = {
     "/v1/chat/completions": "chat",
     "/api/chat": "chat",
     "/v1/embeddings": "embeddings",
+    "/embedding": "embeddings",
+    "/embeddings": "embeddings",
+    "/v1/messages": "chat",
+    **{route: "rerank" for route in RERANK_ROUTES},
 }
 
 # Routes whose request body may carry llama-server's id_slot (the llamacpp adapter injects it).
-# llama-server answers /api/chat (Ollama style) with its chat-completions handler.
+# llama-server answers /api/chat (Ollama style) and /v1/messages (Anthropic style) with its
+# chat-completions handler.
 SLOT_ROUTES = frozenset(
     {
         "/infill", "/completion", "/completions", "/v1/completions",
-        "/chat/completions", "/v1/chat/completions", "/api/chat",
+        "/chat/completions", "/v1/chat/completions", "/api/chat", "/v1/messages",
     }
 )
 
 
 def is_gated(method: str, path: str) -> bool:
+    """Gated on every upstream (see ``Adapter.gated_routes`` for the upstream in use)."""
     return method == "POST" and path in GATED_ROUTES
 
 

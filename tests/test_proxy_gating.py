@@ -240,8 +240,9 @@ async def test_llamacpp_embeddings_are_finished_not_cancelled(http: aiohttp.Clie
         assert px.state.policy("auto", "/completion") == "cancel"
         async with http.get(px.url + "/llmproxy/status") as r:
             policies = (await r.json())["policies"]
-        assert policies == {"supersede_inflight": "cancel", "on_disconnect": "cancel",
-                            "unconfirmed_routes": ["/api/generate", "/v1/embeddings"]}  # no /api/generate on llama-server
+        assert policies == {"supersede_inflight": "cancel", "on_disconnect": "cancel",  # no /api/generate on llama-server
+                            "unconfirmed_routes": ["/api/generate", "/embedding", "/embeddings", "/rerank", "/reranking",
+                                                   "/v1/embeddings", "/v1/rerank", "/v1/reranking"]}
         task = asyncio.create_task(http.post(px.url + "/v1/embeddings", json={"input": "x", "model": "m"}))
         await fake.wait_for(lambda f: len(f.generations) == 1)
         assert "id_slot" not in fake.generations[0].body
@@ -531,3 +532,38 @@ async def test_a_request_stopped_before_it_was_sent_never_reaches_the_upstream(h
         line = request_events(logs)["wide"]
         assert line["reached_upstream"] is False
         assert line["outcome"] == ("cancelled_queued" if how == "client_left" else "superseded")
+
+
+SLOT_USERS = [
+    ("/embedding", {"content": "x"}), ("/embeddings", {"input": "x"}), ("/v1/embeddings", {"input": "x"}),
+    ("/rerank", {"query": "q", "documents": ["a"]}), ("/reranking", {"query": "q", "texts": ["a"]}),
+    ("/v1/rerank", {"query": "q", "documents": ["a"]}), ("/v1/reranking", {"query": "q", "documents": ["a"]}),
+    ("/v1/messages", {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), SLOT_USERS, ids=[p for p, _ in SLOT_USERS])
+async def test_every_llama_server_route_that_runs_on_a_slot_is_gated(http: aiohttp.ClientSession, path: str,
+                                                                      body: dict[str, Any]) -> None:
+    """llama-server runs its own embeddings and rerank routes and Anthropic-style
+    ``/v1/messages`` on its slots: each holds a permit, so a completion sent meanwhile waits
+    in the proxy's queue (where supersede reaches it), not in the server's. ``/v1/messages``
+    is chat: pinned with ``id_slot`` (stops confirmed); the others run on any slot."""
+    hold = asyncio.Event()
+    script = lambda p, _b: Script(tokens=2, hold=hold if p == path else None)  # noqa: E731
+    async with FakeUpstream(slots=1, script=script) as fake, run_proxy(fake.url) as px:
+        first = asyncio.create_task(http.post(px.url + path, json=body, headers={"X-LLMProxy-Session": "a"}))
+        await fake.wait_for(lambda f: f.concurrent == 1)
+        assert px.state.gate.held == 1
+        completion = asyncio.create_task(http.post(px.url + "/completion", json={"prompt": "x", "n_predict": 2},
+                                                   headers={"X-LLMProxy-Session": "b"}))
+        await wait_until(lambda: px.state.gate.queued == 1, what="the completion queued in the proxy")
+        hold.set()
+        for task in (first, completion):
+            async with await task as r:
+                assert r.status == 200
+                await r.read()
+        assert fake.deferred == [] and fake.max_concurrent == 1
+        assert ("id_slot" in fake.generations[0].body) is (path == "/v1/messages")
+        assert px.state.adapter.confirms(path) is (path == "/v1/messages")
+        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)

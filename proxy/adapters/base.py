@@ -21,6 +21,7 @@ import structlog
 from yarl import URL
 
 from llmproxy.proxy.gate import Gate, Ticket
+from llmproxy.proxy.routes import GATED_ROUTES
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream_client import UpstreamClient
 
@@ -51,6 +52,8 @@ class Adapter:
     #: nothing to confirm it by: policy auto cancels such a stream and holds the permit about
     #: one token's time (jobs.py), instead of letting it run to its end
     stops_streams: ClassVar[bool] = False
+    #: POST routes that run on the upstream's slots: gated (the others pass through)
+    gated_routes: ClassVar[frozenset[str]] = GATED_ROUTES
 
     def __init__(
         self, base_url: str, session: aiohttp.ClientSession, settings: ProxySettings, *, slots: int | None = None

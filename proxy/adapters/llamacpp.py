@@ -9,8 +9,10 @@ silently), and the job ends with its slots quarantined (gate.py): ``watch_idle``
 polling, backing off to ``QUARANTINE_POLL_MAX_S``, and gives each back once it shows idle,
 so a request pinned to it never waits inside the server. Without ``/slots`` (``--no-slots``), the adapter
 cannot confirm and the policies fall back to ``finish``; so do routes that carry no
-``id_slot`` (``/v1/embeddings``), whose slot the proxy cannot know. An embeddings batch runs
-one task per input on any idle slots, so it holds min(inputs, capacity) permits.
+``id_slot`` (embeddings, reranking), whose slot the proxy cannot know. An embeddings batch
+(a rerank) runs one task per input (document) on any idle slots, so it holds
+min(inputs, capacity) permits. Every route that runs on a slot is gated here
+(``gated_routes``), llama-server's own embeddings, rerank and ``/v1/messages`` included.
 
 ``n_cmpl`` (alias ``n``; llama.vscode sends it) asks llama-server for that many completions
 of one prompt, run at once on that many slots: the one ``id_slot`` names and, for the
@@ -38,7 +40,7 @@ from llmproxy.proxy.assemble import assembles
 from llmproxy.proxy.adapters.body import set_top_level
 from llmproxy.proxy.errors import BadRequest
 from llmproxy.proxy.gate import Gate, Ticket
-from llmproxy.proxy.routes import SLOT_ROUTES
+from llmproxy.proxy.routes import EMBEDDING_ROUTES, GATED_ROUTES, LLAMACPP_GATED_ROUTES, RERANK_ROUTES, SLOT_ROUTES
 
 QUARANTINE_POLL_MAX_S = 1.0
 
@@ -80,6 +82,7 @@ def slot_busy(entry: dict[str, Any]) -> bool:
 
 class LlamaCppAdapter(Adapter):
     kind = "llamacpp"
+    gated_routes = GATED_ROUTES | LLAMACPP_GATED_ROUTES  # every route that runs on a slot
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -128,13 +131,19 @@ class LlamaCppAdapter(Adapter):
           gives the default; a number is cut to an int (2.7 -> 2, true -> 1); another type
           gives the default. Below 1 counts as 1 (the server refuses or ignores it). More
           than ``capacity`` is a 400 naming the field sent, as llama-server's own.
-        - ``/v1/embeddings``: llama-server runs each input as its own task on any free slot,
-          so a batch of n inputs takes min(n, capacity) slots (the rest run as those free).
+        - Embeddings (``/v1/embeddings``, ``/embedding``, ``/embeddings``): llama-server runs
+          each input (``input``, else ``content``) as its own task on any free slot, so a
+          batch of n inputs takes min(n, capacity) slots (the rest run as those free).
+        - Reranking: one task per document (``documents``, else ``texts``), likewise.
         """
         if not isinstance(parsed, dict):
             return 1
-        if path == "/v1/embeddings":
-            return min(_inputs(parsed.get("input")), capacity)
+        if path in EMBEDDING_ROUTES:
+            return min(_inputs(parsed["input"] if "input" in parsed else parsed.get("content")), capacity)
+        if path in RERANK_ROUTES:
+            docs = parsed.get("documents")
+            docs = docs if isinstance(docs, list) else parsed.get("texts")
+            return min(max(1, len(docs)) if isinstance(docs, list) else 1, capacity)
         if path not in SLOT_ROUTES:
             return 1
         wanted = max(1, _json_int(parsed, "n_cmpl", _json_int(parsed, "n", 1)))
@@ -151,7 +160,7 @@ class LlamaCppAdapter(Adapter):
 
     def confirms(self, path: str) -> bool:
         """Only where ``id_slot`` pins the request to the permit's slot: llama-server runs an
-        /v1/embeddings request on any free slot(s), so slot i idle would prove nothing."""
+        embeddings or rerank request on any free slot(s), so slot i idle would prove nothing."""
         return self.can_confirm and path in SLOT_ROUTES
 
     async def probe_slots(self) -> bool:

@@ -35,7 +35,8 @@ def text(n: int) -> str:
 class Shape:
     """One generation route's wire format: llama-server native, OpenAI text/chat, Ollama."""
 
-    fmt: Literal["llama", "oai_text", "oai_chat", "oai_embed", "ollama_generate", "ollama_chat"]
+    fmt: Literal["llama", "oai_text", "oai_chat", "oai_embed", "llama_embed", "rerank", "anthropic",
+                 "ollama_generate", "ollama_chat"]
     kinds: frozenset[str]
 
     @property
@@ -46,14 +47,21 @@ class Shape:
     def stream_type(self) -> str:
         return "application/x-ndjson" if self.ndjson else "text/event-stream"
 
+    @property
+    def per_input(self) -> bool:
+        """One task per input (embeddings) or per document (rerank), each on any idle slot."""
+        return self.fmt in ("oai_embed", "llama_embed", "rerank")
+
     def wants_stream(self, body: dict[str, Any]) -> bool:
-        if self.fmt == "oai_embed":
-            return False  # embeddings are never streamed
+        if self.per_input:
+            return False  # embeddings and reranking are never streamed
         return body.get("stream") is not False if self.ndjson else body.get("stream") is True
 
     def frame(self, obj: Any) -> bytes:
         if self.ndjson:
             return (dumps(obj) + "\n").encode()
+        if self.fmt == "anthropic":  # Anthropic's SSE names each event
+            return f"event: {obj['type']}\ndata: {dumps(obj)}\n\n".encode()
         return f"data: {obj if isinstance(obj, str) else dumps(obj)}\n\n".encode()
 
     def _piece(self, text: str, rid: int, slot: int, done: bool, n: int) -> dict[str, Any]:
@@ -86,6 +94,8 @@ class Shape:
 
     def chunk(self, i: int, rid: int, slot: int) -> dict[str, Any]:
         """Stream piece carrying token ``i``."""
+        if self.fmt == "anthropic":
+            return {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": f"t{i} "}}
         if self.fmt.startswith("oai"):
             return self._oai(f"t{i} ", rid, None, chunk=True)
         return self._piece(f"t{i} ", rid, slot, False, i + 1)
@@ -93,6 +103,9 @@ class Shape:
     def final(self, n: int, rid: int, slots: tuple[int, ...]) -> list[Any]:
         """The closing stream pieces: a stop/finish_reason/done piece per completion (one per
         slot; then [DONE] for OpenAI)."""
+        if self.fmt == "anthropic":
+            return [{"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": n}},
+                    {"type": "message_stop"}]
         if self.fmt.startswith("oai"):
             lasts = [indexed(self._oai(None, rid, "length", chunk=True), j) for j in range(len(slots))]
             tokens = n * len(slots)
@@ -105,6 +118,10 @@ class Shape:
         if self.fmt == "oai_embed":
             return {"object": "list", "model": "fake", "usage": {"prompt_tokens": 1, "total_tokens": 1},
                     "data": [{"object": "embedding", "index": 0, "embedding": [i / 8 for i in range(n)]}]}
+        if self.fmt == "anthropic":
+            return {"id": f"msg-{rid}", "type": "message", "role": "assistant", "model": "fake",
+                    "content": [{"type": "text", "text": text(n)}], "stop_reason": "max_tokens",
+                    "usage": {"input_tokens": 1, "output_tokens": n}}
         if self.fmt.startswith("oai"):
             obj = self._oai(text(n), rid, "length", chunk=False)
             obj["usage"] = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
@@ -114,7 +131,13 @@ class Shape:
     def whole_all(self, n: int, rid: int, slots: tuple[int, ...], inputs: int = 1) -> Any:
         """``whole`` for one completion per slot (llama-server's ``n_cmpl``): one body for a
         single slot, else a JSON array (native routes) or one body with a choice each (OpenAI).
-        Embeddings: one vector per input, whatever slots they ran on."""
+        Embeddings: one vector per input, whatever slots they ran on (llama-server's native
+        routes: a list of ``{"index", "embedding": [vector]}``); rerank: one score per document."""
+        if self.fmt == "llama_embed":
+            return [{"index": i, "embedding": [[j / 8 for j in range(n)]]} for i in range(inputs)]
+        if self.fmt == "rerank":
+            return {"model": "fake", "object": "list", "usage": {"prompt_tokens": 1, "total_tokens": 1},
+                    "results": [{"index": i, "relevance_score": 1 / (i + 1)} for i in range(inputs)]}
         if self.fmt == "oai_embed":
             body = self.whole(n, rid, slots[0])
             body["data"] = [{**body["data"][0], "index": i} for i in range(inputs)]
@@ -149,6 +172,13 @@ ROUTES: dict[str, tuple[Shape, ...]] = {
     "/v1/chat/completions": (Shape("oai_chat", _OAI),),
     "/chat/completions": (Shape("oai_chat", _LLAMA),),
     "/v1/embeddings": (Shape("oai_embed", _OAI),),  # llama-server: on any free slot, no id_slot
+    "/embedding": (Shape("llama_embed", _LLAMA),),
+    "/embeddings": (Shape("llama_embed", _LLAMA),),
+    "/rerank": (Shape("rerank", _LLAMA),),
+    "/reranking": (Shape("rerank", _LLAMA),),
+    "/v1/rerank": (Shape("rerank", _LLAMA),),
+    "/v1/reranking": (Shape("rerank", _LLAMA),),
+    "/v1/messages": (Shape("anthropic", _LLAMA),),  # Anthropic-style chat: on id_slot's slot, like chat
     "/api/generate": (Shape("ollama_generate", _OLLAMA),),
     # llama-server serves Ollama's chat path with its chat-completions handler
     "/api/chat": (Shape("ollama_chat", _OLLAMA), Shape("oai_chat", _LLAMA)),

@@ -22,8 +22,9 @@ Concurrency contract:
   the lowest other idle ones), waiting until all k are idle; it counts k in ``concurrent``.
   More than the slot count is a 400. The answer is a JSON array (llama-server's native
   routes) or k ``choices`` (OpenAI routes); streamed, each token comes once per completion.
-  An embeddings batch of n inputs takes min(n, slots) slots at once (llama-server runs each
-  input as a task on any idle slot) and answers one vector per input.
+  An embeddings batch of n inputs (a rerank of n documents) takes min(n, slots) slots at
+  once (llama-server runs each input as a task on any idle slot) and answers one vector
+  (score) per input. ``/v1/messages`` (Anthropic-style chat) runs like a chat completion.
 - The app runs with ``handler_cancellation=True``: a client disconnect cancels the handler.
   The abort is recorded at once; the slot stays busy for ``abort_linger_s`` more (llama-server
   notices disconnects by polling) in a background task owned by this object, which
@@ -251,16 +252,21 @@ class FakeUpstream:
         return max(1, json_value("n_cmpl", json_value("n", 1)))
 
     def _prompts(self, body: dict[str, Any]) -> int:
-        """Inputs of an embeddings request: a list of strings or of token lists is one each;
-        a string or a single token list is one."""
-        value = body.get("input")
+        """Inputs of an embeddings request (``input``, else llama-server's ``content``): a
+        list of strings or of token lists is one each; a string or a single token list is
+        one. A rerank request: its ``documents`` (else ``texts``), one each."""
+        docs = body.get("documents")
+        docs = docs if isinstance(docs, list) else body.get("texts")
+        if "query" in body and isinstance(docs, list):
+            return max(1, len(docs))
+        value = body.get("input") if "input" in body else body.get("content")
         if isinstance(value, list) and value and not all(isinstance(v, int) for v in value):
             return len(value)
         return 1
 
     async def _generation(self, request: web.Request, rec: Received, body: dict[str, Any], shape: Shape) -> web.StreamResponse:
         script = self.script(rec.path, body)
-        if shape.fmt == "oai_embed":  # llama-server: one task per input, each on any idle slot
+        if shape.per_input:  # llama-server: one task per input (document), each on any idle slot
             k = min(self._prompts(body), len(self._slots)) if self.kind == "llamacpp" else 1
         else:
             k = self._completions(body)
