@@ -112,7 +112,8 @@ async def _forward(
         headers=request_headers(request.headers, strip=auth_headers_to_strip(s)),
         body=raw,
     )
-    out = Responder(request, rec.request_id)
+    out = Responder(request, rec.request_id, buffer_bytes=s.client_buffer_bytes,
+                    write_timeout_s=s.client_write_timeout_s)
     try:
         job = UpstreamJob(  # takes the permit (raises Superseded if replaced since the grant)
             gate=st.gate,

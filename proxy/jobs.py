@@ -24,8 +24,12 @@ Concurrency contract:
   or stops watching when the gate closes. Only app shutdown cancels the job itself
   (``JobRegistry.drain``), and then the permit is released as the job unwinds.
 - The job writes the upstream's response to the client itself, through the request's
-  ``Responder`` (relay.py), as it arrives: no hand-over to the handler per piece. A slow
-  client holds the job back (backpressure); once the client is gone every write is a
+  ``Responder`` (relay.py), as it arrives: no hand-over to the handler per piece. What a
+  slower client has not taken waits in its connection's buffer (``client_buffer_bytes``),
+  so the job reads the upstream to its end, and releases the permit, without waiting for
+  the client; only a fuller buffer holds the job back (backpressure), and a client that
+  takes no byte for ``client_write_timeout_s`` is dropped: its handler then applies
+  ``on_disconnect`` as for any client that left. Once the client is gone every write is a
   no-op, so a job that drains a generation never blocks on a dead reader. Errors go to the
   handler through ``Responder.fail``; the handler writes or answers them.
 """
@@ -159,6 +163,9 @@ class UpstreamJob:
             self._report_health()
             if not self.out.ended:
                 self.out.fail(ProxyError("upstream job ended without a response"))
+            if self.out.stalled:  # dropped mid-way (the handler applied on_disconnect) or after the end
+                rec.client_gone = True
+                rec.error = rec.error or "client took nothing of its response in time: dropped"
             self._release()
             rec.end_ref()
         if self._quarantine:

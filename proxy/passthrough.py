@@ -28,7 +28,8 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, st.settings.max_body_bytes, st.settings.body_timeout_s)
     headers = request_headers(request.headers, strip=auth_headers_to_strip(st.settings))
     rec = request[RECORD]
-    out = Responder(request, rec.request_id)
+    out = Responder(request, rec.request_id, buffer_bytes=st.settings.client_buffer_bytes,
+                    write_timeout_s=st.settings.client_write_timeout_s)
     try:
         await forward(st.adapter, request.method, request.raw_path, headers, body or None, out, rec)
     except ProxyError as exc:

@@ -1,17 +1,25 @@
-"""Writing an upstream response to the client: headers, pieces unbuffered, and how it ends.
+"""Writing an upstream response to the client: headers, pieces as they come, and how it ends.
 
-Bytes pass through as received (no re-encoding, no buffering): each piece is written as
-soon as it arrives. A body that arrived whole with the upstream's head goes out with the
-status line and headers in one write; a stream's last piece goes out with its
-terminator. Once the response has started its status cannot change, so a later error ends
-the stream with an error event in the stream's own format (SSE ``data:`` line or NDJSON
-line); for other bodies, and for any body of fixed length (Content-Length), the connection
-is closed so the client sees a truncated response rather than a silently short one.
+Bytes pass through as received (no re-encoding): each piece is written as soon as it
+arrives. What the client has not taken yet waits in its connection's send buffer, up to
+``buffer_bytes`` per response (``client_buffer_bytes``; the transport's high-water mark),
+so the writer can read its upstream to the end without waiting for a slower client. A
+body that arrived whole with the upstream's head goes out with the status line and
+headers in one write; a stream's last piece goes out with its terminator. Once the
+response has started its status cannot change, so a later error ends the stream with an
+error event in the stream's own format (SSE ``data:`` line or NDJSON line); for other
+bodies, and for any body of fixed length (Content-Length), the connection is closed so
+the client sees a truncated response rather than a silently short one.
 
 Concurrency contract (``Responder``):
 - One writer task at a time calls ``whole``/``head``/``piece``/``end``: a gated request's
-  upstream job, or a passthrough's handler. They block only on the client's flow control
-  (a reader slower than the upstream holds the writer back, as a full socket should).
+  upstream job, or a passthrough's handler. They block only once ``buffer_bytes`` wait
+  for the client (flow control), and then for at most ``write_timeout_s`` in which the
+  client takes no byte: such a client is dropped (its connection aborted, as ``detach``
+  with the connection closed; ``stalled``), and the write returns. ``whole`` and ``end``
+  then wait, the same way, until the client took what is still buffered (after the
+  outcome is resolved: the handler does not wait for it). The timer is a loop callback
+  (``_Stall``), not a task.
 - Client-side failures never raise: a write that finds the client's connection closed, or
   ``detach()`` (the handler was cancelled: the client left), turns every later write into
   a no-op that returns at once, so a job that drains a generation never waits on a reader
@@ -32,6 +40,7 @@ Concurrency contract (``Responder``):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 from aiohttp import web
@@ -76,11 +85,24 @@ class Responder:
     """The response to one client request, written as the upstream's arrives (see the
     module's contract). ``request_id`` goes out as ``X-Request-Id``, as in the log line."""
 
-    __slots__ = ("_request", "_request_id", "_resp", "_tail", "_last_write", "_ended", "_error", "gone")
+    __slots__ = ("_request", "_request_id", "_resp", "_tail", "_last_write", "_ended", "_error", "gone",
+                 "_buffer_bytes", "_write_timeout_s", "stalled")
 
-    def __init__(self, request: web.Request, request_id: str) -> None:
+    def __init__(
+        self, request: web.Request, request_id: str, *, buffer_bytes: int | None = None,
+        write_timeout_s: float | None = None,
+    ) -> None:
+        """``buffer_bytes``: the most of this response left waiting for the client before a
+        write waits (None: the transport's default). ``write_timeout_s``: drop a client that
+        takes no byte for this long while a write waits (None: never)."""
         self._request = request
         self._request_id = request_id
+        self._buffer_bytes = buffer_bytes
+        self._write_timeout_s = write_timeout_s
+        self.stalled = False  # dropped for taking nothing for write_timeout_s
+        transport = request.transport
+        if buffer_bytes is not None and transport is not None and not transport.is_closing():
+            transport.set_write_buffer_limits(high=buffer_bytes)
         self._resp: web.StreamResponse | None = None
         self._tail = b""  # the last bytes written (up to 4): where an error event must start
         self._last_write = False  # the body's end was (being) written: no event can follow it
@@ -106,13 +128,15 @@ class Responder:
         resp = web.Response(status=status, headers=headers, body=body)
         self._last_write = True
         try:
-            await resp.prepare(self._request)
-            self._resp = resp
-            await resp.write_eof()
+            async with self._guard(len(body) + 4096):  # 4096: the head
+                await resp.prepare(self._request)
+                self._resp = resp
+                await resp.write_eof()
         except ConnectionError:
             self.detach()
             return
         self._end()
+        await self._flush()
 
     async def head(self, status: int, headers: CIMultiDict[str], content_length: int | None) -> None:
         """Start a response whose body follows in pieces."""
@@ -123,7 +147,8 @@ class Responder:
         if content_length is not None:
             resp.content_length = content_length
         try:
-            await resp.prepare(self._request)
+            async with self._guard(4096):
+                await resp.prepare(self._request)
         except ConnectionError:
             self.detach()
             return
@@ -138,7 +163,8 @@ class Responder:
         # for the client to read them, and an error event must start after them.
         self._tail = data[-4:] if len(data) >= 4 else (self._tail + data)[-4:]
         try:
-            await self._resp.write(data)
+            async with self._guard(len(data)):
+                await self._resp.write(data)
         except ConnectionError:
             self.detach()
 
@@ -149,11 +175,13 @@ class Responder:
         assert self._resp is not None
         self._last_write = True
         try:
-            await self._resp.write_eof(last)
+            async with self._guard(len(last)):
+                await self._resp.write_eof(last)
         except ConnectionError:
             self.detach()
             return
         self._end()
+        await self._flush()
 
     def fail(self, error: ProxyError) -> None:
         """End with ``error`` (the handler answers or writes it; see the contract)."""
@@ -169,6 +197,43 @@ class Responder:
 
     def _stopped(self) -> bool:
         return self.gone or self._ended.done()
+
+    def _guard(self, size: int = 0) -> contextlib.AbstractAsyncContextManager[None]:
+        """The stall timer around a write of ``size`` bytes; none where that write cannot
+        wait (it stays under the buffer's high-water mark: the common case, no timers)."""
+        if self._write_timeout_s is None:
+            return _NO_GUARD
+        transport = self._request.transport
+        if self._buffer_bytes is not None and transport is not None:
+            if transport.get_write_buffer_size() + size + 64 <= self._buffer_bytes:  # 64: chunk framing
+                return _NO_GUARD
+        return _Stall(self)
+
+    async def _flush(self) -> None:
+        """After the end: wait until the client took what is still buffered for it, so that
+        one that takes nothing for ``write_timeout_s`` is dropped rather than left holding
+        its buffer (the handler may have returned already: this is the writer's wait)."""
+        transport = self._request.transport
+        if self._write_timeout_s is None or transport is None or not transport.get_write_buffer_size():
+            return
+        transport.set_write_buffer_limits(high=0)  # paused until everything is out
+        try:
+            async with _Stall(self):
+                await self._request.writer.drain()
+        except ConnectionError:
+            self.gone = True
+        finally:
+            if not transport.is_closing():
+                transport.set_write_buffer_limits(high=self._buffer_bytes)
+
+    def _drop(self) -> None:
+        """The client took nothing for ``write_timeout_s``: abort its connection (its unsent
+        bytes are dropped) and stop writing."""
+        self.stalled = True
+        transport = self._request.transport
+        if transport is not None:
+            transport.abort()
+        self.detach()
 
     def _end(self) -> None:
         if not self._ended.done():
@@ -192,8 +257,9 @@ class Responder:
             last = None if fixed else stream_error_bytes(resp.content_type, error, self._tail)
             try:
                 if last is not None:
-                    await resp.write(last)
-                    await resp.write_eof()
+                    async with self._guard(len(last)):
+                        await resp.write(last)
+                        await resp.write_eof()
                 else:
                     self._close()
             except ConnectionError:
@@ -215,3 +281,56 @@ class Responder:
         self._resp.force_close()
         if self._request.transport is not None:
             self._request.transport.close()
+
+
+_NO_GUARD: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
+
+
+class _Stall:
+    """``async with``: a write to a client that must not wait more than the Responder's
+    ``write_timeout_s`` without the client taking a byte. A loop timer looks at the
+    transport's send buffer every quarter of the timeout: if it shrank, the deadline moves
+    on. At the deadline the write is cancelled (``asyncio.timeout``) and the client dropped
+    (``Responder._drop``); the block then ends normally. A cancellation from elsewhere
+    (a stop, the shutdown cut) propagates as it is."""
+
+    __slots__ = ("_out", "_scope", "_timer", "_left")
+
+    def __init__(self, out: Responder) -> None:
+        self._out = out
+        self._scope: asyncio.Timeout | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._left = 0
+
+    def _unsent(self) -> int:
+        transport = self._out._request.transport
+        return transport.get_write_buffer_size() if transport is not None else 0
+
+    def _check(self) -> None:
+        loop = asyncio.get_running_loop()
+        timeout = self._out._write_timeout_s
+        assert timeout is not None and self._scope is not None
+        left = self._unsent()
+        if left < self._left and not self._scope.expired():  # the client took some: a new deadline
+            self._scope.reschedule(loop.time() + timeout)
+        self._left = left
+        self._timer = loop.call_later(timeout / 4, self._check)
+
+    async def __aenter__(self) -> None:
+        timeout = self._out._write_timeout_s
+        assert timeout is not None
+        self._scope = asyncio.timeout(timeout)
+        await self._scope.__aenter__()
+        self._left = self._unsent()
+        self._timer = asyncio.get_running_loop().call_later(timeout / 4, self._check)
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        if self._timer is not None:
+            self._timer.cancel()
+        assert self._scope is not None
+        try:
+            await self._scope.__aexit__(exc_type, exc, tb)  # type: ignore[arg-type]
+        except TimeoutError:
+            self._out._drop()
+            return True
+        return False

@@ -106,6 +106,18 @@ class ProxySettings(LayeredSettings):
         "mid-way: read timeout, body cut short), hold the permit this long (a cancelled stream: about one token)",
     )
 
+    # slow clients
+    client_buffer_bytes: int = Field(
+        1024 * 1024, ge=65536,
+        description="Per response: bytes of the upstream's answer kept for a client that reads slower than the upstream "
+        "sends, so that the upstream is read to its end and its permit comes back without waiting for the client",
+    )
+    client_write_timeout_s: float = Field(
+        30.0, gt=0,
+        description="Drop a client that takes no byte of its response for this long once client_buffer_bytes wait "
+        "for it (then on_disconnect applies)",
+    )
+
     # limits, shutdown, logging
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above)")
     idle_timeout_s: float = Field(

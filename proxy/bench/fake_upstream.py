@@ -71,6 +71,7 @@ class Script:
     status: int = 200
     fail: FailMode = None
     hold: asyncio.Event | None = None  # once on its slots, generate only after this is set
+    padding: int = 0  # SSE streams: a comment line of this many bytes after each token's event (clients skip it)
 
 
 @dataclass(frozen=True)
@@ -403,6 +404,8 @@ class FakeUpstream:
                 if script.fail == "reset_mid_stream" and i == max(1, n // 2):
                     return self._reset(request, rec, resp)
                 await resp.write(b"".join(shape.frame(indexed(shape.chunk(i, rec.id, s), j)) for j, s in enumerate(slots)))
+                if script.padding and not shape.ndjson:
+                    await resp.write(b": " + b"x" * script.padding + b"\n\n")
                 if i == 0 and script.fail == "malformed":
                     await resp.write(b'data: {"content":"t1 ",\n\n' if shape.stream_type != "application/x-ndjson" else b'{"response":\n')
                 if i == 0 and script.fail == "hang_mid_body":
