@@ -59,6 +59,11 @@ class BurstSettings(LayeredSettings):
     baseline_runs: int = Field(3, ge=1, description="Uncontended generations measured first (median = baseline)")
     gap_ms: float = Field(200.0, ge=0, description="Pause between bursts once the backend is idle")
     slots_poll_ms: float = Field(20.0, gt=0, description="GET /slots poll interval")
+    poll_slots: bool = Field(
+        True, description="Count the backend's generations from GET /slots; off where polling disturbs it "
+        "(llama-server checks for a dropped non-streaming client only when no result came for a second, and "
+        "every /slots answer is a result)",
+    )
     idle_timeout_s: float = Field(120.0, gt=0, description="Longest wait for the backend to become idle")
     request_timeout_s: float = Field(300.0, gt=0, description="Read timeout per request")
     extra_body: str = Field(
@@ -209,7 +214,8 @@ async def run_target(url: str, settings: BurstSettings) -> TargetResult:
         if not settings.model:
             settings = settings.model_copy(update={"model": await _model_name(http, url)})
         poller = SlotsPoller(http, url, settings.slots_poll_ms / 1000)
-        await poller.probe()
+        if settings.poll_slots:
+            await poller.probe()
         clients = [Client(url, profile, settings, e) for e in range(settings.editors)]
         stop = asyncio.Event()
         try:
