@@ -52,7 +52,7 @@ from llmproxy.proxy.gate import Gate, Ticket
 from llmproxy.proxy.metrics import Metrics
 from llmproxy.proxy.record import RequestRecord
 from llmproxy.proxy.relay import Responder
-from llmproxy.proxy.upstream import forward, forward_assembled
+from llmproxy.proxy.upstream import forward
 
 log = structlog.get_logger("llmproxy.job")
 
@@ -259,13 +259,11 @@ class UpstreamJob:
             await self.adapter.settle(self.gate, self.ticket)
         body = self.adapter.prepare_body(req.path, req.body, rec.parsed_body, self.slot)
         try:
+            assembler = None
             if self.adapter.assembles(req.path, rec.parsed_body):  # sent as a stream (assemble.py)
-                rec.assembled = True
-                await forward_assembled(self.adapter, req.method, req.raw_path, req.headers, body, self.out, rec,
-                                        Assembler(req.path), self._upstream_ended, self._on_head)
-            else:
-                await forward(self.adapter, req.method, req.raw_path, req.headers, body, self.out, rec,
-                              self._upstream_ended, self._on_head)
+                rec.assembled, assembler = True, Assembler(req.path)
+            await forward(self.adapter, req.method, req.raw_path, req.headers, body, self.out, rec,
+                          self._upstream_ended, self._on_head, assembler)
         except ProxyError as exc:
             rec.upstream_error = exc
             log.warning("upstream request failed", error=exc.message, request_id=rec.request_id)

@@ -11,8 +11,8 @@ connection at once (that close is how a generation is cancelled). Redirects are 
 never followed: the proxy talks to the configured upstream only, and what it sends there
 is what the gate admitted.
 
-``forward_assembled`` is the same exchange for a request the proxy turned into a stream
-(assemble.py): the stream is read to its end, then its non-streaming form goes out whole.
+A request the proxy turned into a stream (assemble.py) is read to its end, then its
+non-streaming form goes out whole.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from llmproxy.proxy.relay import Responder
 async def forward(
     adapter: Adapter, method: str, raw_path: str, headers: Mapping[str, str], body: bytes | None,
     out: Responder, rec: RequestRecord, on_end: Callable[[], None] | None = None,
-    on_head: Callable[[], None] | None = None,
+    on_head: Callable[[], None] | None = None, assembler: Assembler | None = None,
 ) -> None:
     """``method raw_path`` on the adapter's upstream, its response written through ``out``.
 
@@ -41,9 +41,15 @@ async def forward(
     CancelledError: the exchange then ends there and its connection is closed). ``on_end`` is
     called once the upstream's body was read to its end, before its last bytes are written
     to the client (the upstream is idle for this request from then on, however slow the
-    client)."""
+    client).
+
+    ``assembler``: the request was sent with ``stream: true`` for a client that did not ask
+    for a stream (assemble.py). An event stream (200, ``text/event-stream``) is fed to it and
+    its rendering written in one piece once the upstream's body ended; any other answer (an
+    error the upstream gave before streaming) is relayed as it came."""
     start = last_at = time.monotonic()
     last: bytes | None = None  # the body's last piece (all of it, if it came whole with the head)
+    assembled = False
     try:
         with map_client_errors():
             async with adapter.client.exchange(method, raw_path, headers, body, rec.mark_sent) as resp:
@@ -52,7 +58,15 @@ async def forward(
                 if on_head is not None:
                     on_head()
                 head = response_headers(resp.headers, adapter.base_url)
-                if content.is_eof():  # a non-streamed answer
+                if assembler is not None and status == 200 and head.get("Content-Type", "").startswith(
+                    "text/event-stream"
+                ):
+                    assembled = True
+                    async for data in content.iter_any():
+                        if rec.upstream_ttfb_s is None:
+                            rec.upstream_ttfb_s = time.monotonic() - start
+                        assembler.feed(data)
+                elif content.is_eof():  # a non-streamed answer
                     last = content.read_nowait()
                 else:
                     await out.head(status, head, resp.content_length)
@@ -76,49 +90,15 @@ async def forward(
         rec.upstream_ttfb_s = rec.upstream_s
     if on_end is not None:
         on_end()
-    if out.started:
+    if assembled:
+        assert assembler is not None
+        status, payload = assembler.render()  # or UpstreamFailed: the stream had no end
+        head["Content-Type"] = CONTENT_TYPE
+        await out.whole(status, head, payload)
+    elif out.started:
         await out.end(last or b"")
     elif last:
         await out.whole(status, head, last)
     else:  # no body (HEAD, 204, an empty answer): the head keeps the upstream's framing
         await out.head(status, head, resp.content_length)
         await out.end()
-
-
-async def forward_assembled(
-    adapter: Adapter, method: str, raw_path: str, headers: Mapping[str, str], body: bytes,
-    out: Responder, rec: RequestRecord, assembler: Assembler, on_end: Callable[[], None] | None = None,
-    on_head: Callable[[], None] | None = None,
-) -> None:
-    """``forward`` for a request sent with ``stream: true`` on behalf of a client that did not
-    ask for a stream: an event stream (200, ``text/event-stream``) is fed to ``assembler`` and
-    its rendering written in one piece once the upstream's body ended; any other answer (an
-    error the upstream gave before streaming) is relayed as it came. Records as ``forward``."""
-    start = time.monotonic()
-    pieces: list[bytes] = []
-    try:
-        with map_client_errors():
-            async with adapter.client.exchange(method, raw_path, headers, body, rec.mark_sent) as resp:
-                status, content = resp.status, resp.content
-                rec.upstream_status = status
-                if on_head is not None:
-                    on_head()
-                head = response_headers(resp.headers, adapter.base_url)
-                streamed = status == 200 and resp.headers.get("Content-Type", "").startswith("text/event-stream")
-                async for data in content.iter_any():
-                    if rec.upstream_ttfb_s is None:
-                        rec.upstream_ttfb_s = time.monotonic() - start
-                    if streamed:
-                        assembler.feed(data)
-                    else:
-                        pieces.append(data)
-    finally:
-        rec.upstream_s = time.monotonic() - start
-    if on_end is not None:
-        on_end()
-    if streamed:
-        status, payload = assembler.render()  # or UpstreamFailed: the stream had no end
-        head["Content-Type"] = CONTENT_TYPE
-    else:
-        payload = b"".join(pieces)
-    await out.whole(status, head, payload)
