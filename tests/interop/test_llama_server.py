@@ -168,3 +168,36 @@ async def test_back_to_back_requests_after_streams_all_succeed(llama_server: Lla
                 await r.read()
                 statuses.append(r.status)
         assert statuses == [200] * 7
+
+
+async def test_a_slot_whose_stop_timed_out_gets_no_request_until_llama_server_shows_it_idle(
+    llama_server: LlamaServer,
+) -> None:
+    """A cancelled long prompt keeps llama-server's slot busy for its whole prompt evaluation;
+    a confirmation that gives up before then quarantines the slot, and the next request waits
+    in the proxy, not in llama-server's own queue."""
+    prompt = " ".join(f"word{i}" for i in range(800))  # about 3,000 tokens: seconds of prompt evaluation
+    async with llama_server(parallel=1, ctx_per_slot=8192) as srv, \
+            run_proxy(srv.url, confirm_timeout_s=0.2, queue_timeout_s=600) as px, aiohttp.ClientSession() as http:
+        first = asyncio.create_task(post(http, px.url + "/completion", {"prompt": prompt, "n_predict": 8}))
+        while not (await slot_state(http, srv.url))["is_processing"]:
+            await asyncio.sleep(0.01)
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await asyncio.wait_for(_until(lambda: px.state.gate.quarantined == [0]), 30)
+        second = asyncio.create_task(post(http, px.url + "/completion", {"prompt": "def f(x):", "n_predict": 4}))
+        await asyncio.wait_for(_until(lambda: px.state.gate.queued == 1), 10)
+        busy_while_queued = 0
+        while px.state.gate.quarantined:  # llama-server still evaluates the cancelled prompt
+            busy_while_queued += (await slot_state(http, srv.url))["is_processing"]
+            assert not second.done()
+            assert px.state.gate.quarantined == [] or px.state.gate.queued == 1  # waits here, not upstream
+            await asyncio.sleep(0.05)
+        status, _, _ = await asyncio.wait_for(second, 120)
+        assert status == 200 and busy_while_queued > 0
+
+
+async def _until(pred: Any) -> None:
+    while not pred():
+        await asyncio.sleep(0.01)
