@@ -167,6 +167,8 @@ class UpstreamJob:
                 rec.client_gone = True
                 rec.error = rec.error or "client took nothing of its response in time: dropped"
             self._release()
+            if rec.piece_gap_s is not None:
+                self.adapter.note_piece_gap(rec.piece_gap_s)
             rec.end_ref()
         if self._quarantine:
             slots = self.ticket.slots
@@ -247,11 +249,16 @@ class UpstreamJob:
         self.record.confirm_wait_s = waited
 
     def _unconfirmed_hold(self) -> float:
-        """How long a stop nothing can confirm holds the permit: a stream stops at its next
-        token, so twice the gap between its last two pieces, when one was seen (at most
-        ``unconfirmed_cancel_hold_s``, which is also the hold before the first pieces)."""
-        gap = self.record.piece_gap_s
-        return self.unconfirmed_hold_s if gap is None else min(self.unconfirmed_hold_s, 2 * gap)
+        """How long a stop nothing can confirm holds the permit: a stream that has started
+        (its first piece came, so its prompt is done) stops at its next token, so twice the
+        mean gap between its pieces, or between those of the adapter's recent streams when
+        this one has only one yet (``Adapter.piece_gap_s``); at most
+        ``unconfirmed_cancel_hold_s``, which is also the hold before the first piece."""
+        rec = self.record
+        gap = rec.piece_gap_s if rec.piece_gap_s is not None else self.adapter.piece_gap_s
+        if rec.upstream_ttfb_s is None or gap is None:
+            return self.unconfirmed_hold_s
+        return min(self.unconfirmed_hold_s, 2 * gap)
 
     async def _transfer_body(self) -> None:
         rec, req = self.record, self.request

@@ -39,7 +39,7 @@ class RequestRecord:
     upstream_sent: bool = False  # its bytes were handed to the upstream connection (mark_sent)
     upstream_s: float | None = None
     upstream_ttfb_s: float | None = None
-    piece_gap_s: float | None = None  # time between the last two pieces of a streamed body (one token, about)
+    piece_gap_s: float | None = None  # mean time between a streamed body's pieces (about a token)
     upstream_status: int | None = None
     upstream_error: ProxyError | None = None
     permit_hold_s: float | None = None

@@ -47,7 +47,7 @@ async def forward(
     for a stream (assemble.py). An event stream (200, ``text/event-stream``) is fed to it and
     its rendering written in one piece once the upstream's body ended; any other answer (an
     error the upstream gave before streaming) is relayed as it came."""
-    start = last_at = time.monotonic()
+    start = time.monotonic()
     last: bytes | None = None  # the body's last piece (all of it, if it came whole with the head)
     assembled = False
     try:
@@ -70,13 +70,14 @@ async def forward(
                     last = content.read_nowait()
                 else:
                     await out.head(status, head, resp.content_length)
+                    pieces = 0
                     async for data in content.iter_any():
                         now = time.monotonic()
                         if rec.upstream_ttfb_s is None:
                             rec.upstream_ttfb_s = now - start
-                        else:
-                            rec.piece_gap_s = now - last_at
-                        last_at = now
+                        else:  # the mean gap since the first piece: about a token's time
+                            rec.piece_gap_s = (now - start - rec.upstream_ttfb_s) / pieces
+                        pieces += 1
                         if content.is_eof():  # the last piece: it goes out with the terminator
                             last = data
                             break

@@ -25,22 +25,36 @@ def script(_path: str, body: dict[str, Any]) -> Script:
     return Script(tokens=200 if body.get("prompt") == "first" else 3, token_delay_s=TOKEN_S)
 
 
-async def supersede(http: aiohttp.ClientSession, stream: bool) -> tuple[FakeUpstream, list[dict[str, Any]]]:
+async def supersede(
+    http: aiohttp.ClientSession, stream: bool, *, after: int = 5, warm: bool = False
+) -> tuple[FakeUpstream, list[dict[str, Any]]]:
+    """A long generation superseded once the fake has sent ``after`` tokens of it; with
+    ``warm``, after a short stream ran to its end first (``after=1``: once its first piece
+    reached the client)."""
     # the fake's slot stays busy one more token after a dropped client, as llama-cpp-python's
     async with FakeUpstream(kind="openai", slots=1, script=script, abort_linger_s=TOKEN_S) as fake, \
             run_proxy(fake.url) as px:
         headers = {"X-LLMProxy-Session": "editor"}
 
+        first_piece = asyncio.Event()
+
         async def post(prompt: str) -> int:
             body = {"model": "fake", "prompt": prompt, "max_tokens": 200, "stream": stream}
             async with http.post(px.url + "/v1/completions", json=body, headers=headers) as r:
-                await r.read()
+                async for _ in r.content.iter_any():
+                    if prompt == "first":
+                        first_piece.set()
                 return r.status
 
+        if warm:
+            assert await post("warm") == 200
         with structlog.testing.capture_logs() as logs:
             async with asyncio.TaskGroup() as tg:
                 first = tg.create_task(post("first"))
-                await wait_until(lambda: fake._slots[0].n_decoded >= 5, what="first generation under way")
+                if after == 1:  # its first piece went through the proxy: cut before the second
+                    await asyncio.wait_for(first_piece.wait(), 5)
+                else:
+                    await wait_until(lambda: fake._slots[0].n_decoded >= after, what="first generation under way")
                 second = tg.create_task(post("second"))
             assert second.result() == 200 and first.result() in (200, 499)
             await wait_until(lambda: px.state.gate.free == 1, what="permits back")
@@ -53,6 +67,16 @@ async def test_superseded_stream_is_cut_and_held_about_one_token(http: aiohttp.C
     assert len(fake.aborted) == 1 and fake.max_concurrent == 1
     assert first["outcome"] == "superseded"
     assert first["confirm_wait_ms"] < 1000 * 10 * TOKEN_S  # twice a token's gap, not unconfirmed_cancel_hold_s (1 s)
+
+
+async def test_a_stream_cut_after_its_first_piece_is_held_the_upstreams_recent_token_gap(
+    http: aiohttp.ClientSession,
+) -> None:
+    """One piece gives no gap of its own: the adapter's recent streams tell a token's time."""
+    fake, lines = await supersede(http, stream=True, after=1, warm=True)
+    (first,) = [ln for ln in lines if ln["outcome"] == "superseded"]
+    assert fake.max_concurrent == 1
+    assert first["confirm_wait_ms"] < 1000 * 10 * TOKEN_S  # not unconfirmed_cancel_hold_s (1 s)
 
 
 async def test_superseded_non_streaming_request_runs_to_its_end(http: aiohttp.ClientSession) -> None:

@@ -69,6 +69,7 @@ class Adapter:
         self.can_confirm = False
         self.known = asyncio.Event()  # set once nothing is left to learn (``pending``; see watch.py)
         self.undetected = False  # kind auto, upstream not there at start (no answer, 502-504): detect again
+        self.piece_gap_s: float | None = None  # recent streams' gap between pieces (about a token)
 
     def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
         """Body to send upstream for a gated request holding permit ``slot``."""
@@ -77,6 +78,11 @@ class Adapter:
     def assembles(self, path: str, parsed: Any) -> bool:
         """Is this request sent as a stream and answered whole (assemble.py)? See llamacpp's."""
         return False
+
+    def note_piece_gap(self, gap: float) -> None:
+        """A finished stream's mean gap between pieces: the adapter's estimate of a token's
+        time follows it (an average weighted to the recent ones)."""
+        self.piece_gap_s = gap if self.piece_gap_s is None else 0.8 * self.piece_gap_s + 0.2 * gap
 
     def answers_at_start(self, path: str, parsed: Any) -> bool:
         """Does the upstream send its response head only once the request runs on its slot,
