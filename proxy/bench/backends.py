@@ -84,26 +84,36 @@ def _default_llama_server() -> Path:
     return found[-1]
 
 
+class ChildFailed(RuntimeError):
+    """A server child exited, or did not answer, during start-up."""
+
+
 @contextlib.asynccontextmanager
-async def _child(argv: Sequence[str], log: Path, url: str, ready_path: str) -> AsyncIterator[None]:
-    """Run ``argv`` until the block ends, once ``url + ready_path`` answers 200."""
+async def child_server(argv: Sequence[str], log: Path, url: str, ready_path: str,
+                       timeout_s: float = 300) -> AsyncIterator[asyncio.subprocess.Process]:
+    """Run the server ``argv`` (output to ``log``) as a child that dies with this process,
+    until the block ends; the block starts once ``url + ready_path`` answers 200. The child
+    is stopped with SIGTERM, then SIGKILL after 15 s. Also used by the interop tests."""
     with log.open("wb") as out:
-        proc = await asyncio.create_subprocess_exec(*argv, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                                                    stdin=asyncio.subprocess.DEVNULL, preexec_fn=child_preexec())
+        try:
+            proc = await asyncio.create_subprocess_exec(*argv, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                                                        stdin=asyncio.subprocess.DEVNULL, preexec_fn=child_preexec())
+        except OSError as exc:  # no such binary, not executable
+            raise ChildFailed(f"cannot run {argv[0]}: {exc.strerror}") from None
     try:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + timeout_s
         async with aiohttp.ClientSession() as http:
             while True:
                 if proc.returncode is not None:
-                    raise SystemExit(f"llmproxy bench backends: {argv[0]} exited with {proc.returncode}; see {log}")
+                    raise ChildFailed(f"{argv[0]} exited with {proc.returncode} during start-up; see {log}")
                 with contextlib.suppress(aiohttp.ClientError):
                     async with http.get(url + ready_path) as r:
                         if r.status == 200:
                             break
                 if time.monotonic() > deadline:
-                    raise SystemExit(f"llmproxy bench backends: {url} not ready after 300 s; see {log}")
+                    raise ChildFailed(f"{url} not ready after {timeout_s:g} s; see {log}")
                 await asyncio.sleep(0.1)
-        yield
+        yield proc
     finally:
         if proc.returncode is None:
             proc.terminate()
@@ -166,8 +176,8 @@ async def _main(s: BackendsSettings) -> list[dict[str, object]]:
             proxy = f"http://127.0.0.1:{proxy_port}"
             proxy_argv = [sys.executable, "-m", "llmproxy.proxy", "serve", "--upstream", backend,
                           "--port", str(proxy_port), "--log-level", "warning"]
-            async with _child(argv, work / f"backend-{parallel}.log", backend, ready), \
-                    _child(proxy_argv, work / f"proxy-{parallel}.log", proxy, "/llmproxy/health"):
+            async with child_server(argv, work / f"backend-{parallel}.log", backend, ready), \
+                    child_server(proxy_argv, work / f"proxy-{parallel}.log", proxy, "/llmproxy/health"):
                 for mode in s.modes:
                     row = await _cell(s, mode, backend, proxy)
                     rows.append({"server": s.server, "parallel": parallel, **row})
@@ -190,7 +200,10 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(BackendsSettings, args)
     configure_logging(settings.log_level)
     sys.stdout.write(HEADER + "\n")
-    rows = asyncio.run(_main(settings))
+    try:
+        rows = asyncio.run(_main(settings))
+    except ChildFailed as exc:
+        raise SystemExit(f"llmproxy bench backends: {exc}") from None
     if settings.json_out is not None:
         settings.json_out.write_text(json.dumps(rows, indent=1))
     return 0 if all(r["goal"] for r in rows) else 1

@@ -5,8 +5,8 @@ builds it once and passes its path in ``LLMPROXY_LLAMA_SERVER``). ``fim_model`` 
 copy of the SmolLM2 GGUF whose metadata names three unused special tokens as the FIM
 prefix/suffix/middle tokens, so that llama-server serves ``/infill`` with it (its text is
 meaningless; the wire behaviour is what is tested). ``running`` starts a server as a child
-that dies with the test process (parent-death signal), waits until it answers, and stops
-it at the end; its output goes to a log file the tests read (``stopped_tasks``).
+that dies with the test process, waits until it answers, and stops it at the end
+(``bench backends``' ``child_server``); its output goes to a log file the tests read.
 """
 
 from __future__ import annotations
@@ -16,15 +16,12 @@ import contextlib
 import os
 import socket
 import sys
-import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
-
 from llmproxy.backend.model_path import default_model_path
-from llmproxy.proxy.children import child_preexec
+from llmproxy.proxy.bench.backends import child_server
 
 VERSION = "11434.0.0"  # tests/interop/build_llama_server.sh's default
 FIM_TOKENS = {"tokenizer.ggml.fim_pre_token_id": 8, "tokenizer.ggml.fim_suf_token_id": 9,
@@ -87,38 +84,12 @@ class Server:
         return self.log_text().count("stop: cancel task")
 
 
-async def wait_ready(url: str, path: str, proc: asyncio.subprocess.Process, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as http:
-        while time.monotonic() < deadline:
-            if proc.returncode is not None:
-                raise RuntimeError(f"server exited with {proc.returncode} during start-up")
-            with contextlib.suppress(aiohttp.ClientError):
-                async with http.get(url + path) as r:
-                    if r.status == 200:
-                        return
-            await asyncio.sleep(0.1)
-    raise TimeoutError(f"{url} not ready within {timeout}s")
-
-
 @contextlib.asynccontextmanager
 async def running(argv: Sequence[str], log: Path, ready_path: str, port: int) -> AsyncIterator[Server]:
     """Run ``argv`` (a server listening on ``port``) until the block ends."""
-    with log.open("wb") as out:
-        proc = await asyncio.create_subprocess_exec(*argv, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                                                    stdin=asyncio.subprocess.DEVNULL, preexec_fn=child_preexec())
     url = f"http://127.0.0.1:{port}"
-    try:
-        await wait_ready(url, ready_path, proc)
+    async with child_server(argv, log, url, ready_path, timeout_s=120) as proc:
         yield Server(url, log, proc)
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
 
 
 def llama_server_argv(binary: Path, model: Path, port: int, parallel: int, ctx_per_slot: int = 2048) -> list[str]:
