@@ -107,17 +107,18 @@ async def decoded_when_idle_after_disconnect(srv_url: str, px_url: str) -> tuple
         return at_drop, decoded(state), time.monotonic() - dropped
 
 
+@pytest.mark.parametrize("parallel", [1, 4])
 async def test_a_dropped_non_streaming_client_stops_its_generation_within_a_few_tokens(
-    llama_server: LlamaServer,
+    llama_server: LlamaServer, parallel: int,
 ) -> None:
-    async with llama_server(parallel=1) as srv:
+    async with llama_server(parallel=parallel) as srv:
         async with run_proxy(srv.url, upstream_stream="off") as px:  # as before: not streamed upstream
             _, _, off_s = await decoded_when_idle_after_disconnect(srv.url, px.url)
             assert srv.stopped_tasks() == 0  # llama-server never noticed: it ran to the end
         async with run_proxy(srv.url) as px:
             at_drop, _, streamed_s = await decoded_when_idle_after_disconnect(srv.url, px.url)
             assert srv.stopped_tasks() == 1
-            await asyncio.wait_for(_until_free(px, 1), 10)
+            await asyncio.wait_for(_until_free(px, parallel), 10)
     # llama-server's log: "release: ... stop processing: n_tokens = N", N = prompt + generated
     ran_off, ran_streamed = [int(n) for n in re.findall(r"stop processing: n_tokens = (\d+)", srv.log_text())]
     prompt = ran_off - 200  # the first ran to its end: all 200 tokens
