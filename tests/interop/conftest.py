@@ -43,10 +43,12 @@ LlamaServer = Callable[..., AbstractAsyncContextManager[Server]]
 
 @pytest.fixture
 def llama_server(llama_bin: Path, tmp_path: Path) -> LlamaServer:
-    """``async with llama_server(parallel=1, model=None, ctx_per_slot=2048) as srv``: a llama-server of its own."""
-    def start(parallel: int = 1, model: Path | None = None, ctx_per_slot: int = 2048) -> AbstractAsyncContextManager[Server]:
+    """``async with llama_server(parallel=1, model=None, ctx_per_slot=2048, extra=()) as srv``:
+    a llama-server of its own (``extra``: more flags)."""
+    def start(parallel: int = 1, model: Path | None = None, ctx_per_slot: int = 2048,
+              extra: tuple[str, ...] = ()) -> AbstractAsyncContextManager[Server]:
         port = free_port()
-        argv = llama_server_argv(llama_bin, model or default_model_path(), port, parallel, ctx_per_slot)
+        argv = llama_server_argv(llama_bin, model or default_model_path(), port, parallel, ctx_per_slot) + list(extra)
         return running(argv, tmp_path / f"llama-server-{port}.log", "/health", port)
 
     return start

@@ -202,3 +202,20 @@ async def test_a_slot_whose_stop_timed_out_gets_no_request_until_llama_server_sh
 async def _until(pred: Any) -> None:
     while not pred():
         await asyncio.sleep(0.01)
+
+
+async def test_an_embedding_holds_the_slot_it_runs_on(llama_server: LlamaServer) -> None:
+    """llama-server runs /embedding on a slot: while it does, a completion waits in the
+    proxy's queue, not inside llama-server on a slot the gate believed free."""
+    text = " ".join(f"word{i}" for i in range(400))  # about 1,500 tokens to embed
+    flags = ("--embeddings", "--pooling", "mean", "-b", "2048", "-ub", "2048")
+    async with llama_server(parallel=1, extra=flags) as srv, run_proxy(srv.url) as px, \
+            aiohttp.ClientSession() as http:
+        embedding = asyncio.create_task(post(http, px.url + "/embedding", {"content": text}))
+        await asyncio.wait_for(_until(lambda: px.state.gate.free == 0), 30)
+        completion = asyncio.create_task(post(http, px.url + "/completion", {"prompt": "def f(x):", "n_predict": 4}))
+        await asyncio.wait_for(_until(lambda: px.state.gate.queued == 1), 10)
+        assert (await slot_state(http, srv.url))["is_processing"] or embedding.done()
+        assert (await embedding)[0] == 200
+        assert (await asyncio.wait_for(completion, 120))[0] == 200
+        assert px.state.gate.free == 1
