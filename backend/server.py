@@ -1,4 +1,4 @@
-"""Running the backend: bind, write the port file, serve until SIGTERM/SIGINT, drain.
+"""Running the backend: the shared lifecycle (common/server.py) over the backend's app.
 
 With ``--no-sigint`` (``llmproxy serve``'s embedded backend) SIGINT is ignored.
 
@@ -10,48 +10,30 @@ and kills stragglers.
 
 from __future__ import annotations
 
-import asyncio
-import gc
-import signal
-
 import structlog
-from aiohttp import web
+
 from llmproxy.backend.app import create_app
 from llmproxy.backend.settings import BackendSettings
-from llmproxy.proxy import loops
-from llmproxy.proxy.config import describe
-from llmproxy.proxy.portfile import clear_port_file, remove_port_file, write_port_file
+from llmproxy.common import loops
+from llmproxy.common.config import describe
+from llmproxy.common.server import Listen, StopRequest
+from llmproxy.common.server import serve as run
 
 log = structlog.get_logger("llmproxy.backend")
 
 
-async def serve(settings: BackendSettings, stop: asyncio.Event | None = None) -> None:
-    clear_port_file(settings.port_file)
-    port: int | None = None
-    app = create_app(settings)
-    runner = web.AppRunner(
-        app, handler_cancellation=True, shutdown_timeout=settings.shutdown_timeout_s, access_log=None
+async def serve(settings: BackendSettings, stop: StopRequest | None = None) -> int:
+    def on_listening(host: str, port: int) -> None:
+        log.info("backend_listening", host=host, port=port, loop=loops.running(), settings=describe(settings))
+
+    listen = Listen(
+        host=settings.host,
+        port=settings.port,
+        port_file=settings.port_file,
+        shutdown_timeout_s=settings.shutdown_timeout_s,
+        sigint=settings.sigint,
     )
-    await runner.setup()
-    gc.freeze()  # startup objects out of full collections (~20 ms pauses otherwise; see proxy/server.py)
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    # --no-sigint (llmproxy serve's embedded backend): Ctrl-C is the proxy's to handle, so it
-    # must neither stop this server nor reach asyncio's default (KeyboardInterrupt)
-    loop.add_signal_handler(signal.SIGINT, stop.set if settings.sigint else (lambda: None))
     try:
-        site = web.TCPSite(runner, settings.host, settings.port)
-        await site.start()
-        port = runner.addresses[0][1]
-        if settings.port_file is not None:
-            write_port_file(settings.port_file, port)
-        log.info("backend_listening", host=settings.host, port=port, loop=loops.running(), settings=describe(settings))
-        await stop.wait()
-        log.info("backend_stopping")
+        return await run(create_app(settings), listen, stop, on_listening=on_listening)
     finally:
-        await runner.cleanup()
-        remove_port_file(settings.port_file, port)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
         log.info("backend_stopped")

@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from llmproxy.proxy.config import LayeredSettings
-from llmproxy.proxy.loops import LoopChoice
+from llmproxy.common.config import LayeredSettings
+from llmproxy.common.loops import LoopChoice
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 

@@ -8,20 +8,20 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from llmproxy.proxy import admin
-from llmproxy.proxy.adapters.base import upstream_authorization
-from llmproxy.proxy.adapters.detect import create_adapter
-from llmproxy.proxy.adapters.watch import gate_capacity, watching
-from llmproxy.proxy.breaker import CircuitBreaker
-from llmproxy.proxy.embedded import embedded_backend
-from llmproxy.proxy.gate import Gate
-from llmproxy.proxy.handlers import gated
-from llmproxy.proxy.registry import JobRegistry
-from llmproxy.proxy.metrics import Metrics
-from llmproxy.proxy.middleware import proxy_middleware
-from llmproxy.proxy.passthrough import passthrough
-from llmproxy.proxy.request_log import RequestLog
-from llmproxy.proxy.routes import GATED_ROUTES, LLAMACPP_GATED_ROUTES, is_gated
+from llmproxy.proxy.http import admin
+from llmproxy.proxy.upstream.adapters.base import upstream_authorization
+from llmproxy.proxy.upstream.detect import create_adapter
+from llmproxy.proxy.upstream.watch import gate_capacity, watching
+from llmproxy.proxy.gating.breaker import CircuitBreaker
+from llmproxy.proxy.upstream.embedded import embedded_backend
+from llmproxy.proxy.gating.gate import Gate
+from llmproxy.proxy.http.handlers import gated
+from llmproxy.proxy.gating.registry import JobRegistry
+from llmproxy.proxy.telemetry.metrics import Metrics
+from llmproxy.proxy.http.middleware import proxy_middleware
+from llmproxy.proxy.http.passthrough import passthrough
+from llmproxy.proxy.telemetry.request_log import RequestLog
+from llmproxy.proxy.gating.routes import GATED_ROUTES, LLAMACPP_GATED_ROUTES, is_gated
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import METRICS, REQUEST_LOG, SETTINGS, STATE, UPSTREAM_URL, ProxyState
 

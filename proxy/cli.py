@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 # subcommand module -> registered in this order in --help
 _COMMANDS = (
-    "llmproxy.proxy.serve_cmd",
+    "llmproxy.proxy.serve",
     "llmproxy.backend.cli",
-    "llmproxy.proxy.bench.cli",
-    "llmproxy.proxy.systemd_cmd",
+    "llmproxy.bench.cli",
+    "llmproxy.proxy.systemd",
 )
 
 

@@ -12,8 +12,8 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 from yarl import URL
 
-from llmproxy.proxy.config import LayeredSettings
-from llmproxy.proxy.loops import LoopChoice
+from llmproxy.common.config import LayeredSettings
+from llmproxy.common.loops import LoopChoice
 
 COMPLETION_ROUTES = ("/infill", "/completion", "/v1/completions", "/completions", "/api/generate")
 SESSION_PARTS = ("peer", "user_agent", "authorization", "route_family", "model")

@@ -9,13 +9,14 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from llmproxy.proxy.adapters.base import Adapter
-from llmproxy.proxy.breaker import CircuitBreaker
-from llmproxy.proxy.gate import Gate
-from llmproxy.proxy.registry import JobRegistry
-from llmproxy.proxy.metrics import Metrics
-from llmproxy.proxy.record import RequestRecord
-from llmproxy.proxy.request_log import RequestLog
+from llmproxy.proxy.upstream.adapters.base import Adapter
+from llmproxy.proxy.gating.breaker import CircuitBreaker
+from llmproxy.proxy.gating.gate import Gate
+from llmproxy.proxy.gating.registry import JobRegistry
+from llmproxy.common.server import StopRequest
+from llmproxy.proxy.telemetry.metrics import Metrics
+from llmproxy.proxy.telemetry.record import RequestRecord
+from llmproxy.proxy.telemetry.request_log import RequestLog
 from llmproxy.proxy.settings import ProxySettings
 
 
@@ -41,22 +42,6 @@ class ProxyState:
             stream = isinstance(parsed, dict) and parsed.get("stream") is True
             return "cancel" if confirms or (stream and a.stops_streams) else "finish"
         return configured
-
-
-class StopRequest:
-    """How parts of the app ask the running server to stop (server.py owns it and waits on
-    it): a signal asks for a graceful stop with exit status 0; the embedded backend's
-    unexpected death for one with a failure status, so that a service manager restarts us.
-    The first request's status wins. Used on the event loop's thread only."""
-
-    def __init__(self) -> None:
-        self.requested = asyncio.Event()
-        self.exit_code = 0
-
-    def request(self, exit_code: int = 0) -> None:
-        if not self.requested.is_set():
-            self.exit_code = exit_code
-            self.requested.set()
 
 
 SETTINGS = web.AppKey("settings", ProxySettings)

@@ -7,7 +7,7 @@
 # Runs this checkout's sources as the llmproxy package (nothing installed system-wide).
 # Default: CUDA, bf16 and fp16, shapes 135m and 1.7b; the run ends near --budget-s
 # (default 420 s: parts that would end later are skipped and recorded so);
-# flags after the script's name go to `python -m llmproxy.backend.gpu_check run`
+# flags after the script's name go to `python -m llmproxy.bench.gpu_check.cli run`
 # (e.g. --device cpu --dtypes float32 --shapes 135m --concurrency 1,4,8 --n-predict 16).
 # Env: PYTHON (default python3), GPU_CHECK_CARRY (default scripts/gpu_check).
 # Exit status: the check's (0: every part ran, no request failed).
@@ -38,5 +38,5 @@ if [ "$(uname -s)" = Linux ] && command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader || true
 fi
 rc=0
-"$PYTHON" -m llmproxy.backend.gpu_check run --out "$out" --arch-dir "$carry/arch" "$@" || rc=$?
+"$PYTHON" -m llmproxy.bench.gpu_check.cli run --out "$out" --arch-dir "$carry/arch" "$@" || rc=$?
 exit "$rc"

@@ -13,7 +13,7 @@ carry="${GPU_CHECK_CARRY:-$here/gpu_check}"
 pyver="${GPU_CHECK_PYVER:-3.12}"
 
 mkdir -p "$carry"
-"$PY" -m llmproxy.backend.gpu_check prepare --arch-dir "$carry/arch"
+"$PY" -m llmproxy.bench.gpu_check.cli prepare --arch-dir "$carry/arch"
 rm -rf "$carry/wheels"
 "$PY" -m pip download -q --no-deps --only-binary=:all: -c "$repo/constraints.txt" \
   --python-version "$pyver" --implementation cp \

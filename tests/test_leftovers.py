@@ -1,4 +1,4 @@
-"""The end-of-session check (tests/leftovers.py), run on an inner pytest session."""
+"""The end-of-session check (tests/helpers/leftovers.py), run on an inner pytest session."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from llmproxy.proxy.children import child_preexec
-from tests.leftovers import live_descendants
+from llmproxy.common.children import child_preexec
+from tests.helpers.leftovers import live_descendants
 
 SLEEPER = "import time; time.sleep(300)"
 INNER = f"""
@@ -38,7 +38,7 @@ def test_a_process_left_running_fails_the_session_and_is_killed(tmp_path: Path, 
     running fails (exit status 1), names both and kills them; stopping them passes."""
     (tmp_path / "test_inner.py").write_text(INNER)
     pids_file = tmp_path / "pids"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "PIDS": str(pids_file), "LEAK": "yes" if leak else "no"}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent / "helpers"), "PIDS": str(pids_file), "LEAK": "yes" if leak else "no"}
     inner = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "leftovers", "-p", "no:cacheprovider", "-o",
          "asyncio_default_fixture_loop_scope=function", "-q", "test_inner.py"],

@@ -19,11 +19,11 @@ if TYPE_CHECKING:
 
 def create_engine(settings: BackendSettings, worker_index: int = 0) -> Engine:
     if settings.engine == "llama-cpp":
-        from llmproxy.backend.engines.llamacpp_engine import LlamaCppEngine
+        from llmproxy.backend.engines.llamacpp import LlamaCppEngine
 
         return LlamaCppEngine(settings, worker_index)
     if settings.engine == "torch":
-        mod = importlib.import_module("llmproxy.backend.engines.torch_engine")
+        mod = importlib.import_module("llmproxy.backend.engines.torch.engine")
         factory = getattr(mod, "create_engine", None)
         if factory is not None:
             return factory(settings, worker_index)

@@ -1,7 +1,7 @@
 """The engine interface the worker loop drives.
 
 Concurrency contract: an engine is used from exactly one thread of one worker process.
-The worker loop (backend/worker.py) owns it: it calls ``load`` once, then repeatedly
+The worker loop (backend/runtime/worker.py) owns it: it calls ``load`` once, then repeatedly
 ``admit``s new Submits, ``cancel``s, and calls ``step`` while ``active() > 0``. Between
 two ``step`` calls the loop drains its inbound queue, so a Cancel takes effect between
 tokens and a new request joins a batching engine at the next decode step. ``step`` must

@@ -1,7 +1,7 @@
 """Shared fixtures: real backend servers (subprocesses, real model) per engine.
 
 ``engine`` is parametrized over ["llama-cpp", "torch"]; torch is skipped while torch or
-``llmproxy.backend.engines.torch_engine`` cannot be imported, so the torch engine joins
+``llmproxy.backend.engines.torch.engine`` cannot be imported, so the torch engine joins
 this suite automatically once it lands. Servers are started as
 ``python -m llmproxy.backend --port 0 --port-file F`` and are session/module scoped.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from backend_helpers import Backend, parallel_flags
+from tests.helpers.backend import Backend, parallel_flags
 
 ENGINES = ["llama-cpp", "torch"]
 
@@ -28,9 +28,9 @@ def engine_skip_reason(name: str) -> str | None:
     if importlib.util.find_spec("torch") is None:
         return "torch is not installed"
     try:
-        importlib.import_module("llmproxy.backend.engines.torch_engine")
+        importlib.import_module("llmproxy.backend.engines.torch.engine")
     except Exception as exc:  # noqa: BLE001 - any import problem means "not available yet"
-        return f"llmproxy.backend.engines.torch_engine cannot be imported: {exc!r}"
+        return f"llmproxy.backend.engines.torch.engine cannot be imported: {exc!r}"
     return None
 
 

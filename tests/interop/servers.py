@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmproxy.backend.model_path import default_model_path
-from llmproxy.proxy.bench.backends import child_server
+from llmproxy.bench.backends import child_server
 
 VERSION = "11434.0.0"  # tests/interop/build_llama_server.sh's default
 FIM_TOKENS = {"tokenizer.ggml.fim_pre_token_id": 8, "tokenizer.ggml.fim_suf_token_id": 9,

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.conftest import run_proxy
+from tests.helpers.proxy import run_proxy
 from tests.interop.servers import Server
 
 END_TOKENS = {"0": -100, "1": -100, "2": -100}  # SmolLM2's: every generation runs to max_tokens

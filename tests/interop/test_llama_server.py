@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import run_proxy
+from tests.helpers.proxy import run_proxy
 from tests.interop.conftest import LlamaServer
 
 PREFIX = "def fibonacci(n: int) -> int:\n    \"\"\"The n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"

@@ -1,0 +1,1 @@
+"""The torch (transformers) engine: continuous batching over a pre-allocated KV store."""

@@ -1,0 +1,92 @@
+"""Error replies of the backend's web layer: the JSON envelope, ``BadRequest`` and the middleware.
+
+Errors use llama-server's envelope ``{"error": {"code", "message", "type"}}`` (with any
+extra top-level keys a caller adds, e.g. /health's ``status``). ``error_middleware`` turns
+``BadRequest``, the dispatcher's ``Unavailable`` and aiohttp's HTTP errors into that
+envelope, and any other exception into a logged 500 in it (or, once a response has been
+written, a dropped connection); a worker's ``Failed`` event becomes one through
+``failed_response``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import structlog
+from aiohttp import web
+from llmproxy.backend.runtime.dispatch import Unavailable
+from llmproxy.backend.protocol import Failed
+
+log = structlog.get_logger("llmproxy.backend.web")
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    501: "not_supported_error",
+    502: "server_error",
+    503: "unavailable_error",
+}
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(text=dumps(obj), status=status, content_type="application/json")
+
+
+def error_body(code: int, message: str, type_: str | None = None) -> dict[str, Any]:
+    """The error envelope (llama-server's shape); ``type_`` defaults from the status."""
+    return {"error": {"code": code, "message": message, "type": type_ or ERROR_TYPES.get(code, "server_error")}}
+
+
+def failed_body(f: Failed) -> dict[str, Any]:
+    """The envelope for a failed generation (a generic worker type maps from its status)."""
+    return error_body(f.status, f.message, f.type if f.type != "server_error" else None)
+
+
+def error_response(code: int, message: str, type_: str | None = None, **extra: Any) -> web.Response:
+    body = error_body(code, message, type_)
+    body.update(extra)
+    return json_response(body, code)
+
+
+def failed_response(f: Failed) -> web.Response:
+    """The plain JSON error for a generation that failed before its first token."""
+    return json_response(failed_body(f), f.status)
+
+
+class BadRequest(Exception):
+    """A client error raised by request parsing; the middleware answers it with ``status``."""
+
+    def __init__(self, message: str, status: int = 400, type_: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type_
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except BadRequest as exc:
+        return error_response(exc.status, str(exc), exc.type)
+    except Unavailable as exc:
+        return error_response(503, str(exc), "unavailable_error")
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            msg = "File Not Found" if exc.status == 404 else exc.reason
+            return error_response(exc.status, msg)
+        raise
+    except ConnectionError:
+        raise  # the client left: nobody to answer
+    except Exception as exc:  # a bug of ours: still an answer in the envelope, and a loud log line
+        log.exception("unhandled error", path=request.path)
+        if request.writer is not None and request.writer.output_size > 0:
+            raise  # a response is already on the wire: aiohttp drops the connection
+        return error_response(500, f"internal server error: {type(exc).__name__}")

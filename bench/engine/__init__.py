@@ -1,0 +1,1 @@
+"""``llmproxy bench engine``: the backend's engines, through HTTP and bare."""

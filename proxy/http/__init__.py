@@ -1,0 +1,1 @@
+"""The proxy's HTTP face: middleware, gated and passthrough handlers, admin endpoints, request bodies, API keys."""

@@ -1,0 +1,151 @@
+"""The gated request handler: body -> session -> breaker -> queue -> permit -> job -> relay.
+
+The adapter a request runs with, and so its permit count and its body (``id_slot``), is
+the one in use when it is granted (``_Sizing``, the ticket's sizer): the watcher may swap
+in the adapter detection found while it waited (watch.py).
+
+Concurrency contract: the handler task belongs to the client connection (aiohttp runs
+with ``handler_cancellation=True``, so a client disconnect cancels it). While queued, a
+cancellation abandons the ticket (the request never reaches the upstream). Once the
+permit is granted, an UpstreamJob owns it and writes the response through the request's
+``Responder`` (relay.py) while this handler waits for its outcome; a cancellation then only
+tells the job that the client left (policy ``on_disconnect``); the job, not this handler,
+releases the permit and reports the upstream's health to the circuit breaker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiohttp import web
+
+from llmproxy.proxy.upstream.adapters.base import Adapter
+from llmproxy.proxy.http.bodies import parse_json_object, read_body
+from llmproxy.proxy.errors import ProxyError, QueueTimeout
+from llmproxy.proxy.gating.gate import Ticket
+from llmproxy.proxy.upstream.headers import request_headers
+from llmproxy.proxy.upstream.job import UpstreamJob, UpstreamRequest
+from llmproxy.proxy.upstream.responder import Responder
+from llmproxy.proxy.http.security import auth_headers_to_strip
+from llmproxy.proxy.gating.sessions import is_warmup, session_key
+from llmproxy.proxy.state import RECORD, STATE, ProxyState
+
+
+class _Sizing:
+    """A gated request's permit count, asked of the adapter in use when it is asked: at
+    admission (a 400 before queueing) and again by the gate at the grant. ``adapter`` is
+    the one that answered last, the one the request then runs with from its grant on
+    (even if the watcher swaps it again meanwhile)."""
+
+    __slots__ = ("st", "path", "parsed", "adapter")
+
+    def __init__(self, st: ProxyState, path: str, parsed: object) -> None:
+        self.st, self.path, self.parsed = st, path, parsed
+        self.adapter = st.adapter
+
+    def __call__(self, capacity: int) -> int:
+        self.adapter = self.st.adapter
+        return self.adapter.permits(self.path, self.parsed, capacity)  # or BadRequest
+
+
+async def gated(request: web.Request) -> web.StreamResponse:
+    st = request.app[STATE]
+    s = st.settings
+    rec = request[RECORD]
+    rec.gated = True
+    raw = await read_body(request, s.max_body_bytes, s.body_timeout_s)
+    parsed = parse_json_object(raw)
+    rec.parsed_body = parsed
+    rec.session = session_key(
+        parts=s.session_parts,
+        header_name=s.session_header,
+        headers=request.headers,
+        peer=request.remote,
+        path=request.path,
+        body=parsed,
+    )
+    supersedable = s.supersede and request.path in s.supersede_routes and not is_warmup(parsed)
+    sizing = _Sizing(st, request.path, parsed)
+    rec.permits = permits = sizing(st.gate.total)  # or BadRequest
+    probe = st.breaker.admit()  # raises UpstreamUnavailable (503) while the breaker is open
+    try:
+        ticket = st.gate.submit(rec.session, supersedable=supersedable, route=request.path, permits=permits,
+                                sizer=sizing)
+        await _wait_for_permit(st, ticket, request)
+    except BaseException:
+        st.breaker.neutral(probe)
+        raise
+    rec.permits = ticket.permits
+    return await _forward(st, sizing.adapter, ticket, request, raw, probe)
+
+
+async def _wait_for_permit(st: ProxyState, ticket: Ticket, request: web.Request) -> None:
+    rec = request[RECORD]
+    timeout = st.settings.queue_timeout_s
+    try:
+        if ticket.future.done():  # granted at submit (the common case): no timer to arm
+            ticket.future.result()
+        else:
+            async with asyncio.timeout(timeout):
+                await ticket.wait()
+    except TimeoutError:
+        st.gate.abandon(ticket)
+        raise QueueTimeout(f"no permit within {timeout:g}s") from None
+    except asyncio.CancelledError:
+        st.gate.abandon(ticket)
+        rec.client_gone = True
+        rec.outcome = "cancelled_queued"
+        raise
+    rec.queue_wait_s = time.monotonic() - ticket.created
+
+
+async def _forward(
+    st: ProxyState, adapter: Adapter, ticket: Ticket, request: web.Request, raw: bytes, probe: bool
+) -> web.StreamResponse:
+    s = st.settings
+    rec = request[RECORD]
+    upstream_req = UpstreamRequest(
+        method=request.method,
+        path=request.path,
+        raw_path=request.raw_path,
+        headers=request_headers(request.headers, strip=auth_headers_to_strip(s)),
+        body=raw,
+    )
+    out = Responder(request, rec.request_id, buffer_bytes=s.client_buffer_bytes,
+                    write_timeout_s=s.client_write_timeout_s)
+    try:
+        job = UpstreamJob(  # takes the permit (raises Superseded if replaced since the grant)
+            gate=st.gate,
+            ticket=ticket,
+            adapter=adapter,
+            request=upstream_req,
+            out=out,
+            record=rec,
+            metrics=st.metrics,
+            breaker=st.breaker,
+            breaker_probe=probe,
+            supersede_policy=st.policy(s.supersede_inflight, request.path, adapter, rec.parsed_body),
+            disconnect_policy=st.policy(s.on_disconnect, request.path, adapter, rec.parsed_body),
+            unconfirmed_hold_s=s.unconfirmed_cancel_hold_s,
+        )
+    except BaseException:
+        st.breaker.neutral(probe)
+        raise
+    rec.slot = job.slot
+    rec.add_ref()
+    st.jobs.spawn(job.run())
+    try:
+        resp = await out.outcome()
+    except (asyncio.CancelledError, ConnectionResetError):
+        # CancelledError: aiohttp noticed the disconnect; ConnectionResetError: the client's
+        # connection closed under a write before anything was sent.
+        rec.client_gone = True
+        job.client_gone()
+        raise
+    except ProxyError:
+        raise  # an error before the response started: the middleware answers with the envelope
+    if out.gone:  # the connection closed under a write, before aiohttp noticed
+        rec.client_gone = True
+        job.client_gone()
+    return resp

@@ -1,0 +1,1 @@
+"""What requests did: the request record, the canonical request log and the Prometheus metrics."""

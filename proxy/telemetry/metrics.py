@@ -1,0 +1,89 @@
+"""Prometheus metrics, one registry per app (no module-level singletons).
+
+A request's counts and timings are observed once, from its finished RequestRecord
+(``observe``, the record's ``on_done``), not while its response is still on the way:
+prometheus-client's histograms take a lock per bucket update, and on the critical path of
+a request that is time the client waits for.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from llmproxy.proxy.gating.breaker import CircuitBreaker
+from llmproxy.proxy.gating.gate import Gate
+
+if TYPE_CHECKING:
+    from llmproxy.proxy.telemetry.record import RequestRecord
+
+OUTCOMES = ("completed", "superseded", "cancelled_queued", "cancelled_inflight", "rejected", "error")
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "llmproxy_requests", "Requests by outcome and route", ["outcome", "route"], registry=r
+        )
+        self.queue_wait = Histogram(
+            "llmproxy_queue_wait_seconds", "Time from arrival to permit grant", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.upstream_latency = Histogram(
+            "llmproxy_upstream_latency_seconds", "Upstream request start to end of body", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.upstream_ttfb = Histogram(
+            "llmproxy_upstream_ttfb_seconds", "Upstream request start to first body byte", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.permit_hold = Histogram(
+            "llmproxy_permit_hold_seconds", "How long a permit was held", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.confirm_wait = Histogram(
+            "llmproxy_confirm_wait_seconds", "Wait for the upstream to confirm a stop", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.confirm_timeouts = Counter(
+            "llmproxy_confirm_timeouts", "Stop confirmations that timed out (the slot is quarantined until idle)",
+            registry=r
+        )
+        self.queue_depth = Gauge("llmproxy_queue_depth", "Requests waiting for a permit", registry=r)
+        self.inflight = Gauge(
+            "llmproxy_inflight", "Requests holding permits (at the upstream or being stopped)", registry=r
+        )
+        self.permits_free = Gauge("llmproxy_permits_free", "Free permits", registry=r)
+        self.permits_total = Gauge("llmproxy_permits_total", "Gate capacity (quarantined slots not counted)", registry=r)
+        self.permits_quarantined = Gauge(
+            "llmproxy_permits_quarantined", "Slots kept out of the gate after an unconfirmed stop, until seen idle",
+            registry=r,
+        )
+        self.breaker_state = Gauge(
+            "llmproxy_breaker_state", "Upstream circuit breaker: 0 closed, 1 open, 2 half-open", registry=r
+        )
+
+    def observe(self, rec: RequestRecord) -> None:
+        """Count a finished gated request by outcome and observe the timings it has."""
+        if not rec.gated:
+            return
+        self.requests.labels(outcome=rec.outcome, route=rec.path).inc()
+        for histogram, value in (
+            (self.queue_wait, rec.queue_wait_s),
+            (self.upstream_ttfb, rec.upstream_ttfb_s),
+            (self.upstream_latency, rec.upstream_s),
+            (self.permit_hold, rec.permit_hold_s),
+            (self.confirm_wait, rec.confirm_wait_s),
+        ):
+            if value is not None:
+                histogram.observe(value)
+
+    def bind_breaker(self, breaker: CircuitBreaker) -> None:
+        codes = {"closed": 0, "open": 1, "half_open": 2}
+        self.breaker_state.set_function(lambda: codes[breaker.state])
+
+    def bind_gate(self, gate: Gate) -> None:
+        self.queue_depth.set_function(lambda: gate.queued)
+        self.inflight.set_function(lambda: gate.inflight)
+        self.permits_free.set_function(lambda: gate.free)
+        self.permits_total.set_function(lambda: gate.capacity)  # may grow (Gate.grow), or count quarantine down
+        self.permits_quarantined.set_function(lambda: len(gate.quarantined))

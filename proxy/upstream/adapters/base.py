@@ -1,0 +1,136 @@
+"""The upstream adapter interface shared by every backend kind.
+
+An adapter knows three things about its backend: how to prepare a gated request body
+for a given permit/slot, whether it can *confirm* that a cancelled generation stopped
+(``can_confirm``), and how to wait for that confirmation. Cancelling is always "close the
+upstream connection" and is done by the job (jobs.py), not here.
+
+An adapter holds the two ways to its backend: ``client`` (upstream_client.py), which every
+relayed request goes through, and the app's ``session``, for its own probes and polls.
+The app's cleanup closes ``client`` (``close``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import aiohttp
+import structlog
+from yarl import URL
+
+from llmproxy.proxy.gating.gate import Gate, Ticket
+from llmproxy.proxy.gating.routes import GATED_ROUTES
+from llmproxy.proxy.settings import ProxySettings
+from llmproxy.proxy.upstream.client import UpstreamClient
+
+log = structlog.get_logger("llmproxy.adapter")
+
+
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
+
+
+async def get_json(session: aiohttp.ClientSession, url: str | URL) -> tuple[int, Any]:
+    """One probe or poll with the app's session: (status, the body as JSON or None)."""
+    async with session.get(url, timeout=PROBE_TIMEOUT, allow_redirects=False) as resp:
+        try:
+            return resp.status, await resp.json(content_type=None)
+        except ValueError:
+            return resp.status, None
+
+
+def upstream_authorization(settings: ProxySettings) -> str | None:
+    """The ``Authorization`` value for every request to the upstream, if a key is configured."""
+    key = settings.upstream_api_key
+    return None if key is None else f"Bearer {key.get_secret_value()}"
+
+
+class Adapter:
+    kind: ClassVar[str] = "openai"
+    #: closing a streaming request's connection stops its generation at the next token, with
+    #: nothing to confirm it by: policy auto cancels such a stream and holds the permit about
+    #: one token's time (jobs.py), instead of letting it run to its end
+    stops_streams: ClassVar[bool] = False
+    #: POST routes that run on the upstream's slots: gated (the others pass through)
+    gated_routes: ClassVar[frozenset[str]] = GATED_ROUTES
+
+    def __init__(
+        self, base_url: str, session: aiohttp.ClientSession, settings: ProxySettings, *, slots: int | None = None
+    ) -> None:
+        self.base_url = URL(base_url.rstrip("/"))
+        self.session = session
+        self.client = UpstreamClient(
+            self.base_url, connect_timeout_s=settings.connect_timeout_s, read_timeout_s=settings.read_timeout_s,
+            authorization=upstream_authorization(settings),
+        )
+        self.settings = settings
+        self.slots = slots
+        self.can_confirm = False
+        self.known = asyncio.Event()  # set once nothing is left to learn (``pending``; see watch.py)
+        self.undetected = False  # kind auto, upstream not there at start (no answer, 502-504): detect again
+        self.piece_gap_s: float | None = None  # recent streams' gap between pieces (about a token)
+
+    def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
+        """Body to send upstream for a gated request holding permit ``slot``."""
+        return raw
+
+    def assembles(self, path: str, parsed: Any) -> bool:
+        """Is this request sent as a stream and answered whole (assemble.py)? See llamacpp's."""
+        return False
+
+    def note_piece_gap(self, gap: float) -> None:
+        """A finished stream's mean gap between pieces: the adapter's estimate of a token's
+        time follows it (an average weighted to the recent ones)."""
+        self.piece_gap_s = gap if self.piece_gap_s is None else 0.8 * self.piece_gap_s + 0.2 * gap
+
+    def answers_at_start(self, path: str, parsed: Any) -> bool:
+        """Does the upstream send its response head only once the request runs on its slot,
+        so that a stop may wait for the head before it cuts (jobs.py)? See llamacpp's."""
+        return False
+
+    def permits(self, path: str, parsed: Any, capacity: int) -> int:
+        """How many slots (1..``capacity``) a gated request on ``path`` occupies at once, or
+        ``BadRequest`` if it cannot fit (see llamacpp's)."""
+        return 1
+
+    async def settle(self, gate: Gate, ticket: Ticket) -> None:
+        """Called before a request holding several permits is sent (see llamacpp's)."""
+
+    def pending(self) -> bool:
+        """Is something about the upstream still to be learnt by probing again (see watch.py)?"""
+        return self.undetected
+
+    def capacity_pending(self) -> bool:
+        """Is what sizes the gate (kind, slot count) still to be learnt (see watch.py)?"""
+        return self.undetected
+
+    async def refresh(self) -> None:
+        """Probe again for what ``pending`` says is still missing."""
+
+    def confirms(self, path: str) -> bool:
+        """Can a stopped request on ``path`` be confirmed (``confirm_stopped``) on this backend?"""
+        return self.can_confirm
+
+    async def confirm_stopped(self, slots: Sequence[int], *, answered: bool = True) -> bool:
+        """Wait until the backend shows every slot in ``slots`` idle. Adapters without a view return True.
+
+        ``answered``: the upstream had sent response headers, so its task had surely started."""
+        return True
+
+    async def watch_idle(
+        self, slots: Sequence[int], idle: Callable[[int], None], closing: asyncio.Event, *, answered: bool = True
+    ) -> None:
+        """After ``confirm_stopped`` gave up: call ``idle(slot)`` for each of ``slots`` once the
+        backend shows it idle, and return when none is left, or once ``closing`` is set
+        (shutdown). Adapters without a view have nothing to watch: all idle at once."""
+        for slot in slots:
+            idle(slot)
+
+    def close(self) -> None:
+        """Close the relay client's idle connections (app cleanup)."""
+        self.client.close()
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "url": str(self.base_url), "slots": self.slots, "can_confirm": self.can_confirm,
+                "detected": not self.undetected}

@@ -1,0 +1,277 @@
+"""Upstream jobs: the task that owns a permit, talks to the upstream, and releases it.
+
+Concurrency contract:
+- A job is spawned in the app's ``JobRegistry`` (tracked; never a bare fire-and-forget
+  task) as soon as its handler has a permit, and is independent of that handler: client
+  disconnects cancel the handler, never the job.
+- The job's upstream transfer runs inside the job task, in a cancel scope (the pattern of
+  ``asyncio.timeout``): ``stop(reason)`` (supersede, or the client left, under policy
+  ``cancel``; under any policy while the request was not sent yet: one that never left
+  is stopped for free, so it never reaches the upstream) cancels the job task only while
+  it is in that scope; the scope absorbs that
+  one cancellation (``Task.uncancel``) after the upstream connection was closed, and the
+  job then waits for the adapter to confirm the stop (or, for adapters that cannot, holds
+  the permit ``unconfirmed_cancel_hold_s``). A request that failed after it was sent (a
+  read timeout, a body cut short) had its connection closed the same way, and is treated
+  as such a stop: confirmed where the adapter can, else held ``unconfirmed_cancel_hold_s``. Any other cancellation (shutdown) leaves
+  ``uncancel()`` above zero and propagates. No child task: one task per request.
+- The permit is released once the upstream is idle for this request: as soon as its body
+  was read to its end (``_upstream_ended``, before the last bytes go to the client, so a
+  slow reader never holds it after that), else in the job's ``finally`` once the stop was
+  confirmed. A confirmation that timed out quarantines the request's slots instead
+  (gate.py): the request is over (logged, counted), and the job, still tracked by the
+  registry, watches them (``Adapter.watch_idle``) and gives each back once it shows idle,
+  or stops watching when the gate closes. Only app shutdown cancels the job itself
+  (``JobRegistry.drain``), and then the permit is released as the job unwinds.
+- The job writes the upstream's response to the client itself, through the request's
+  ``Responder`` (relay.py), as it arrives: no hand-over to the handler per piece. What a
+  slower client has not taken waits in its connection's buffer (``client_buffer_bytes``),
+  so the job reads the upstream to its end, and releases the permit, without waiting for
+  the client; only a fuller buffer holds the job back (backpressure), and a client that
+  takes no byte for ``client_write_timeout_s`` is dropped: its handler then applies
+  ``on_disconnect`` as for any client that left. Once the client is gone every write is a
+  no-op, so a job that drains a generation never blocks on a dead reader. Errors go to the
+  handler through ``Responder.fail``; the handler writes or answers them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from multidict import CIMultiDict
+
+from llmproxy.proxy.upstream.adapters.base import Adapter
+from llmproxy.proxy.upstream.assemble import Assembler
+from llmproxy.proxy.gating.breaker import CircuitBreaker
+from llmproxy.proxy.errors import ProxyError, ShuttingDown, Superseded
+from llmproxy.proxy.gating.gate import Gate, Ticket
+from llmproxy.proxy.telemetry.metrics import Metrics
+from llmproxy.proxy.telemetry.record import RequestRecord
+from llmproxy.proxy.upstream.responder import Responder
+from llmproxy.proxy.upstream.forward import forward
+
+log = structlog.get_logger("llmproxy.job")
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamRequest:
+    method: str
+    path: str
+    raw_path: str
+    headers: CIMultiDict[str]
+    body: bytes
+
+
+def _upstream_failed(status: int) -> bool:
+    """An upstream status the breaker counts as a failure."""
+    return status >= 500 and status != 501
+
+
+class UpstreamJob:
+    def __init__(
+        self,
+        *,
+        gate: Gate,
+        ticket: Ticket,
+        adapter: Adapter,
+        request: UpstreamRequest,
+        out: Responder,
+        record: RequestRecord,
+        metrics: Metrics,
+        breaker: CircuitBreaker,
+        breaker_probe: bool,
+        supersede_policy: str,
+        disconnect_policy: str,
+        unconfirmed_hold_s: float,
+    ) -> None:
+        self.gate, self.ticket, self.adapter, self.request, self.out = gate, ticket, adapter, request, out
+        self.record, self.metrics = record, metrics
+        self.breaker, self.breaker_probe = breaker, breaker_probe
+        self.supersede_policy, self.disconnect_policy = supersede_policy, disconnect_policy
+        self.unconfirmed_hold_s = unconfirmed_hold_s
+        self.slot = gate.take(ticket, on_supersede=self._superseded)
+        self._task: asyncio.Task[Any] | None = None  # set while in the transfer scope
+        self._stop_cancelled = False  # stop() cancelled the task in the transfer scope
+        self._crashed = False  # our own code failed during the transfer
+        self._stop_reason: str | None = None
+        self._finished = False  # upstream body read to its end
+        self._success_reported = False  # the breaker heard of this request's answer at its head
+        self._quarantine = False  # the stop was not confirmed in time: the slots may still be busy
+        # A stop after the request was sent waits for the upstream's head before it closes
+        # the connection, where the adapter says the head comes once the request runs
+        # (Adapter.answers_at_start): a stop confirmed before that could miss a task that
+        # was still on its way to the slot.
+        self._cancel_on_head = adapter.answers_at_start(request.path, record.parsed_body)
+
+    # -- control (called from the handler / the gate) ------------------------------
+    def _superseded(self) -> None:
+        self.record.superseded_inflight = True
+        if self.supersede_policy == "cancel" or not self.record.sent:
+            self.stop("superseded")
+
+    def client_gone(self) -> None:
+        self.out.detach()
+        if self.disconnect_policy == "cancel" or not self.record.sent:
+            self.stop("client_disconnect")
+
+    def stop(self, reason: str) -> None:
+        if self._stop_reason is not None or self._finished:
+            return
+        self._stop_reason = reason
+        self.gate.mark_stopping(self.ticket)
+        if self._task is not None and not self._stop_cancelled:
+            if self._cancel_on_head and self.record.sent and self.record.upstream_status is None:
+                return  # sent, not answered yet: cut when the head arrives (_on_head)
+            self._stop_cancelled = True
+            self._task.cancel()
+
+    def _on_head(self) -> None:
+        """The upstream answered. A good status is a success for the breaker now (a probe
+        must not keep the breaker half-open for its whole body). A stop that waited for the
+        head (``_cancel_on_head``) cuts now, in the job's own task, before anything goes to
+        the client (the transfer scope takes the CancelledError as its stop's)."""
+        status = self.record.upstream_status
+        if status is not None and not _upstream_failed(status):
+            self.breaker.success(self.breaker_probe)
+            self._success_reported = True
+        if self._stop_reason is not None and not self._stop_cancelled:
+            self._stop_cancelled = True
+            raise asyncio.CancelledError
+
+    # -- the job ----------------------------------------------------------------------
+    async def run(self) -> None:
+        """Own the permit until the upstream is idle for this request, then release it."""
+        rec = self.record
+        try:
+            if self._stop_reason is None:  # stopped before its first step: never sent at all
+                await self._transfer_scope()
+            if self._stop_reason == "superseded":
+                rec.outcome = "superseded"
+                self.out.fail(Superseded("superseded by a newer request from the same session"))
+            if self._needs_confirmation():
+                await self._confirm()
+        finally:
+            task = asyncio.current_task()
+            ended = self._finished or self._crashed or rec.upstream_error is not None
+            if task is not None and task.cancelling() and not ended:  # cut at the shutdown deadline
+                rec.outcome = rec.outcome or "cancelled_inflight"
+                self.out.fail(ShuttingDown("llmproxy shut down before the upstream finished"))
+            self._report_health()
+            if not self.out.ended:
+                self.out.fail(ProxyError("upstream job ended without a response"))
+            if self.out.stalled:  # dropped mid-way (the handler applied on_disconnect) or after the end
+                rec.client_gone = True
+                rec.error = rec.error or "client took nothing of its response in time: dropped"
+            self._release()
+            if rec.piece_gap_s is not None:
+                self.adapter.note_piece_gap(rec.piece_gap_s)
+            rec.end_ref()
+        if self._quarantine:
+            slots = self.ticket.slots
+            log.warning("slots quarantined until /slots shows them idle", slots=list(slots),
+                        request_id=rec.request_id)
+            await self.adapter.watch_idle(slots, self.gate.unquarantine, self.gate.closing,
+                                          answered=rec.upstream_status is not None)
+
+    def _release(self) -> None:
+        """Give the permit back (once; the upstream is idle for this request, or its slots
+        are quarantined: ``_quarantine``)."""
+        if self.record.permit_hold_s is None:
+            self.record.permit_hold_s = time.monotonic() - (self.ticket.granted_at or time.monotonic())
+            self.gate.quarantine(self.ticket, self.ticket.slots if self._quarantine else ())
+
+    def _upstream_ended(self) -> None:
+        """The upstream's body was read to its end: nothing left to stop, permit back."""
+        self._finished = True
+        self._release()
+
+    async def _transfer_scope(self) -> None:
+        """Run the transfer where ``stop()`` may cancel it (see the module's contract)."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        try:
+            await self._transfer_body()
+        except asyncio.CancelledError:
+            if self._stop_cancelled and task.uncancel() == 0:
+                return  # our own stop: the upstream connection is closed, go on to confirmation
+            raise
+        except Exception as exc:
+            self._crashed = True  # confirmed like an upstream error: the request may still run
+            log.error("upstream job crashed", error=repr(exc), request_id=self.record.request_id)
+            self.out.fail(ProxyError("internal proxy error"))
+        finally:
+            self._task = None
+        if self._stop_cancelled and task.cancelling() > 0:
+            # the stop's CancelledError was turned into another exception inside the transfer:
+            # drop its count so that it cannot cancel the confirmation that follows
+            task.uncancel()
+
+    def _needs_confirmation(self) -> bool:
+        """A stop must be confirmed if the request was sent and did not end by itself."""
+        rec = self.record
+        if not rec.sent:
+            return False
+        failed = rec.upstream_error is not None or self._crashed
+        return self._stop_reason is not None or (failed and not self._finished)
+
+    def _report_health(self) -> None:
+        """Tell the breaker how the upstream did (a success may have been told at the head)."""
+        rec = self.record
+        status = rec.upstream_status
+        probe = self.breaker_probe and not self._success_reported  # the probe slot is freed once
+        if rec.upstream_error is not None or (status is not None and _upstream_failed(status)):
+            self.breaker.failure(probe)
+        elif self._success_reported:
+            pass
+        elif status is not None:
+            self.breaker.success(probe)
+        else:  # never answered (cancelled before headers): no evidence either way
+            self.breaker.neutral(probe)
+
+    async def _confirm(self) -> None:
+        start = time.monotonic()
+        if self.adapter.confirms(self.request.path):
+            answered = self.record.upstream_status is not None
+            if not await self.adapter.confirm_stopped(self.ticket.slots, answered=answered):
+                self.metrics.confirm_timeouts.inc()
+                self.record.confirm_timed_out = True
+                self._quarantine = True
+        elif self._stop_reason is not None:
+            await asyncio.sleep(self._unconfirmed_hold())  # policy cancel without a view: best effort
+        else:  # failed mid-way (a read timeout, a cut body): the upstream may run on, unseen
+            await asyncio.sleep(self.unconfirmed_hold_s)
+        waited = time.monotonic() - start
+        self.record.confirm_wait_s = waited
+
+    def _unconfirmed_hold(self) -> float:
+        """How long a stop nothing can confirm holds the permit: a stream that has started
+        (its first piece came, so its prompt is done) stops at its next token, so twice the
+        mean gap between its pieces, or between those of the adapter's recent streams when
+        this one has only one yet (``Adapter.piece_gap_s``); at most
+        ``unconfirmed_cancel_hold_s``, which is also the hold before the first piece."""
+        rec = self.record
+        gap = rec.piece_gap_s if rec.piece_gap_s is not None else self.adapter.piece_gap_s
+        if rec.upstream_ttfb_s is None or gap is None:
+            return self.unconfirmed_hold_s
+        return min(self.unconfirmed_hold_s, 2 * gap)
+
+    async def _transfer_body(self) -> None:
+        rec, req = self.record, self.request
+        if len(self.ticket.slots) > 1:  # n_cmpl: see LlamaCppAdapter.settle
+            await self.adapter.settle(self.gate, self.ticket)
+        body = self.adapter.prepare_body(req.path, req.body, rec.parsed_body, self.slot)
+        try:
+            assembler = None
+            if self.adapter.assembles(req.path, rec.parsed_body):  # sent as a stream (assemble.py)
+                rec.assembled, assembler = True, Assembler(req.path)
+            await forward(self.adapter, req.method, req.raw_path, req.headers, body, self.out, rec,
+                          self._upstream_ended, self._on_head, assembler)
+        except ProxyError as exc:
+            rec.upstream_error = exc
+            log.warning("upstream request failed", error=exc.message, request_id=rec.request_id)
+            self.out.fail(exc)

@@ -1,0 +1,85 @@
+"""A client that stops reading (a suspended editor, a stuck socket): the upstream is read to
+its end into the client's buffer, so the permit comes back when the upstream is done, and
+a client that takes nothing for ``client_write_timeout_s`` is dropped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import structlog
+
+from llmproxy.bench.fake.upstream import FakeUpstream, Script
+from tests.helpers.proxy import run_proxy
+from tests.helpers.net import wait_until
+
+TOKENS, PADDING = 512, 16384  # 8 MiB of stream: more than a loopback connection's kernel buffers hold (4 MiB)
+
+
+@contextlib.asynccontextmanager
+async def stalled(url: str, path: str, body: dict[str, Any]) -> AsyncIterator[asyncio.StreamReader]:
+    """A client that sends ``body`` and reads only the response head, then nothing: its
+    receive buffer is small, so the proxy's writes soon wait for it."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
+    payload = json.dumps(body).encode()
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\nX-Request-Id: stalled\r\n\r\n".encode() + payload)
+    await writer.drain()
+    try:
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        yield reader
+    finally:
+        writer.close()
+
+
+async def dropped(reader: asyncio.StreamReader) -> bool:
+    """Does the connection end (once what is left was read), as the proxy's drop ends it?"""
+    with contextlib.suppress(ConnectionError):
+        while await reader.read(1 << 16):
+            pass
+    return True
+
+
+async def test_a_client_that_stops_reading_does_not_keep_the_permit(http: aiohttp.ClientSession) -> None:
+    script = lambda _p, b: Script(tokens=TOKENS, token_delay_s=0, padding=PADDING if b["prompt"] == "a" else 0)  # noqa: E731
+    async with FakeUpstream(slots=1, script=script) as fake, run_proxy(
+        fake.url, client_buffer_bytes=16 << 20, client_write_timeout_s=0.5
+    ) as px:
+        gate = px.state.gate
+        with structlog.testing.capture_logs() as logs:
+            async with stalled(px.url, "/completion", {"prompt": "a", "stream": True}) as reader:
+                await fake.wait_for(lambda f: len(f.completed) == 1, timeout=10)  # the backend is done...
+                await wait_until(lambda: gate.free == 1, what="the permit back while the client still stalls")
+                async with http.post(px.url + "/completion", json={"prompt": "b", "n_predict": 2}) as r:
+                    assert r.status == 200  # ...and the next request runs meanwhile
+                await wait_until(lambda: len(px.state.jobs) == 0, what="the client dropped: it took nothing for 0.5 s")
+                assert await asyncio.wait_for(dropped(reader), 5)
+            px.flush_log()
+        line = next(e for e in logs if e.get("event") == "request" and e["request_id"] == "stalled")
+        assert "dropped" in line["error"] and line["reached_upstream"] is True
+        assert fake.aborted == [] and fake.max_concurrent == 1
+
+
+async def test_a_client_stalled_mid_stream_is_dropped_and_its_generation_stopped() -> None:
+    """The response is larger than ``client_buffer_bytes``: the job waits for the client, for
+    ``client_write_timeout_s`` at most; then the client is dropped, and ``on_disconnect``
+    (auto: cancel, confirmed by /slots) stops the generation and returns the permit."""
+    script = lambda _p, _b: Script(tokens=TOKENS * 4, token_delay_s=0, padding=PADDING)  # noqa: E731
+    async with FakeUpstream(slots=1, script=script, abort_linger_s=0.05) as fake, run_proxy(
+        fake.url, client_buffer_bytes=65536, client_write_timeout_s=0.5
+    ) as px:
+        async with stalled(px.url, "/completion", {"prompt": "a", "stream": True}) as reader:
+            await fake.wait_for(lambda f: len(f.aborted) == 1, timeout=10)
+            assert await asyncio.wait_for(dropped(reader), 5)
+        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        assert fake.completed == [] and px.state.gate.free == 1
