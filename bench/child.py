@@ -32,8 +32,8 @@ from pydantic import Field
 
 from llmproxy.common import loops
 from llmproxy.common.config import LayeredSettings, add_settings_arguments, settings_from_args
-from llmproxy.proxy.upstream.embedded import child_preexec
 from llmproxy.common.portfile import write_port_file
+from llmproxy.proxy.upstream.embedded import child_preexec
 
 
 class ReferenceSettings(LayeredSettings):
@@ -43,7 +43,9 @@ class ReferenceSettings(LayeredSettings):
     upstream: str = Field(description="Base URL to relay to")
     host: str = Field("127.0.0.1", description="Address to bind")
     port: int = Field(0, ge=0, le=65535, description="Port to bind; 0 picks a free port")
-    port_file: Path | None = Field(None, description="Write the bound port to this file once listening")
+    port_file: Path | None = Field(
+        None, description="Write the bound port to this file once listening"
+    )
     loop: loops.LoopChoice = Field("auto", description="Event loop, as the proxy's --loop")
 
 
@@ -58,7 +60,11 @@ async def child(
     log_path = workdir / f"{name}.log"
     with log_path.open("wb") as log:
         proc = await asyncio.create_subprocess_exec(
-            *argv, "--port-file", str(port_file), stdout=log, stderr=asyncio.subprocess.STDOUT,
+            *argv,
+            "--port-file",
+            str(port_file),
+            stdout=log,
+            stderr=asyncio.subprocess.STDOUT,
             preexec_fn=child_preexec(),
         )
         try:
@@ -66,7 +72,9 @@ async def child(
             while not port_file.exists():
                 if proc.returncode is not None or time.monotonic() > deadline:
                     tail = log_path.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"{name} did not start (rc={proc.returncode}); its output:\n{tail}")
+                    raise RuntimeError(
+                        f"{name} did not start (rc={proc.returncode}); its output:\n{tail}"
+                    )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(proc.wait(), 0.02)
             yield proc.pid, f"http://127.0.0.1:{int(port_file.read_text())}"
@@ -111,7 +119,10 @@ def stop_event() -> asyncio.Event:
 
 
 def run_child_main(
-    module: str, description: str, settings_cls: type[S], serve: Callable[[S], Coroutine[Any, Any, None]],
+    module: str,
+    description: str,
+    settings_cls: type[S],
+    serve: Callable[[S], Coroutine[Any, Any, None]],
     argv: list[str] | None,
 ) -> int:
     """Parse ``argv`` into ``settings_cls`` and run ``serve`` on its ``--loop`` (the entry of

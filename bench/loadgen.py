@@ -54,8 +54,11 @@ class LoadResult:
         """One result from several measured blocks of the same load (latencies pooled)."""
         cpu = tuple(map(sum, zip(*(p.cpu_s for p in parts), strict=True)))
         return cls(
-            sorted(t for p in parts for t in p.latencies_s), sum(p.errors for p in parts),
-            sum(p.elapsed_s for p in parts), any(p.capped for p in parts), cpu,
+            sorted(t for p in parts for t in p.latencies_s),
+            sum(p.errors for p in parts),
+            sum(p.elapsed_s for p in parts),
+            any(p.capped for p in parts),
+            cpu,
         )
 
     @property
@@ -84,7 +87,12 @@ class _Phase:
 
 
 async def _worker(
-    session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str], stream: bool, phase: _Phase,
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    stream: bool,
+    phase: _Phase,
     start_delay_s: float,
 ) -> None:
     if start_delay_s > 0:
@@ -108,21 +116,39 @@ async def _worker(
 
 
 async def _run_phase(
-    session: aiohttp.ClientSession, url: str, body: bytes, *, requests: int, concurrency: int,
-    duration_s: float, stream: bool, headers: Callable[[int], dict[str, str]], spread_s: float = 0.0,
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    *,
+    requests: int,
+    concurrency: int,
+    duration_s: float,
+    stream: bool,
+    headers: Callable[[int], dict[str, str]],
+    spread_s: float = 0.0,
 ) -> tuple[_Phase, float]:
     start = time.perf_counter()
     phase = _Phase(requests, start + duration_s, itertools.count(), [])
     async with asyncio.TaskGroup() as tg:
         for w in range(concurrency):
-            tg.create_task(_worker(session, url, body, headers(w), stream, phase, spread_s * w / concurrency))
+            tg.create_task(
+                _worker(session, url, body, headers(w), stream, phase, spread_s * w / concurrency)
+            )
     return phase, time.perf_counter() - start
 
 
 async def run_load(
-    url: str, body: bytes, *, requests: int, warmup: int, concurrency: int, duration_s: float,
-    stream: bool, headers: Callable[[int], dict[str, str]] = lambda _w: {},
-    probe: Callable[[], tuple[float, ...]] | None = None, stagger: bool = True,
+    url: str,
+    body: bytes,
+    *,
+    requests: int,
+    warmup: int,
+    concurrency: int,
+    duration_s: float,
+    stream: bool,
+    headers: Callable[[int], dict[str, str]] = lambda _w: {},
+    probe: Callable[[], tuple[float, ...]] | None = None,
+    stagger: bool = True,
 ) -> LoadResult:
     """Send ``warmup`` then ``requests`` POSTs of ``body`` to ``url`` with ``concurrency`` workers.
 
@@ -142,15 +168,33 @@ async def run_load(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         spread_s = 0.0
         if warmup:
-            warm, _ = await _run_phase(session, url, body, requests=warmup, concurrency=concurrency,
-                                       duration_s=duration_s, stream=stream, headers=all_headers)
+            warm, _ = await _run_phase(
+                session,
+                url,
+                body,
+                requests=warmup,
+                concurrency=concurrency,
+                duration_s=duration_s,
+                stream=stream,
+                headers=all_headers,
+            )
             if stagger and warm.latencies:
                 spread_s = statistics.median(warm.latencies)
         before = probe() if probe is not None else ()
-        phase, elapsed = await _run_phase(session, url, body, requests=requests, concurrency=concurrency,
-                                          duration_s=duration_s, stream=stream, headers=all_headers,
-                                          spread_s=spread_s)
+        phase, elapsed = await _run_phase(
+            session,
+            url,
+            body,
+            requests=requests,
+            concurrency=concurrency,
+            duration_s=duration_s,
+            stream=stream,
+            headers=all_headers,
+            spread_s=spread_s,
+        )
         after = probe() if probe is not None else ()
     done = len(phase.latencies) + phase.errors
     cpu = tuple(b - a for a, b in zip(before, after, strict=True))
-    return LoadResult(sorted(phase.latencies), phase.errors, elapsed, capped=done < requests, cpu_s=cpu)
+    return LoadResult(
+        sorted(phase.latencies), phase.errors, elapsed, capped=done < requests, cpu_s=cpu
+    )

@@ -20,8 +20,15 @@ def plot_latency(results: list[TargetResult], path: Path) -> None:
         raise SystemExit("--plot needs matplotlib: pip install 'llmproxy[plot]'") from None
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for r in results:
-        points = sorted((b.t_last_key - r.t0, b.latency_s * 1000) for b in r.bursts if b.latency_s is not None)
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{r.url} ({r.profile})")
+        points = sorted(
+            (b.t_last_key - r.t0, b.latency_s * 1000) for b in r.bursts if b.latency_s is not None
+        )
+        ax.plot(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            marker="o",
+            label=f"{r.url} ({r.profile})",
+        )
         ax.axhline(r.baseline_s * 1000, linestyle=":", linewidth=1, color=ax.lines[-1].get_color())
     ax.set_xlabel("time since the first burst (s)")
     ax.set_ylabel("last completion latency (ms)")

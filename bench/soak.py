@@ -38,8 +38,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from llmproxy.bench.child import child
 from llmproxy.bench.burst.slots import SlotsPoller
+from llmproxy.bench.child import child
 from llmproxy.common.config import LayeredSettings, add_settings_arguments, settings_from_args
 from llmproxy.common.logs import configure_logging
 
@@ -50,13 +50,17 @@ class SoakSettings(LayeredSettings):
     model_config = SettingsConfigDict(env_prefix="LLMPROXY_SOAK_", frozen=True, extra="forbid")
 
     minutes: float = Field(10.0, gt=0, description="How long to drive the editors")
-    upstream: str | None = Field(None, description="Backend URL for the proxy; unset = embedded backend")
+    upstream: str | None = Field(
+        None, description="Backend URL for the proxy; unset = embedded backend"
+    )
     capacity: int = Field(1, ge=1, description="Permits N (and embedded backend slots)")
     editors: int = Field(4, ge=1, description="Simulated editors (one session each)")
     n_predict: int = Field(16, ge=1, description="Tokens asked per completion")
     poll_ms: float = Field(20.0, gt=0, description="GET /slots poll interval")
     seed: int = Field(1, description="Random seed for the editors' actions")
-    start_timeout_s: float = Field(300.0, gt=0, description="Longest wait for the proxy (and its backend) to start")
+    start_timeout_s: float = Field(
+        300.0, gt=0, description="Longest wait for the proxy (and its backend) to start"
+    )
     log_level: str = Field("warning", description="Log level (also the proxy child's)")
 
 
@@ -70,7 +74,9 @@ class SoakResult:
     rss_start_kb: int = 0
     rss_end_kb: int = 0
     permits_free: int = -1
-    error_lines: list[str] = field(default_factory=list)  # the proxy's log lines about failed requests
+    error_lines: list[str] = field(
+        default_factory=list
+    )  # the proxy's log lines about failed requests
 
     def failures(self) -> list[str]:
         bad = []
@@ -82,7 +88,9 @@ class SoakResult:
             bad.append(f"proxy RSS grew {self.rss_start_kb} -> {self.rss_end_kb} kB (>= 10%)")
         sent, counted = sum(self.client.values()), sum(self.outcomes.values())
         if counted != sent:
-            bad.append(f"proxy counted {counted:g} requests, clients sent {sent}: some were lost or double-counted")
+            bad.append(
+                f"proxy counted {counted:g} requests, clients sent {sent}: some were lost or double-counted"
+            )
         if self.outcomes.get("error", 0):
             bad.append(f"{self.outcomes['error']:g} requests ended in error")
         return bad
@@ -108,15 +116,32 @@ def outcomes_from_metrics(text: str) -> dict[str, float]:
 
 def proxy_argv(settings: SoakSettings) -> list[str]:
     """``llmproxy serve`` for the soak (``--port-file`` is appended by ``child``)."""
-    argv = [sys.executable, "-m", "llmproxy.proxy", "serve", "--port", "0",
-            "--capacity", str(settings.capacity), "--log-level", settings.log_level, "--log-json"]
-    return argv + (["--upstream", settings.upstream] if settings.upstream else ["--parallel", str(settings.capacity)])
+    argv = [
+        sys.executable,
+        "-m",
+        "llmproxy.proxy",
+        "serve",
+        "--port",
+        "0",
+        "--capacity",
+        str(settings.capacity),
+        "--log-level",
+        settings.log_level,
+        "--log-json",
+    ]
+    return argv + (
+        ["--upstream", settings.upstream]
+        if settings.upstream
+        else ["--parallel", str(settings.capacity)]
+    )
 
 
 class Editor:
     """One editor session doing random actions until ``deadline``."""
 
-    def __init__(self, http: aiohttp.ClientSession, url: str, i: int, s: SoakSettings, result: SoakResult) -> None:
+    def __init__(
+        self, http: aiohttp.ClientSession, url: str, i: int, s: SoakSettings, result: SoakResult
+    ) -> None:
         self.http, self.url, self.s, self.result = http, url, s, result
         self.rng = random.Random(s.seed * 1000 + i)
         self.headers = {"X-LLMProxy-Session": f"soak-editor-{i}", "User-Agent": f"soak/{i}"}
@@ -140,7 +165,12 @@ class Editor:
                 text += self.rng.choice("abcxyz+-*() ")
                 if abort and tasks:
                     tasks[-1].cancel()
-                body = {"input_prefix": text, "input_suffix": "\n", "n_predict": self.s.n_predict, "stream": abort}
+                body = {
+                    "input_prefix": text,
+                    "input_suffix": "\n",
+                    "n_predict": self.s.n_predict,
+                    "stream": abort,
+                }
                 tasks.append(asyncio.create_task(self.request("/infill", body)))
                 await asyncio.sleep(self.rng.uniform(0.03, 0.08))
         finally:
@@ -153,10 +183,18 @@ class Editor:
         elif roll < 0.65:
             await self.request("/completion", {"prompt": "import os\n", "n_predict": 0})  # warm-up
         elif roll < 0.85:
-            await self.request("/v1/chat/completions", {"messages": [{"role": "user", "content": "Say hi"}],
-                                                        "max_tokens": self.s.n_predict, "stream": True})
+            await self.request(
+                "/v1/chat/completions",
+                {
+                    "messages": [{"role": "user", "content": "Say hi"}],
+                    "max_tokens": self.s.n_predict,
+                    "stream": True,
+                },
+            )
         else:
-            await self.request("/completion", {"prompt": "def add(a, b):", "n_predict": self.s.n_predict})
+            await self.request(
+                "/completion", {"prompt": "def add(a, b):", "n_predict": self.s.n_predict}
+            )
 
     async def run(self, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -170,7 +208,9 @@ async def _quiet(http: aiohttp.ClientSession, url: str, timeout_s: float) -> dic
     while True:
         async with http.get(url + "/llmproxy/status") as r:
             status: dict[str, Any] = await r.json()
-        if (status["queue"]["depth"] == 0 and not status["inflight"] and status["jobs"] == 0) or time.monotonic() > deadline:
+        if (
+            status["queue"]["depth"] == 0 and not status["inflight"] and status["jobs"] == 0
+        ) or time.monotonic() > deadline:
             return status
         await asyncio.sleep(0.05)
 
@@ -178,9 +218,13 @@ async def _quiet(http: aiohttp.ClientSession, url: str, timeout_s: float) -> dic
 async def run_soak(settings: SoakSettings) -> SoakResult:
     result = SoakResult(capacity=settings.capacity)
     with tempfile.TemporaryDirectory(prefix="llmproxy-soak-") as tmp:
-        async with child("proxy", proxy_argv(settings), Path(tmp), settings.start_timeout_s, 30) as (pid, url), aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=120)
-        ) as http:
+        async with (
+            child("proxy", proxy_argv(settings), Path(tmp), settings.start_timeout_s, 30) as (
+                pid,
+                url,
+            ),
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http,
+        ):
             deadline = time.monotonic() + settings.start_timeout_s
             while True:  # the port file comes before the embedded backend is ready
                 with contextlib.suppress(aiohttp.ClientError):
@@ -192,9 +236,17 @@ async def run_soak(settings: SoakSettings) -> SoakResult:
                 await asyncio.sleep(0.1)
             editors = [Editor(http, url, i, settings, result) for i in range(settings.editors)]
             for e in editors:  # warm-up: every kind of request once, then the RSS baseline
-                for path, body in (("/infill", {"input_prefix": "x", "n_predict": 2}),
-                                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                              "max_tokens": 2, "stream": True})):
+                for path, body in (
+                    ("/infill", {"input_prefix": "x", "n_predict": 2}),
+                    (
+                        "/v1/chat/completions",
+                        {
+                            "messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": 2,
+                            "stream": True,
+                        },
+                    ),
+                ):
                     await e.request(path, body)
             await _quiet(http, url, 30)
             result.rss_start_kb = rss_kb(pid)
@@ -220,8 +272,11 @@ async def run_soak(settings: SoakSettings) -> SoakResult:
 
 def error_lines(log_path: Path, most: int = 10) -> list[str]:
     """The proxy child's warning/error log lines and canonical lines with outcome error."""
-    keep = [ln for ln in log_path.read_text(errors="replace").splitlines()
-            if '"outcome": "error"' in ln or '"level": "error"' in ln or '"level": "warning"' in ln]
+    keep = [
+        ln
+        for ln in log_path.read_text(errors="replace").splitlines()
+        if '"outcome": "error"' in ln or '"level": "error"' in ln or '"level": "warning"' in ln
+    ]
     return keep[:most]
 
 
@@ -236,7 +291,10 @@ def format_table(r: SoakResult) -> str:
         ("permits free at end", str(r.permits_free)),
         ("proxy RSS start (kB)", str(r.rss_start_kb)),
         ("proxy RSS end (kB)", str(r.rss_end_kb)),
-        ("proxy RSS growth", f"{(r.rss_end_kb / r.rss_start_kb - 1) * 100:+.1f}%" if r.rss_start_kb else "n/a"),
+        (
+            "proxy RSS growth",
+            f"{(r.rss_end_kb / r.rss_start_kb - 1) * 100:+.1f}%" if r.rss_start_kb else "n/a",
+        ),
     ]
     lines = [f"{k:<32}{v:>14}" for k, v in rows]
     bad = r.failures()
@@ -257,8 +315,10 @@ def run(args: argparse.Namespace) -> int:
 
 def register(bench_sub: argparse._SubParsersAction) -> None:
     parser = bench_sub.add_parser(
-        "soak", help="Mixed editors against llmproxy serve for M minutes; check nothing leaks or overruns",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        "soak",
+        help="Mixed editors against llmproxy serve for M minutes; check nothing leaks or overruns",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_settings_arguments(parser, SoakSettings)
     parser.set_defaults(func=run)

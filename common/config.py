@@ -29,8 +29,10 @@ from pydantic import SecretStr, ValidationError
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
-    SettingsError as SourceError,
     TomlConfigSettingsSource,
+)
+from pydantic_settings import (
+    SettingsError as SourceError,
 )
 
 S = TypeVar("S", bound=BaseSettings)
@@ -103,7 +105,13 @@ def _note_repeat(ns: argparse.Namespace, dest: str, values: Any) -> None:
 class _Once(argparse._StoreAction):
     """``store``, remembering a second occurrence for ``settings_from_args`` to reject."""
 
-    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any, option: Any = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        ns: argparse.Namespace,
+        values: Any,
+        option: Any = None,
+    ) -> None:
         _note_repeat(ns, self.dest, values)
         super().__call__(parser, ns, values, option)
 
@@ -111,7 +119,13 @@ class _Once(argparse._StoreAction):
 class _BoolOnce(argparse.BooleanOptionalAction):
     """``--x/--no-x``, remembering a second occurrence of either for ``settings_from_args``."""
 
-    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any, option: Any = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        ns: argparse.Namespace,
+        values: Any,
+        option: Any = None,
+    ) -> None:
         _note_repeat(ns, self.dest, option)
         super().__call__(parser, ns, values, option)
 
@@ -156,14 +170,20 @@ def settings_from_args(cls: type[S], ns: argparse.Namespace) -> S:
     env_prefix = cls.model_config.get("env_prefix", "")
     repeated = getattr(ns, _REPEATED, [])
     if repeated:
-        fail([f"{_flag(dest)} is given more than once (again as {_shown(values)!r}); give it once"
-              for dest, values in repeated])
+        fail(
+            [
+                f"{_flag(dest)} is given more than once (again as {_shown(values)!r}); give it once"
+                for dest, values in repeated
+            ]
+        )
     values = {k: v for k, v in vars(ns).items() if k in cls.model_fields}
     config: Path | None = getattr(ns, "config", None)
     target: type[S] = cls
     if config is not None:
         _check_toml(config)
-        target = type(cls.__name__, (cls,), {"model_config": {**cls.model_config, "toml_file": config}})
+        target = type(
+            cls.__name__, (cls,), {"model_config": {**cls.model_config, "toml_file": config}}
+        )
     try:
         return target(**values)
     except ValidationError as exc:
@@ -171,8 +191,12 @@ def settings_from_args(cls: type[S], ns: argparse.Namespace) -> S:
     except SourceError as exc:  # an env value of a list setting that is not JSON
         m = re.search(r'field "(\w+)"', str(exc))
         name = m.group(1) if m else "?"
-        fail([f"env {env_prefix}{name.upper()}: cannot parse {os.environ.get(f'{env_prefix}{name}'.upper())!r} "
-              f"({exc.__cause__ or exc}); a list from the environment is JSON, e.g. '[\"a\",\"b\"]'"])
+        fail(
+            [
+                f"env {env_prefix}{name.upper()}: cannot parse {os.environ.get(f'{env_prefix}{name}'.upper())!r} "
+                f'({exc.__cause__ or exc}); a list from the environment is JSON, e.g. \'["a","b"]\''
+            ]
+        )
 
 
 def _shown(value: Any) -> str:

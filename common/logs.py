@@ -33,8 +33,11 @@ def stamp(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
 
 def iso_utc(epoch: float | None) -> str:
     """``epoch`` (``time.time()``; None: now) as ``stamp`` writes it: ISO 8601, UTC, ``Z``."""
-    when = datetime.datetime.now(datetime.timezone.utc) if epoch is None else (
-        datetime.datetime.fromtimestamp(epoch, datetime.timezone.utc))
+    when = (
+        datetime.datetime.now(datetime.UTC)
+        if epoch is None
+        else (datetime.datetime.fromtimestamp(epoch, datetime.UTC))
+    )
     return when.isoformat().replace("+00:00", "Z")
 
 
@@ -61,7 +64,9 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
     renderer: Any = (
         structlog.processors.JSONRenderer()
         if use_json  # plain tracebacks on a TTY: rich's would print every frame's locals
-        else structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
+        else structlog.dev.ConsoleRenderer(
+            colors=False, exception_formatter=structlog.dev.plain_traceback
+        )
     )
     tail: list[Any] = [structlog.processors.format_exc_info, renderer] if use_json else [renderer]
     structlog.configure(
@@ -73,8 +78,10 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
     )
     # aiohttp and asyncio log through stdlib: warnings and above, rendered like our own lines.
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *tail],
-    ))
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *tail],
+        )
+    )
     logging.basicConfig(level=max(lvl, logging.WARNING), handlers=[handler])

@@ -51,7 +51,9 @@ def choose(choice: LoopChoice, prog: str) -> tuple[str, LoopFactory | None]:
 
 def running() -> str:
     """The name of the loop this code runs on ("uvloop" or "asyncio"), for log lines."""
-    return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
+    return (
+        "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else "asyncio"
+    )
 
 
 def run(main: Coroutine[Any, Any, T], factory: LoopFactory | None) -> T:

@@ -125,7 +125,9 @@ async def serve(
         if listen.sock is not None:
             site = web.SockSite(runner, listen.sock, backlog=listen.backlog)
         else:
-            site = web.TCPSite(runner, listen.host, listen.port, reuse_address=True, backlog=listen.backlog)
+            site = web.TCPSite(
+                runner, listen.host, listen.port, reuse_address=True, backlog=listen.backlog
+            )
         await site.start()
         host, port = runner.addresses[0][:2]
         if listen.port_file is not None:

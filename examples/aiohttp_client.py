@@ -53,10 +53,16 @@ async def main(base: str) -> int:
         started = time.perf_counter()
         assert pending is not None
         text = await pending
-    sys.stdout.write(f"{PREFIX}{TYPED}{text}\n-- last completion in {time.perf_counter() - started:.3f}s\n")
+    sys.stdout.write(
+        f"{PREFIX}{TYPED}{text}\n-- last completion in {time.perf_counter() - started:.3f}s\n"
+    )
     return 0 if text else 1
 
 
 if __name__ == "__main__":
-    url = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("LLMPROXY_URL", "http://127.0.0.1:8080")
+    url = (
+        sys.argv[1]
+        if len(sys.argv) > 1
+        else os.environ.get("LLMPROXY_URL", "http://127.0.0.1:8080")
+    )
     raise SystemExit(asyncio.run(main(url.rstrip("/"))))

@@ -17,9 +17,13 @@ from openai import OpenAI
 
 
 def main(argv: list[str]) -> int:
-    base = (argv[1] if len(argv) > 1 else os.environ.get("LLMPROXY_URL", "http://127.0.0.1:8080")).rstrip("/")
+    base = (
+        argv[1] if len(argv) > 1 else os.environ.get("LLMPROXY_URL", "http://127.0.0.1:8080")
+    ).rstrip("/")
     prompt = argv[2] if len(argv) > 2 else "def fibonacci(n):\n"
-    client = OpenAI(base_url=base + "/v1", api_key=os.environ.get("LLMPROXY_API_KEY", "none"), max_retries=0)
+    client = OpenAI(
+        base_url=base + "/v1", api_key=os.environ.get("LLMPROXY_API_KEY", "none"), max_retries=0
+    )
     model = client.models.list().data[0].id  # the backend's model name
     pieces = 0
     for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=32, stream=True):

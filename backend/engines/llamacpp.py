@@ -36,7 +36,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmproxy.backend.engines.prompts import CHATML, admit_tokens, chat_messages, given_tokens, infill_tokens
+from llmproxy.backend.engines.prompts import (
+    CHATML,
+    admit_tokens,
+    chat_messages,
+    given_tokens,
+    infill_tokens,
+)
 from llmproxy.backend.engines.stops import done_event, take_piece, time_up
 from llmproxy.backend.model_path import resolve_model
 from llmproxy.backend.protocol import Done, EngineInfo, Event, Failed, Prompt, Submit, Token
@@ -53,7 +59,9 @@ class _Seq:
     n_decoded: int = 0
     held: str = ""  # generated text not yet emitted (could start a stop word)
     has_new_line: bool = False
-    decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
+    decoder: Any = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
+    )
     t_admit: float = field(default_factory=time.perf_counter)
     t_start: float = 0.0
     t_first: float = 0.0
@@ -108,8 +116,12 @@ class LlamaCppEngine:
         meta = llm.metadata or {}
         template = meta.get("tokenizer.chat_template") or CHATML
         bos_id, eos_id = model.token_bos(), model.token_eos()
-        bos = llm.detokenize([bos_id], special=True).decode("utf-8", "replace") if bos_id >= 0 else ""
-        eos = llm.detokenize([eos_id], special=True).decode("utf-8", "replace") if eos_id >= 0 else ""
+        bos = (
+            llm.detokenize([bos_id], special=True).decode("utf-8", "replace") if bos_id >= 0 else ""
+        )
+        eos = (
+            llm.detokenize([eos_id], special=True).decode("utf-8", "replace") if eos_id >= 0 else ""
+        )
         self._chat = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
         self._bos_text = bos
         if self.settings.warmup:
@@ -198,7 +210,12 @@ class LlamaCppEngine:
         """A short generation so the first real request does not pay first-call costs."""
         from llmproxy.backend.protocol import SamplingParams
 
-        sub = Submit("warmup", 0, Prompt(kind="completion", text="Hello"), SamplingParams(n_predict=2, seed=0))
+        sub = Submit(
+            "warmup",
+            0,
+            Prompt(kind="completion", text="Hello"),
+            SamplingParams(n_predict=2, seed=0),
+        )
         events = self.admit(sub)
         while self.active() and not events:
             events = [e for e in self.step() if not isinstance(e, Token)]
@@ -278,7 +295,9 @@ class LlamaCppEngine:
             out.extend(self._finish(seq, reason))
         return out
 
-    def _finish(self, seq: _Seq, reason: str, emit_held: bool = True, stopping_word: str = "") -> list[Event]:
+    def _finish(
+        self, seq: _Seq, reason: str, emit_held: bool = True, stopping_word: str = ""
+    ) -> list[Event]:
         out: list[Event] = []
         if seq.gen is not None:
             seq.gen.close()  # type: ignore[attr-defined]

@@ -38,7 +38,9 @@ def given_tokens(tokens: tuple[int, ...], n_vocab: int) -> list[int]:
     would fail inside the model's decode, or index past its embeddings)."""
     bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
     if bad is not None:
-        raise BadPrompt(f"token id {bad} is out of range: the model's vocabulary has {n_vocab} tokens")
+        raise BadPrompt(
+            f"token id {bad} is out of range: the model's vocabulary has {n_vocab} tokens"
+        )
     return list(tokens)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
+
 from llmproxy.backend.protocol import (
     Cancel,
     Done,
@@ -34,8 +35,8 @@ from llmproxy.backend.protocol import (
     Token,
     WorkerState,
 )
-from llmproxy.backend.settings import WORKER_JOIN_S
 from llmproxy.backend.runtime.supervisor import Supervisor, WorkerHandle
+from llmproxy.backend.settings import WORKER_JOIN_S
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Sequence
@@ -63,7 +64,9 @@ class Slot:
     has_new_line: bool = False
     params: SamplingParams | None = None
     last_used: float = 0.0
-    standins: set[str] = field(default_factory=set)  # ids pinned here, running elsewhere (worker down)
+    standins: set[str] = field(
+        default_factory=set
+    )  # ids pinned here, running elsewhere (worker down)
 
     @property
     def busy(self) -> bool:
@@ -123,7 +126,10 @@ class Dispatcher:
 
     def _worker_started(self, w: WorkerHandle) -> None:
         t = threading.Thread(
-            target=self._reader, args=(w, w.generation, w.outq, w.process), name=f"dispatch-{w.index}", daemon=True
+            target=self._reader,
+            args=(w, w.generation, w.outq, w.process),
+            name=f"dispatch-{w.index}",
+            daemon=True,
         )
         t.start()
 
@@ -139,7 +145,9 @@ class Dispatcher:
                             continue
                         break
                     batch = conn.recv()
-                except Exception:  # EOFError: the worker is gone; OSError/unpickling: a torn message
+                except (
+                    Exception
+                ):  # EOFError: the worker is gone; OSError/unpickling: a torn message
                     break
                 loop.call_soon_threadsafe(self._on_events, w, generation, batch)
             proc.join(1.0)
@@ -190,7 +198,11 @@ class Dispatcher:
         for req in [r for r in self.requests.values() if r.slot.worker is w]:
             self._finish(
                 req,
-                Failed(req.id, 502, f"backend worker {w.index} died (exit code {exitcode}); request aborted"),
+                Failed(
+                    req.id,
+                    502,
+                    f"backend worker {w.index} died (exit code {exitcode}); request aborted",
+                ),
             )
         self.supervisor.on_exit(w, exitcode)
         self._notify()
@@ -269,7 +281,9 @@ class Dispatcher:
             return "Model worker restarting"
         return "Loading model"
 
-    def submit(self, slot: Slot, prompt: Prompt, params: SamplingParams, id_slot: int = -1) -> Request:
+    def submit(
+        self, slot: Slot, prompt: Prompt, params: SamplingParams, id_slot: int = -1
+    ) -> Request:
         """Start a request on ``slot`` (from ``acquire``). ``id_slot``: the slot it asked for;
         when that is another (its worker down), that slot shows busy in /slots until this
         request ends, so a caller that pinned it (the proxy's permit i is slot i) and polls
@@ -293,16 +307,22 @@ class Dispatcher:
             self._finish(req, Failed(rid, 503, f"worker unavailable: {exc}", "unavailable_error"))
         return req
 
-    async def start_request(self, prompt: Prompt, params: SamplingParams, id_slot: int = -1) -> Request:
+    async def start_request(
+        self, prompt: Prompt, params: SamplingParams, id_slot: int = -1
+    ) -> Request:
         [slot] = await self.acquire(id_slot)
         return self.submit(slot, prompt, params, id_slot)
 
-    async def start_requests(self, prompt: Prompt, params: Sequence[SamplingParams], id_slot: int = -1) -> list[Request]:
+    async def start_requests(
+        self, prompt: Prompt, params: Sequence[SamplingParams], id_slot: int = -1
+    ) -> list[Request]:
         """One request per ``params`` on as many slots, started together once all are free
         (llama-server's ``n_cmpl``): ``id_slot``'s slot runs the first."""
         slots = await self.acquire(id_slot, len(params))
-        return [self.submit(slot, prompt, p, id_slot if i == 0 else -1)
-                for i, (slot, p) in enumerate(zip(slots, params, strict=True))]
+        return [
+            self.submit(slot, prompt, p, id_slot if i == 0 else -1)
+            for i, (slot, p) in enumerate(zip(slots, params, strict=True))
+        ]
 
     def cancel(self, req: Request) -> None:
         """Ask the worker to stop (between tokens). The slot stays busy until it answers."""

@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
+
 from llmproxy.backend.protocol import EngineInfo, Shutdown
-from llmproxy.backend.settings import WORKER_JOIN_S, WORKER_KILL_JOIN_S
 from llmproxy.backend.runtime.worker import worker_main
+from llmproxy.backend.settings import WORKER_JOIN_S, WORKER_KILL_JOIN_S
 
 if TYPE_CHECKING:
     from llmproxy.backend.settings import BackendSettings
@@ -127,7 +128,9 @@ class Supervisor:
             w.backoff_s = self.settings.restart_backoff_min_s
         else:
             w.backoff_s = min(max(w.backoff_s * 2, 0.05), self.settings.restart_backoff_max_s)
-        log.error("worker_died", worker=w.index, pid=w.pid, exitcode=exitcode, restart_in_s=w.backoff_s)
+        log.error(
+            "worker_died", worker=w.index, pid=w.pid, exitcode=exitcode, restart_in_s=w.backoff_s
+        )
         w.restart_task = asyncio.get_running_loop().create_task(self._restart_later(w, w.backoff_s))
 
     async def _restart_later(self, w: WorkerHandle, delay: float) -> None:
@@ -141,7 +144,11 @@ class Supervisor:
         """Pending restarts end first (one still in its back-off is cancelled, one already
         starting its process finishes), then poison pills, join with a deadline, kill stragglers."""
         self.closing = True
-        restarts = [w.restart_task for w in self.workers if w.restart_task is not None and not w.restart_task.done()]
+        restarts = [
+            w.restart_task
+            for w in self.workers
+            if w.restart_task is not None and not w.restart_task.done()
+        ]
         for w in self.workers:
             if w.restart_task in restarts and w.state != "starting":
                 w.restart_task.cancel()

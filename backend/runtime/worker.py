@@ -53,7 +53,7 @@ def worker_main(
         code = run_worker(index, settings, inq, outq, parent_pid)
     except ParentGone:
         code = 0
-    except BaseException:  # noqa: BLE001 - report and die; the supervisor restarts us
+    except BaseException:
         msg = traceback.format_exc()
         try:
             outq.put([WorkerState("failed", message=msg[-2000:])])
@@ -113,7 +113,11 @@ def run_worker(index: int, settings: Any, inq: Any, outq: Any, parent_pid: int) 
                 try:
                     msgs.append(inq.get(timeout=IDLE_POLL_S))
                 except queue.Empty:
-                    if idle_unload_s > 0 and not sleeping and time.monotonic() - idle_since >= idle_unload_s:
+                    if (
+                        idle_unload_s > 0
+                        and not sleeping
+                        and time.monotonic() - idle_since >= idle_unload_s
+                    ):
                         engine.sleep()
                         sleeping = True
                         outq.put([WorkerState("sleeping", progress=1.0, info=info)])

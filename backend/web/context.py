@@ -8,6 +8,7 @@ whatever the workers report.
 from __future__ import annotations
 
 from aiohttp import web
+
 from llmproxy.backend.runtime.dispatch import Dispatcher
 from llmproxy.backend.settings import BackendSettings
 

@@ -15,8 +15,9 @@ from typing import Any
 
 import structlog
 from aiohttp import web
-from llmproxy.backend.runtime.dispatch import Unavailable
+
 from llmproxy.backend.protocol import Failed
+from llmproxy.backend.runtime.dispatch import Unavailable
 
 log = structlog.get_logger("llmproxy.backend.web")
 ERROR_TYPES = {
@@ -42,7 +43,13 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
 
 def error_body(code: int, message: str, type_: str | None = None) -> dict[str, Any]:
     """The error envelope (llama-server's shape); ``type_`` defaults from the status."""
-    return {"error": {"code": code, "message": message, "type": type_ or ERROR_TYPES.get(code, "server_error")}}
+    return {
+        "error": {
+            "code": code,
+            "message": message,
+            "type": type_ or ERROR_TYPES.get(code, "server_error"),
+        }
+    }
 
 
 def failed_body(f: Failed) -> dict[str, Any]:

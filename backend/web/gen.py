@@ -21,8 +21,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp import web
-from llmproxy.backend.runtime.dispatch import Request
+
 from llmproxy.backend.protocol import Done, Failed, Prompt, SamplingParams, Token
+from llmproxy.backend.runtime.dispatch import Request
 from llmproxy.backend.web.context import DISPATCHER
 from llmproxy.backend.web.errors import dumps, failed_body, failed_response
 
@@ -34,7 +35,12 @@ class Gen:
     """Runs one request; tracks the text and final event for the response builders."""
 
     def __init__(
-        self, request: web.Request, prompt: Prompt, params: SamplingParams, id_slot: int, req: Request | None = None
+        self,
+        request: web.Request,
+        prompt: Prompt,
+        params: SamplingParams,
+        id_slot: int,
+        req: Request | None = None,
     ) -> None:
         """``req``: a request already started on its slot (``Dispatcher.start_requests``)."""
         self.http = request
@@ -89,8 +95,12 @@ def timings(d: Done) -> dict[str, Any]:
         "prompt_per_second": round(prompt_n * 1000.0 / d.prompt_ms, 3) if d.prompt_ms > 0 else 0.0,
         "predicted_n": d.n_predicted,
         "predicted_ms": round(d.predicted_ms, 3),
-        "predicted_per_token_ms": round(d.predicted_ms / d.n_predicted, 3) if d.n_predicted else 0.0,
-        "predicted_per_second": round(d.n_predicted * 1000.0 / d.predicted_ms, 3) if d.predicted_ms > 0 else 0.0,
+        "predicted_per_token_ms": round(d.predicted_ms / d.n_predicted, 3)
+        if d.n_predicted
+        else 0.0,
+        "predicted_per_second": round(d.n_predicted * 1000.0 / d.predicted_ms, 3)
+        if d.predicted_ms > 0
+        else 0.0,
     }
 
 
@@ -112,7 +122,11 @@ def gen_settings(p: SamplingParams | None) -> dict[str, Any]:
 async def sse_start(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(
         status=200,
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        },
     )
     await resp.prepare(request)
     return resp
@@ -134,7 +148,10 @@ async def collect(g: Gen) -> Failed | None:
 
 
 async def stream_sse(
-    request: web.Request, g: Gen, render: Callable[[Token | Done], list[Any]], prelude: Sequence[Any] = ()
+    request: web.Request,
+    g: Gen,
+    render: Callable[[Token | Done], list[Any]],
+    prelude: Sequence[Any] = (),
 ) -> web.StreamResponse:
     """Stream a generation as SSE; ``render`` gives each event's frames (dicts become
     ``data:`` lines, bytes are written as they are). The response starts with the first

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from aiohttp import web
+
 from llmproxy.backend.web.context import DISPATCHER, SETTINGS, alias, model_path
 from llmproxy.backend.web.errors import error_response, json_response
 from llmproxy.backend.web.gen import gen_settings
@@ -22,7 +23,9 @@ async def health(request: web.Request) -> web.Response:
     if all(w.ready for w in workers):
         states = {w.state for w in workers} - {"ready"}
         # llama-server's shape, plus the model's state while an idle engine unloaded it
-        return json_response({"status": "ok", "model": sorted(states)[0]} if states else {"status": "ok"})
+        return json_response(
+            {"status": "ok", "model": sorted(states)[0]} if states else {"status": "ok"}
+        )
     status = "error" if any(w.state in ("error", "stopped") for w in workers) else "loading"
     progress = min(w.progress if not w.ready else 1.0 for w in workers)
     msg = "Loading model" if status == "loading" else "Model worker failed; restarting"
@@ -121,7 +124,10 @@ async def models(request: web.Request) -> web.Response:
                     "object": "model",
                     "created": int(d.started_at),
                     "owned_by": "llmproxy",
-                    "meta": {"n_ctx": info.n_ctx if info else app[SETTINGS].n_ctx, "path": model_path(app)},
+                    "meta": {
+                        "n_ctx": info.n_ctx if info else app[SETTINGS].n_ctx,
+                        "path": model_path(app),
+                    },
                 }
             ],
         }

@@ -23,6 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
+
 from llmproxy.backend.protocol import Done, Failed, Prompt, SamplingParams, Token
 from llmproxy.backend.web.context import DISPATCHER, SETTINGS, alias
 from llmproxy.backend.web.errors import BadRequest, failed_response, json_response
@@ -44,7 +45,11 @@ def _context_full(d: Done, params: SamplingParams, n_ctx: int) -> bool:
     not because it produced the ``n_predict`` asked for (checked first there, so a request
     for exactly the room left is not truncated)."""
     asked = params.n_predict
-    return d.stop_reason == "limit" and d.n_prompt_tokens + d.n_predicted >= n_ctx and not 0 <= asked <= d.n_predicted
+    return (
+        d.stop_reason == "limit"
+        and d.n_prompt_tokens + d.n_predicted >= n_ctx
+        and not 0 <= asked <= d.n_predicted
+    )
 
 
 def select_fields(obj: dict[str, Any], paths: Sequence[str]) -> dict[str, Any]:
@@ -66,30 +71,37 @@ def select_fields(obj: dict[str, Any], paths: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _final_llama(app: web.Application, g: Gen, content: str, fields: Sequence[str], index: int = 0) -> dict[str, Any]:
+def _final_llama(
+    app: web.Application, g: Gen, content: str, fields: Sequence[str], index: int = 0
+) -> dict[str, Any]:
     d = g.done
     assert d is not None
-    return select_fields({
-        "index": index,
-        "content": content,
-        "tokens": [],
-        "id_slot": g.slot_id,
-        "stop": True,
-        "model": alias(app),
-        "tokens_predicted": d.n_predicted,
-        "tokens_evaluated": d.n_prompt_tokens,
-        "generation_settings": gen_settings(g.params),
-        "prompt": "",
-        "has_new_line": "\n" in "".join(g.content),
-        "truncated": _context_full(d, g.params, app[SETTINGS].n_ctx),
-        "stop_type": STOP_TYPE[d.stop_reason],
-        "stopping_word": d.stopping_word,
-        "tokens_cached": d.n_prompt_tokens + d.n_predicted,
-        "timings": timings(d),
-    }, fields)
+    return select_fields(
+        {
+            "index": index,
+            "content": content,
+            "tokens": [],
+            "id_slot": g.slot_id,
+            "stop": True,
+            "model": alias(app),
+            "tokens_predicted": d.n_predicted,
+            "tokens_evaluated": d.n_prompt_tokens,
+            "generation_settings": gen_settings(g.params),
+            "prompt": "",
+            "has_new_line": "\n" in "".join(g.content),
+            "truncated": _context_full(d, g.params, app[SETTINGS].n_ctx),
+            "stop_type": STOP_TYPE[d.stop_reason],
+            "stopping_word": d.stopping_word,
+            "tokens_cached": d.n_prompt_tokens + d.n_predicted,
+            "timings": timings(d),
+        },
+        fields,
+    )
 
 
-async def _run_llama(request: web.Request, body: dict[str, Any], prompt: Prompt) -> web.StreamResponse:
+async def _run_llama(
+    request: web.Request, body: dict[str, Any], prompt: Prompt
+) -> web.StreamResponse:
     app = request.app
     params = sampling_params(body)
     slot = id_slot(body, app[DISPATCHER])
@@ -103,7 +115,11 @@ async def _run_llama(request: web.Request, body: dict[str, Any], prompt: Prompt)
     async with Gen(request, prompt, params, slot) as g:
         if not stream:
             failed = await collect(g)
-            return failed_response(failed) if failed else json_response(_final_llama(app, g, "".join(g.content), fields))
+            return (
+                failed_response(failed)
+                if failed
+                else json_response(_final_llama(app, g, "".join(g.content), fields))
+            )
 
         def render(ev: Token | Done) -> list[Any]:
             if isinstance(ev, Done):
@@ -124,14 +140,22 @@ async def _run_llama(request: web.Request, body: dict[str, Any], prompt: Prompt)
 
 
 async def _several(
-    request: web.Request, prompt: Prompt, params: SamplingParams, slot: int, count: int, fields: Sequence[str]
+    request: web.Request,
+    prompt: Prompt,
+    params: SamplingParams,
+    slot: int,
+    count: int,
+    fields: Sequence[str],
 ) -> web.Response:
     """``count`` completions of one prompt at once on ``count`` slots (a fixed seed advances
     by one for each). Each runs in its own ``Gen``; a client that leaves cancels them all
     (the handler's cancellation reaches every ``Gen`` through the exit stack), and one that
     fails stops the others, as in llama-server: the answer is that failure."""
     dispatcher = request.app[DISPATCHER]
-    each = [params if params.seed is None or params.seed < 0 else replace(params, seed=params.seed + i) for i in range(count)]
+    each = [
+        params if params.seed is None or params.seed < 0 else replace(params, seed=params.seed + i)
+        for i in range(count)
+    ]
     reqs = await dispatcher.start_requests(prompt, each, slot)
     gens = [Gen(request, prompt, p, r.slot.id, req=r) for p, r in zip(each, reqs, strict=True)]
 
@@ -152,7 +176,9 @@ async def _several(
     failed = next((f for f in (r.result() for r in runs) if f is not None), None)
     if failed:
         return failed_response(failed)
-    return json_response([_final_llama(request.app, g, "".join(g.content), fields, i) for i, g in enumerate(gens)])
+    return json_response(
+        [_final_llama(request.app, g, "".join(g.content), fields, i) for i, g in enumerate(gens)]
+    )
 
 
 async def completion(request: web.Request) -> web.StreamResponse:

@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 from aiohttp import web
+
 from llmproxy.backend.protocol import Done, Prompt, Token
 from llmproxy.backend.web.context import DISPATCHER, alias
 from llmproxy.backend.web.errors import BadRequest, failed_response, json_response
@@ -36,7 +37,9 @@ def _usage(d: Done) -> dict[str, int]:
     }
 
 
-async def _run_openai(request: web.Request, body: dict[str, Any], prompt: Prompt, chat: bool) -> web.StreamResponse:
+async def _run_openai(
+    request: web.Request, body: dict[str, Any], prompt: Prompt, chat: bool
+) -> web.StreamResponse:
     app = request.app
     params = sampling_params(body, openai=True)
     if body.get("n", 1) != 1:
@@ -80,7 +83,12 @@ async def _run_openai(request: web.Request, body: dict[str, Any], prompt: Prompt
                     "finish_reason": FINISH[d.stop_reason],
                 }
             else:
-                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": FINISH[d.stop_reason]}
+                choice = {
+                    "index": 0,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": FINISH[d.stop_reason],
+                }
             return json_response(
                 {
                     "id": cid,
@@ -101,7 +109,9 @@ async def _run_openai(request: web.Request, body: dict[str, Any], prompt: Prompt
             last["timings"] = timings(ev)
             return [last, b"data: [DONE]\n\n"]
 
-        return await stream_sse(request, g, render, prelude=[chunk(None, None, first=True)] if chat else [])
+        return await stream_sse(
+            request, g, render, prelude=[chunk(None, None, first=True)] if chat else []
+        )
 
 
 async def v1_completions(request: web.Request) -> web.StreamResponse:

@@ -12,8 +12,9 @@ import math
 from typing import Any
 
 from aiohttp import web
-from llmproxy.backend.runtime.dispatch import Dispatcher
+
 from llmproxy.backend.protocol import Prompt, SamplingParams
+from llmproxy.backend.runtime.dispatch import Dispatcher
 from llmproxy.backend.web.context import model_names
 from llmproxy.backend.web.errors import BadRequest
 
@@ -31,8 +32,12 @@ async def read_body(request: web.Request) -> dict[str, Any]:
     if b"\\u" in raw:  # only an escape can carry a lone surrogate (raw bytes are valid UTF-8)
         try:
             json.dumps(body, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:  # as llama-server's JSON parser: an unpaired \\uD8xx is malformed
-            raise BadRequest("malformed JSON body: a \\u escape is an unpaired UTF-16 surrogate") from None
+        except (
+            UnicodeEncodeError
+        ):  # as llama-server's JSON parser: an unpaired \\uD8xx is malformed
+            raise BadRequest(
+                "malformed JSON body: a \\u escape is an unpaired UTF-16 surrogate"
+            ) from None
     return body
 
 
@@ -149,7 +154,11 @@ def prompt_field(value: Any, key: str = "prompt") -> Prompt:
         value = value[0]
     if isinstance(value, str):
         return Prompt(kind="completion", text=value)
-    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    ):
         return Prompt(kind="completion", tokens=tuple(value))
     raise BadRequest(f"'{key}' must be a string or a list of token ids")
 
@@ -181,7 +190,11 @@ def infill_prompt(body: dict[str, Any]) -> Prompt:
             raise BadRequest("'input_extra' must be a list of {filename, text} objects")
         extra.append((str(chunk.get("filename", "")), chunk.get("text", "")))
     return Prompt(
-        kind="infill", text=_str("prompt"), prefix=_str("input_prefix"), suffix=_str("input_suffix"), extra=tuple(extra)
+        kind="infill",
+        text=_str("prompt"),
+        prefix=_str("input_prefix"),
+        suffix=_str("input_suffix"),
+        extra=tuple(extra),
     )
 
 
@@ -193,7 +206,11 @@ def _content_text(content: Any) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+            if (
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
                 parts.append(part["text"])
             else:
                 raise BadRequest("only text content parts are supported")

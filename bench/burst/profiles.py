@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 # What the simulated user has above and below the cursor, and what they type.
-PREFIX = "def fibonacci(n: int) -> int:\n    \"\"\"The n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n    "
+PREFIX = 'def fibonacci(n: int) -> int:\n    """The n-th Fibonacci number."""\n    if n < 2:\n        return n\n    '
 SUFFIX = "\n\n\nprint(fibonacci(10))\n"
 TYPED = "return fibonacci(n - 1) + fibonacci(n - 2)  # recursion, slow but clear; "
 
@@ -38,7 +38,9 @@ class Profile:
     body: Body  # (typed text, n_predict, model) -> request JSON
     compact: bool = False  # serialise without spaces (llama.vim)
 
-    def encode(self, typed: str, n_predict: int, model: str, extra: dict[str, Any] | None = None) -> bytes:
+    def encode(
+        self, typed: str, n_predict: int, model: str, extra: dict[str, Any] | None = None
+    ) -> bytes:
         """The request body; ``extra`` fields are set over the profile's own."""
         obj = self.body(typed, n_predict, model)
         if extra:
@@ -51,36 +53,82 @@ class Profile:
 def _llm_ls(typed: str, n: int, model: str) -> dict[str, Any]:
     # llm-ls, "openai" backend: a FIM prompt, non-streaming, temperature from the user config
     prompt = f"<fim_prefix>{PREFIX}{typed}<fim_suffix>{SUFFIX}<fim_middle>"
-    return {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0.2, "top_p": 0.95, "stream": False}
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0.2,
+        "top_p": 0.95,
+        "stream": False,
+    }
 
 
 def _continue(typed: str, n: int, model: str) -> dict[str, Any]:
     # Continue, provider "llama.cpp": POST /completion, streaming, its own FIM template
     prompt = f"<fim_prefix>{PREFIX}{typed}<fim_suffix>{SUFFIX}<fim_middle>"
-    return {"prompt": prompt, "n_predict": n, "stream": True, "temperature": 0.01, "stop": ["<fim_prefix>", "\n\n"],
-            "cache_prompt": True}
+    return {
+        "prompt": prompt,
+        "n_predict": n,
+        "stream": True,
+        "temperature": 0.01,
+        "stop": ["<fim_prefix>", "\n\n"],
+        "cache_prompt": True,
+    }
 
 
 def _llama_vim(typed: str, n: int, _model: str) -> dict[str, Any]:
     # llama.vim: /infill with the current line split into prompt, compact JSON
-    return {"id_slot": 0, "input_prefix": PREFIX, "input_suffix": SUFFIX, "input_extra": [], "prompt": typed,
-            "n_predict": n, "stop": [], "n_indent": 4, "top_k": 40, "top_p": 0.90,
-            "samplers": ["top_k", "top_p", "infill"], "stream": False, "cache_prompt": True,
-            "t_max_prompt_ms": 500, "t_max_predict_ms": 250,
-            "response_fields": ["content", "timings/prompt_n", "timings/predicted_n", "truncated", "tokens_cached"]}
+    return {
+        "id_slot": 0,
+        "input_prefix": PREFIX,
+        "input_suffix": SUFFIX,
+        "input_extra": [],
+        "prompt": typed,
+        "n_predict": n,
+        "stop": [],
+        "n_indent": 4,
+        "top_k": 40,
+        "top_p": 0.90,
+        "samplers": ["top_k", "top_p", "infill"],
+        "stream": False,
+        "cache_prompt": True,
+        "t_max_prompt_ms": 500,
+        "t_max_predict_ms": 250,
+        "response_fields": [
+            "content",
+            "timings/prompt_n",
+            "timings/predicted_n",
+            "truncated",
+            "tokens_cached",
+        ],
+    }
 
 
 def _twinny(typed: str, n: int, model: str) -> dict[str, Any]:
     # twinny, Ollama provider: /api/generate, NDJSON stream, raw FIM prompt
     prompt = f"<fim_prefix>{PREFIX}{typed}<fim_suffix>{SUFFIX}<fim_middle>"
-    return {"model": model, "prompt": prompt, "stream": True, "keep_alive": "5m",
-            "options": {"temperature": 0.2, "num_predict": n}}
+    return {
+        "model": model,
+        "prompt": prompt,
+        "stream": True,
+        "keep_alive": "5m",
+        "options": {"temperature": 0.2, "num_predict": n},
+    }
 
 
 PROFILES: dict[str, Profile] = {
-    "llm-ls": Profile("llm-ls", "/v1/completions", "llm-ls/0.5.3; rust/unknown; ide/Neovim", False, "abort", _llm_ls),
+    "llm-ls": Profile(
+        "llm-ls",
+        "/v1/completions",
+        "llm-ls/0.5.3; rust/unknown; ide/Neovim",
+        False,
+        "abort",
+        _llm_ls,
+    ),
     "continue": Profile("continue", "/completion", "Continue/1.0", True, "abort", _continue),
-    "llama-vim": Profile("llama-vim", "/infill", "curl/8.5.0", False, "serial", _llama_vim, compact=True),
+    "llama-vim": Profile(
+        "llama-vim", "/infill", "curl/8.5.0", False, "serial", _llama_vim, compact=True
+    ),
     "twinny": Profile("twinny", "/api/generate", "twinny/3.0", True, "abort", _twinny),
 }
 
@@ -102,7 +150,11 @@ def _count(obj: Any) -> tuple[int | None, int]:
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         return usage["completion_tokens"], 0
     choices = obj.get("choices") or [{}]
-    piece = obj.get("content") or obj.get("response") or (choices[0].get("text") if isinstance(choices[0], dict) else "")
+    piece = (
+        obj.get("content")
+        or obj.get("response")
+        or (choices[0].get("text") if isinstance(choices[0], dict) else "")
+    )
     return None, 1 if piece else 0
 
 

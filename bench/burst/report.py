@@ -46,15 +46,23 @@ class TargetResult:
         slots = self.slots or {}
         generated = slots.get("tokens_decoded")
         return {
-            "url": self.url, "profile": self.profile, "requests": len(self.reqs),
+            "url": self.url,
+            "profile": self.profile,
+            "requests": len(self.reqs),
             "completed": sum(r.outcome == "ok" for r in self.reqs),
             "aborted": sum(r.outcome == "aborted" for r in self.reqs),
             "errors": sum(r.outcome == "error" for r in self.reqs),
             "failed_bursts": sum(b.latency_s is None for b in self.bursts),
-            "baseline_ms": self.baseline_s * 1000, "last_p50_ms": self.pct_ms(50), "last_p95_ms": self.pct_ms(95),
-            "ratio_p50": self.pct_ms(50) / (self.baseline_s * 1000) if self.baseline_s else math.nan,
-            "generations": slots.get("generations"), "max_running": slots.get("max_running"),
-            "tokens_decoded": generated, "tokens_delivered": delivered,
+            "baseline_ms": self.baseline_s * 1000,
+            "last_p50_ms": self.pct_ms(50),
+            "last_p95_ms": self.pct_ms(95),
+            "ratio_p50": self.pct_ms(50) / (self.baseline_s * 1000)
+            if self.baseline_s
+            else math.nan,
+            "generations": slots.get("generations"),
+            "max_running": slots.get("max_running"),
+            "tokens_decoded": generated,
+            "tokens_delivered": delivered,
             "tokens_for_nobody": slots.get("tokens_for_nobody"),
         }
 
@@ -67,9 +75,13 @@ def format_table(results: list[TargetResult]) -> str:
         return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
 
     rows = [
-        ("target", lambda s: s["url"]), ("profile", lambda s: s["profile"]),
+        ("target", lambda s: s["url"]),
+        ("profile", lambda s: s["profile"]),
         ("requests sent", lambda s: str(s["requests"])),
-        ("  completed / aborted / errors", lambda s: f"{s['completed']} / {s['aborted']} / {s['errors']}"),
+        (
+            "  completed / aborted / errors",
+            lambda s: f"{s['completed']} / {s['aborted']} / {s['errors']}",
+        ),
         ("uncontended generation ms", lambda s: num(s["baseline_ms"], ".0f")),
         ("last completion p50 ms", lambda s: num(s["last_p50_ms"], ".0f")),
         ("last completion p95 ms", lambda s: num(s["last_p95_ms"], ".0f")),
@@ -84,6 +96,8 @@ def format_table(results: list[TargetResult]) -> str:
     width = max(28, *(len(s["url"]) + 2 for s in sums))
     lines = [f"{name:<32}" + "".join(f"{get(s):>{width}}" for s in sums) for name, get in rows]
     lines.append("")
-    lines.append("last completion = from the burst's last keystroke to the end of the final completion; "
-                 "backend counts from GET /slots polling (n/a: not available)")
+    lines.append(
+        "last completion = from the burst's last keystroke to the end of the final completion; "
+        "backend counts from GET /slots polling (n/a: not available)"
+    )
     return "\n".join(lines) + "\n"

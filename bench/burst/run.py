@@ -48,29 +48,52 @@ class BurstSettings(LayeredSettings):
 
     model_config = SettingsConfigDict(env_prefix="LLMPROXY_BURST_", frozen=True, extra="forbid")
 
-    profile: Literal["llm-ls", "continue", "llama-vim", "twinny"] = Field("llm-ls", description="Client to emulate")
+    profile: Literal["llm-ls", "continue", "llama-vim", "twinny"] = Field(
+        "llm-ls", description="Client to emulate"
+    )
     keystrokes: int = Field(20, ge=1, description="Keystrokes per burst")
     interval_ms: float = Field(50.0, ge=0, description="Time between keystrokes")
-    debounce_ms: float = Field(0.0, ge=0, description="Client-side debounce (a request goes out only after this quiet time)")
+    debounce_ms: float = Field(
+        0.0,
+        ge=0,
+        description="Client-side debounce (a request goes out only after this quiet time)",
+    )
     bursts: int = Field(5, ge=1, description="Bursts per editor")
-    editors: int = Field(1, ge=1, description="Editors typing at once (each sends its own X-LLMProxy-Session when > 1)")
+    editors: int = Field(
+        1,
+        ge=1,
+        description="Editors typing at once (each sends its own X-LLMProxy-Session when > 1)",
+    )
     n_predict: int = Field(32, ge=1, description="Tokens asked for per completion")
-    model: str = Field("", description="Model name for the request body (OpenAI/Ollama shapes); empty = ask /v1/models")
-    baseline_runs: int = Field(3, ge=1, description="Uncontended generations measured first (median = baseline)")
+    model: str = Field(
+        "",
+        description="Model name for the request body (OpenAI/Ollama shapes); empty = ask /v1/models",
+    )
+    baseline_runs: int = Field(
+        3, ge=1, description="Uncontended generations measured first (median = baseline)"
+    )
     gap_ms: float = Field(200.0, ge=0, description="Pause between bursts once the backend is idle")
     slots_poll_ms: float = Field(20.0, gt=0, description="GET /slots poll interval")
     poll_slots: bool = Field(
-        True, description="Count the backend's generations from GET /slots; off where polling disturbs it "
+        True,
+        description="Count the backend's generations from GET /slots; off where polling disturbs it "
         "(llama-server checks for a dropped non-streaming client only when no result came for a second, and "
         "every /slots answer is a result)",
     )
-    idle_timeout_s: float = Field(120.0, gt=0, description="Longest wait for the backend to become idle")
+    idle_timeout_s: float = Field(
+        120.0, gt=0, description="Longest wait for the backend to become idle"
+    )
     request_timeout_s: float = Field(300.0, gt=0, description="Read timeout per request")
     extra_body: str = Field(
-        "", description='JSON object whose fields are set in every request body, e.g. \'{"stream": false, "ignore_eos": true}\''
+        "",
+        description='JSON object whose fields are set in every request body, e.g. \'{"stream": false, "ignore_eos": true}\'',
     )
-    compare: str | None = Field(None, description="Second target URL: run the same script against it too")
-    plot: Path | None = Field(None, description="Write a latency-over-time PNG here (needs matplotlib)")
+    compare: str | None = Field(
+        None, description="Second target URL: run the same script against it too"
+    )
+    plot: Path | None = Field(
+        None, description="Write a latency-over-time PNG here (needs matplotlib)"
+    )
     json_out: Path | None = Field(None, description="Write the results as JSON here")
     log_level: str = Field("warning", description="Log level")
 
@@ -95,16 +118,22 @@ class Client:
         self.headers = {"Content-Type": "application/json", "User-Agent": profile.user_agent}
         if settings.editors > 1:
             self.headers["X-LLMProxy-Session"] = f"burst-editor-{editor}"
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=settings.request_timeout_s)
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=5, sock_read=settings.request_timeout_s
+        )
         self.http = aiohttp.ClientSession(timeout=timeout)
         self.extra = json.loads(settings.extra_body) if settings.extra_body else None
 
     async def send(self, req: Req, keystroke: int) -> None:
         """POST the completion for ``keystroke``; cancelling this closes the connection."""
-        body = self.profile.encode(typed_text(keystroke), self.settings.n_predict, self.settings.model, self.extra)
+        body = self.profile.encode(
+            typed_text(keystroke), self.settings.n_predict, self.settings.model, self.extra
+        )
         req.t_sent = time.perf_counter()
         try:
-            async with self.http.post(self.url + self.profile.route, data=body, headers=self.headers) as resp:
+            async with self.http.post(
+                self.url + self.profile.route, data=body, headers=self.headers
+            ) as resp:
                 try:
                     data = bytearray()
                     async for chunk in resp.content.iter_any():  # streams read as they arrive
@@ -136,7 +165,9 @@ async def _sleep_until(t: float) -> None:
 async def _burst(client: Client, result: TargetResult, burst: int) -> None:
     start = time.perf_counter()
     settings = client.settings
-    out = Burst(client.editor, burst, start + (settings.keystrokes - 1) * settings.interval_ms / 1000)
+    out = Burst(
+        client.editor, burst, start + (settings.keystrokes - 1) * settings.interval_ms / 1000
+    )
     result.bursts.append(out)
     final: Req | None = None
     if client.profile.abandon == "abort":
@@ -169,7 +200,9 @@ async def _settle(poller: SlotsPoller, settings: BurstSettings) -> None:
     await asyncio.sleep(settings.gap_ms / 1000)
 
 
-async def _baseline(url: str, profile: Profile, settings: BurstSettings, poller: SlotsPoller) -> float:
+async def _baseline(
+    url: str, profile: Profile, settings: BurstSettings, poller: SlotsPoller
+) -> float:
     """Median time of one uncontended completion for the final text.
 
     Each run first asks (untimed) for the text one keystroke earlier, so the backend's
@@ -185,7 +218,9 @@ async def _baseline(url: str, profile: Profile, settings: BurstSettings, poller:
                 req = Req(0, -1, k, 0.0)
                 await client.send(req, k)
                 if req.outcome != "ok" or req.t_done is None:
-                    raise SystemExit(f"llmproxy bench burst: {url}{profile.route} answered {req.status or 'no response'}")
+                    raise SystemExit(
+                        f"llmproxy bench burst: {url}{profile.route} answered {req.status or 'no response'}"
+                    )
             if i:
                 times.append(req.t_done - req.t_sent)
     finally:
@@ -198,7 +233,9 @@ async def _model_name(http: aiohttp.ClientSession, url: str) -> str:
     for path, key, name in (("/v1/models", "data", "id"), ("/api/tags", "models", "name")):
         try:
             async with http.get(url + path, timeout=aiohttp.ClientTimeout(total=10)) as resp:
-                models = (await resp.json(content_type=None)).get(key) if resp.status == 200 else None
+                models = (
+                    (await resp.json(content_type=None)).get(key) if resp.status == 200 else None
+                )
         except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
             models = None
         if models and isinstance(models[0], dict) and models[0].get(name):

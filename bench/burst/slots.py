@@ -30,7 +30,9 @@ class SlotsPoller:
         self.busy_now = 0
         self.max_busy = 0
         self.decoded: dict[tuple[int, int], int] = {}  # (slot, id_task) -> highest n_decoded seen
-        self.last_seen: dict[tuple[int, int], float] = {}  # (slot, id_task) -> perf_counter of the poll
+        self.last_seen: dict[
+            tuple[int, int], float
+        ] = {}  # (slot, id_task) -> perf_counter of the poll
         self._timeout = aiohttp.ClientTimeout(total=5)
 
     async def poll(self) -> bool:
@@ -43,7 +45,9 @@ class SlotsPoller:
                 slots: Any = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return False
-        if not isinstance(slots, list) or not all(isinstance(s, dict) and "is_processing" in s for s in slots):
+        if not isinstance(slots, list) or not all(
+            isinstance(s, dict) and "is_processing" in s for s in slots
+        ):
             return False
         busy = [s for s in slots if s["is_processing"]]
         self.busy_now = len(busy)
@@ -91,6 +95,9 @@ class SlotsPoller:
         return sum(self.decoded[k] for k in unmatched)
 
     def summary(self, completions: list[float]) -> dict[str, Any]:
-        return {"generations": len(self.decoded), "max_running": self.max_busy,
-                "tokens_decoded": sum(self.decoded.values()),
-                "tokens_for_nobody": self.unmatched_tokens(completions)}
+        return {
+            "generations": len(self.decoded),
+            "max_running": self.max_busy,
+            "tokens_decoded": sum(self.decoded.values()),
+            "tokens_for_nobody": self.unmatched_tokens(completions),
+        }

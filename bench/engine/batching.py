@@ -28,7 +28,7 @@ from llmproxy.backend.protocol import Done, Prompt, SamplingParams, Submit, Toke
 
 CONCURRENCY = (1, 4, 8, 16)
 PROMPTS = [
-    "def quicksort(items):\n    \"\"\"Sort a list with quicksort.\"\"\"\n    if len(items) <= 1:\n",
+    'def quicksort(items):\n    """Sort a list with quicksort."""\n    if len(items) <= 1:\n',
     "class LRUCache:\n    def __init__(self, capacity: int) -> None:\n        self.capacity = capacity\n",
     "// Parse a CSV line into fields, honouring quotes.\nfunction parseCsvLine(line) {\n",
     "SELECT customers.name, COUNT(orders.id) AS n\nFROM customers\nJOIN orders ON\n",
@@ -58,7 +58,9 @@ class Driver:
         self.n += 1
         rid = f"b{self.n}"
         params = SamplingParams(n_predict=n_predict, temperature=0, ignore_eos=True, seed=1)
-        prompt = Prompt(kind="completion", text=text if text is not None else PROMPTS[self.n % len(PROMPTS)])
+        prompt = Prompt(
+            kind="completion", text=text if text is not None else PROMPTS[self.n % len(PROMPTS)]
+        )
         self.sent[rid] = time.perf_counter()
         self._feed(self.e.admit(Submit(rid, 0, prompt, params)))
         return rid
@@ -135,7 +137,9 @@ def bench_mode(args: argparse.Namespace, mode: str) -> dict[str, float]:
     from llmproxy.backend.engines.torch.engine import create_engine
     from llmproxy.backend.settings import BackendSettings
 
-    fields: dict[str, Any] = dict(engine="torch", batching=mode, max_batch_size=16, n_ctx=args.n_ctx)
+    fields: dict[str, Any] = dict(
+        engine="torch", batching=mode, max_batch_size=16, n_ctx=args.n_ctx
+    )
     for name in ("model", "n_threads", "cache_dir", "prefill_chunk", "max_batch_wait_ms"):
         if getattr(args, name, None) is not None:
             fields[name] = getattr(args, name)
@@ -168,7 +172,9 @@ def main(args: argparse.Namespace) -> int:
     rows: list[tuple[str, str, str, str]] = []
     for n in CONCURRENCY:
         goal = "goal c8 >= 4x c1" if n == 8 else ""
-        rows.append((f"tok/s @ concurrency {n}", f"{c[f'tps_c{n}']:.1f}", f"{s[f'tps_c{n}']:.1f}", goal))
+        rows.append(
+            (f"tok/s @ concurrency {n}", f"{c[f'tps_c{n}']:.1f}", f"{s[f'tps_c{n}']:.1f}", goal)
+        )
     for name, r in (("continuous", c), ("static", s)):
         r["c8_over_c1"] = r["tps_c8"] / r["tps_c1"]
         r["late_over_idle"] = r["ttft_late_ms"] / r["ttft_idle_ms"]

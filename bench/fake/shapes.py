@@ -35,8 +35,17 @@ def text(n: int) -> str:
 class Shape:
     """One generation route's wire format: llama-server native, OpenAI text/chat, Ollama."""
 
-    fmt: Literal["llama", "oai_text", "oai_chat", "oai_embed", "llama_embed", "rerank", "anthropic",
-                 "ollama_generate", "ollama_chat"]
+    fmt: Literal[
+        "llama",
+        "oai_text",
+        "oai_chat",
+        "oai_embed",
+        "llama_embed",
+        "rerank",
+        "anthropic",
+        "ollama_generate",
+        "ollama_chat",
+    ]
     kinds: frozenset[str]
 
     @property
@@ -68,12 +77,22 @@ class Shape:
         if self.fmt == "llama":
             obj: dict[str, Any] = {"index": 0, "content": text, "id_slot": slot, "stop": done}
             if done:
-                obj.update(model="fake", tokens_predicted=n, tokens_evaluated=1, stop_type="limit", truncated=False)
+                obj.update(
+                    model="fake",
+                    tokens_predicted=n,
+                    tokens_evaluated=1,
+                    stop_type="limit",
+                    truncated=False,
+                )
             return obj
         if self.ndjson:
             key = "message" if self.fmt == "ollama_chat" else "response"
-            obj = {"model": "fake", "created_at": "2026-01-01T00:00:00Z",
-                   key: {"role": "assistant", "content": text} if key == "message" else text, "done": done}
+            obj = {
+                "model": "fake",
+                "created_at": "2026-01-01T00:00:00Z",
+                key: {"role": "assistant", "content": text} if key == "message" else text,
+                "done": done,
+            }
             if done:
                 obj.update(done_reason="length", eval_count=n, prompt_eval_count=1)
             return obj
@@ -90,12 +109,22 @@ class Shape:
         else:
             choice["message"] = {"role": "assistant", "content": text}
             obj_type = "chat.completion"
-        return {"id": f"cmpl-{rid}", "object": obj_type, "created": 1767225600, "model": "fake", "choices": [choice]}
+        return {
+            "id": f"cmpl-{rid}",
+            "object": obj_type,
+            "created": 1767225600,
+            "model": "fake",
+            "choices": [choice],
+        }
 
     def chunk(self, i: int, rid: int, slot: int) -> dict[str, Any]:
         """Stream piece carrying token ``i``."""
         if self.fmt == "anthropic":
-            return {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": f"t{i} "}}
+            return {
+                "type": "content_block_delta",
+                "index": 0,
+                "delta": {"type": "text_delta", "text": f"t{i} "},
+            }
         if self.fmt.startswith("oai"):
             return self._oai(f"t{i} ", rid, None, chunk=True)
         return self._piece(f"t{i} ", rid, slot, False, i + 1)
@@ -104,24 +133,48 @@ class Shape:
         """The closing stream pieces: a stop/finish_reason/done piece per completion (one per
         slot; then [DONE] for OpenAI)."""
         if self.fmt == "anthropic":
-            return [{"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": n}},
-                    {"type": "message_stop"}]
+            return [
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": "max_tokens"},
+                    "usage": {"output_tokens": n},
+                },
+                {"type": "message_stop"},
+            ]
         if self.fmt.startswith("oai"):
-            lasts = [indexed(self._oai(None, rid, "length", chunk=True), j) for j in range(len(slots))]
+            lasts = [
+                indexed(self._oai(None, rid, "length", chunk=True), j) for j in range(len(slots))
+            ]
             tokens = n * len(slots)
-            lasts[-1]["usage"] = {"prompt_tokens": 1, "completion_tokens": tokens, "total_tokens": tokens + 1}
+            lasts[-1]["usage"] = {
+                "prompt_tokens": 1,
+                "completion_tokens": tokens,
+                "total_tokens": tokens + 1,
+            }
             return [*lasts, "[DONE]"]
         return [indexed(self._piece("", rid, s, True, n), j) for j, s in enumerate(slots)]
 
     def whole(self, n: int, rid: int, slot: int) -> dict[str, Any]:
         """Non-streamed body with all ``n`` tokens (embeddings: a vector of ``n`` numbers)."""
         if self.fmt == "oai_embed":
-            return {"object": "list", "model": "fake", "usage": {"prompt_tokens": 1, "total_tokens": 1},
-                    "data": [{"object": "embedding", "index": 0, "embedding": [i / 8 for i in range(n)]}]}
+            return {
+                "object": "list",
+                "model": "fake",
+                "usage": {"prompt_tokens": 1, "total_tokens": 1},
+                "data": [
+                    {"object": "embedding", "index": 0, "embedding": [i / 8 for i in range(n)]}
+                ],
+            }
         if self.fmt == "anthropic":
-            return {"id": f"msg-{rid}", "type": "message", "role": "assistant", "model": "fake",
-                    "content": [{"type": "text", "text": text(n)}], "stop_reason": "max_tokens",
-                    "usage": {"input_tokens": 1, "output_tokens": n}}
+            return {
+                "id": f"msg-{rid}",
+                "type": "message",
+                "role": "assistant",
+                "model": "fake",
+                "content": [{"type": "text", "text": text(n)}],
+                "stop_reason": "max_tokens",
+                "usage": {"input_tokens": 1, "output_tokens": n},
+            }
         if self.fmt.startswith("oai"):
             obj = self._oai(text(n), rid, "length", chunk=False)
             obj["usage"] = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
@@ -136,8 +189,12 @@ class Shape:
         if self.fmt == "llama_embed":
             return [{"index": i, "embedding": [[j / 8 for j in range(n)]]} for i in range(inputs)]
         if self.fmt == "rerank":
-            return {"model": "fake", "object": "list", "usage": {"prompt_tokens": 1, "total_tokens": 1},
-                    "results": [{"index": i, "relevance_score": 1 / (i + 1)} for i in range(inputs)]}
+            return {
+                "model": "fake",
+                "object": "list",
+                "usage": {"prompt_tokens": 1, "total_tokens": 1},
+                "results": [{"index": i, "relevance_score": 1 / (i + 1)} for i in range(inputs)],
+            }
         if self.fmt == "oai_embed":
             body = self.whole(n, rid, slots[0])
             body["data"] = [{**body["data"][0], "index": i} for i in range(inputs)]
@@ -178,7 +235,9 @@ ROUTES: dict[str, tuple[Shape, ...]] = {
     "/reranking": (Shape("rerank", _LLAMA),),
     "/v1/rerank": (Shape("rerank", _LLAMA),),
     "/v1/reranking": (Shape("rerank", _LLAMA),),
-    "/v1/messages": (Shape("anthropic", _LLAMA),),  # Anthropic-style chat: on id_slot's slot, like chat
+    "/v1/messages": (
+        Shape("anthropic", _LLAMA),
+    ),  # Anthropic-style chat: on id_slot's slot, like chat
     "/api/generate": (Shape("ollama_generate", _OLLAMA),),
     # llama-server serves Ollama's chat path with its chat-completions handler
     "/api/chat": (Shape("ollama_chat", _OLLAMA), Shape("oai_chat", _LLAMA)),
@@ -193,7 +252,11 @@ def shape_for(path: str, kind: str) -> Shape | None:
 def token_count(tokens: int, body: dict[str, Any]) -> int:
     """``tokens``, capped by the request's own limit (n_predict, max_tokens, options.num_predict) if >= 0."""
     options = body.get("options")
-    for limit in (body.get("n_predict"), body.get("max_tokens"), options.get("num_predict") if isinstance(options, dict) else None):
+    for limit in (
+        body.get("n_predict"),
+        body.get("max_tokens"),
+        options.get("num_predict") if isinstance(options, dict) else None,
+    ):
         if isinstance(limit, int) and limit >= 0:
             return min(tokens, limit)
     return tokens
@@ -213,8 +276,12 @@ def info_routes(kind: str, n_slots: int) -> dict[str, Callable[[], web.Response]
     if kind == "llamacpp":
         routes["/health"] = lambda: json_response({"status": "ok"})
         routes["/props"] = lambda: json_response(
-            {"total_slots": n_slots, "model_path": "fake.gguf", "build_info": "fake",
-             "default_generation_settings": {"n_ctx": 4096, "n_predict": -1}}
+            {
+                "total_slots": n_slots,
+                "model_path": "fake.gguf",
+                "build_info": "fake",
+                "default_generation_settings": {"n_ctx": 4096, "n_predict": -1},
+            }
         )
     elif kind == "ollama":
         routes["/api/version"] = lambda: json_response({"version": "0.5.7"})

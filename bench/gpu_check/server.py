@@ -92,7 +92,9 @@ async def _run(opts: Any, server: Server, baseline: float) -> dict[str, Any]:
             res["ms_per_token"] = 1000.0 / max(tps for _, tps in single)
         n = max(opts.concurrency)
         t0 = time.perf_counter()
-        burst = await asyncio.gather(*(c.stream(opts.n_predict, PROMPTS[i % len(PROMPTS)]) for i in range(n)))
+        burst = await asyncio.gather(
+            *(c.stream(opts.n_predict, PROMPTS[i % len(PROMPTS)]) for i in range(n))
+        )
         res["burst"] = {"streams": n, "completed": sum(r is not None for r in burst),
                         "wall_s": time.perf_counter() - t0}  # fmt: skip
         cancels = []

@@ -58,7 +58,9 @@ async def _forward(request: web.Request) -> web.StreamResponse:
 
 
 async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
-    client = UpstreamClient(app[UPSTREAM], connect_timeout_s=5, read_timeout_s=600)  # as the proxy's
+    client = UpstreamClient(
+        app[UPSTREAM], connect_timeout_s=5, read_timeout_s=600
+    )  # as the proxy's
     app[CLIENT] = client
     yield
     client.close()
@@ -83,7 +85,9 @@ async def _serve(settings: ForwarderSettings) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     description = "Featureless aiohttp forwarder (bench floor)."
-    return run_child_main("llmproxy.bench.overhead.forwarder", description, ForwarderSettings, _serve, argv)
+    return run_child_main(
+        "llmproxy.bench.overhead.forwarder", description, ForwarderSettings, _serve, argv
+    )
 
 
 if __name__ == "__main__":

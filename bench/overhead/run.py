@@ -49,10 +49,10 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from llmproxy.common import loops
 from llmproxy.bench.child import child, cpu_seconds
 from llmproxy.bench.loadgen import LoadResult, run_load
 from llmproxy.bench.overhead.table import Case, format_table
+from llmproxy.common import loops
 from llmproxy.common.config import LayeredSettings, add_settings_arguments, settings_from_args
 from llmproxy.common.logs import configure_logging
 
@@ -65,33 +65,55 @@ class OverheadSettings(LayeredSettings):
     requests: int = Field(2000, ge=1, description="Measured requests per case and target")
     warmup: int = Field(200, ge=0, description="Unmeasured warm-up requests per case and target")
     concurrency: list[int] = Field([1, 32], description="Concurrency levels (closed-loop workers)")
-    duration: float = Field(60.0, gt=0, description="Time cap in seconds per phase (warm-up, measured) and target")
-    rounds: int = Field(
-        3, ge=1, description="Measured blocks per target, run in turn (direct, raw, floor, proxied, direct, ...)"
+    duration: float = Field(
+        60.0, gt=0, description="Time cap in seconds per phase (warm-up, measured) and target"
     )
-    modes: list[str] = Field(["nonstream", "stream"], description="Request modes: nonstream, stream")
+    rounds: int = Field(
+        3,
+        ge=1,
+        description="Measured blocks per target, run in turn (direct, raw, floor, proxied, direct, ...)",
+    )
+    modes: list[str] = Field(
+        ["nonstream", "stream"], description="Request modes: nonstream, stream"
+    )
     route: str = Field("/completion", description="Upstream route to load (llama-server shape)")
     tokens: int = Field(16, ge=0, description="Tokens the fake upstream generates per request")
     token_delay_ms: list[float] = Field(
-        [5.0, 0.0], description="Fake upstream delay per token, one profile per value (0: instant, not judged)"
+        [5.0, 0.0],
+        description="Fake upstream delay per token, one profile per value (0: instant, not judged)",
     )
     slots: int = Field(64, ge=1, description="Fake upstream slots (and proxy capacity)")
     max_queue: int = Field(1000, ge=0, description="Proxy --max-queue")
-    proxy: bool = Field(True, description="Also measure through the proxy (--no-proxy: direct only)")
-    floor: bool = Field(
-        True, description="Also measure a featureless aiohttp forwarder (forwarder.py): the stack's own cost"
+    proxy: bool = Field(
+        True, description="Also measure through the proxy (--no-proxy: direct only)"
     )
-    raw: bool = Field(True, description="Also measure a TCP byte relay (splice.py): the loopback hop without HTTP")
-    startup_timeout_s: float = Field(60.0, gt=0, description="Longest wait for a child to write its port file")
+    floor: bool = Field(
+        True,
+        description="Also measure a featureless aiohttp forwarder (forwarder.py): the stack's own cost",
+    )
+    raw: bool = Field(
+        True, description="Also measure a TCP byte relay (splice.py): the loopback hop without HTTP"
+    )
+    startup_timeout_s: float = Field(
+        60.0, gt=0, description="Longest wait for a child to write its port file"
+    )
     log_level: str = Field("warning", description="Log level of this process and the fake upstream")
-    loop: loops.LoopChoice = Field("auto", description="Event loop of the proxy and the two reference children (their --loop)")
+    loop: loops.LoopChoice = Field(
+        "auto", description="Event loop of the proxy and the two reference children (their --loop)"
+    )
     proxy_log_level: str = Field(
-        "info", description="The proxy child's log level; info, its own default, measures its canonical line per request"
+        "info",
+        description="The proxy child's log level; info, its own default, measures its canonical line per request",
     )
 
 
 def _body(settings: OverheadSettings, stream: bool) -> bytes:
-    obj = {"prompt": "def fib(n):", "n_predict": settings.tokens, "stream": stream, "cache_prompt": True}
+    obj = {
+        "prompt": "def fib(n):",
+        "n_predict": settings.tokens,
+        "stream": stream,
+        "cache_prompt": True,
+    }
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
@@ -99,15 +121,23 @@ async def _load(
     url: str, settings: OverheadSettings, stream: bool, concurrency: int, pids: tuple[int, ...]
 ) -> LoadResult:
     return await run_load(
-        url + settings.route, _body(settings, stream), requests=settings.requests, warmup=settings.warmup,
-        concurrency=concurrency, duration_s=settings.duration, stream=stream,
+        url + settings.route,
+        _body(settings, stream),
+        requests=settings.requests,
+        warmup=settings.warmup,
+        concurrency=concurrency,
+        duration_s=settings.duration,
+        stream=stream,
         headers=lambda w: {"X-LLMProxy-Session": f"bench-{w}"},
         probe=lambda: tuple(cpu_seconds(pid) for pid in pids),
     )
 
 
 async def _in_turn(
-    targets: list[tuple[str | None, tuple[int, ...]]], settings: OverheadSettings, stream: bool, concurrency: int
+    targets: list[tuple[str | None, tuple[int, ...]]],
+    settings: OverheadSettings,
+    stream: bool,
+    concurrency: int,
 ) -> list[LoadResult | None]:
     """Measure the targets (None: skipped) in ``settings.rounds`` alternating blocks each.
 
@@ -119,11 +149,13 @@ async def _in_turn(
     rounds = min(settings.rounds, settings.requests)
     parts: list[list[LoadResult]] = [[] for _ in targets]
     for r in range(rounds):
-        share = settings.model_copy(update={  # this block's share; the shares add up to the totals
-            "requests": settings.requests // rounds + (r < settings.requests % rounds),
-            "warmup": settings.warmup // rounds + (r < settings.warmup % rounds),
-            "duration": settings.duration / rounds,
-        })
+        share = settings.model_copy(
+            update={  # this block's share; the shares add up to the totals
+                "requests": settings.requests // rounds + (r < settings.requests % rounds),
+                "warmup": settings.warmup // rounds + (r < settings.warmup % rounds),
+                "duration": settings.duration / rounds,
+            }
+        )
         for i, (url, pids) in enumerate(targets):
             if url is not None:
                 parts[i].append(await _load(url, share, stream, concurrency, pids))
@@ -133,18 +165,43 @@ async def _in_turn(
 def proxy_command(settings: OverheadSettings, upstream_url: str) -> list[str]:
     """The proxy child's command line (``--port-file`` is appended by ``child``)."""
     return [
-        sys.executable, "-m", "llmproxy.proxy", "serve", "--port", "0", "--upstream", upstream_url,
-        "--capacity", str(settings.slots), "--max-queue", str(settings.max_queue),
-        "--log-level", settings.proxy_log_level, "--loop", settings.loop,
+        sys.executable,
+        "-m",
+        "llmproxy.proxy",
+        "serve",
+        "--port",
+        "0",
+        "--upstream",
+        upstream_url,
+        "--capacity",
+        str(settings.slots),
+        "--max-queue",
+        str(settings.max_queue),
+        "--log-level",
+        settings.proxy_log_level,
+        "--loop",
+        settings.loop,
     ]
 
 
 async def _profile(settings: OverheadSettings, delay_ms: float, workdir: Path) -> list[Case]:
     """All modes x concurrencies against one fake (and one proxy) paced at ``delay_ms``."""
     fake_argv = [
-        sys.executable, "-m", "llmproxy.bench.fake.upstream", "--port", "0", "--kind", "llamacpp",
-        "--slots", str(settings.slots), "--tokens", str(settings.tokens),
-        "--token-delay-ms", str(delay_ms), "--log-level", settings.log_level,
+        sys.executable,
+        "-m",
+        "llmproxy.bench.fake.upstream",
+        "--port",
+        "0",
+        "--kind",
+        "llamacpp",
+        "--slots",
+        str(settings.slots),
+        "--tokens",
+        str(settings.tokens),
+        "--token-delay-ms",
+        str(delay_ms),
+        "--log-level",
+        settings.log_level,
     ]
     cases: list[Case] = []
     async with contextlib.AsyncExitStack() as stack:
@@ -153,23 +210,43 @@ async def _profile(settings: OverheadSettings, delay_ms: float, workdir: Path) -
             """(URL, pid) of a child that runs for this profile; (None, 0) when not measured."""
             if not wanted:
                 return None, 0
-            pid, url = await stack.enter_async_context(child(name, argv, workdir, settings.startup_timeout_s))
+            pid, url = await stack.enter_async_context(
+                child(name, argv, workdir, settings.startup_timeout_s)
+            )
             return url, pid
 
         fake_url, fake_pid = await start("fake_upstream", fake_argv, True)
         assert fake_url is not None
-        proxy_url, proxy_pid = await start("proxy", proxy_command(settings, fake_url), settings.proxy)
+        proxy_url, proxy_pid = await start(
+            "proxy", proxy_command(settings, fake_url), settings.proxy
+        )
 
         def reference(module: str) -> list[str]:  # forwarder.py and splice.py take the same options
-            return [sys.executable, "-m", f"llmproxy.bench.{module}", "--upstream", fake_url, "--loop", settings.loop]
+            return [
+                sys.executable,
+                "-m",
+                f"llmproxy.bench.{module}",
+                "--upstream",
+                fake_url,
+                "--loop",
+                settings.loop,
+            ]
 
-        floor_url, floor_pid = await start("forwarder", reference("forwarder"), settings.proxy and settings.floor)
-        raw_url, raw_pid = await start("splice", reference("splice"), settings.proxy and settings.raw)
+        floor_url, floor_pid = await start(
+            "forwarder", reference("forwarder"), settings.proxy and settings.floor
+        )
+        raw_url, raw_pid = await start(
+            "splice", reference("splice"), settings.proxy and settings.raw
+        )
         for mode in settings.modes:
             stream = mode == "stream"
             for c in settings.concurrency:
-                targets = [(fake_url, (fake_pid,)), (raw_url, (fake_pid, raw_pid)), (floor_url, (fake_pid, floor_pid)),
-                           (proxy_url, (fake_pid, proxy_pid))]
+                targets = [
+                    (fake_url, (fake_pid,)),
+                    (raw_url, (fake_pid, raw_pid)),
+                    (floor_url, (fake_pid, floor_pid)),
+                    (proxy_url, (fake_pid, proxy_pid)),
+                ]
                 direct, raw, floor, proxied = await _in_turn(targets, settings, stream, c)
                 assert direct is not None
                 cases.append(Case(mode, c, direct, proxied, delay_ms, floor, raw))
@@ -192,7 +269,9 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(settings.modes) - {"nonstream", "stream"}
     if unknown:
         raise SystemExit(f"llmproxy bench overhead: unknown mode(s): {', '.join(sorted(unknown))}")
-    loop_name = loops.choose(settings.loop, "llmproxy bench overhead")[0]  # as the children will (same environment)
+    loop_name = loops.choose(settings.loop, "llmproxy bench overhead")[
+        0
+    ]  # as the children will (same environment)
     gc.freeze()  # the load generator too: no full-collection pauses inside the measurements
     cases = asyncio.run(_bench(settings))
     sys.stdout.write(format_table(cases, loop=loop_name))

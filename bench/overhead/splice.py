@@ -45,7 +45,9 @@ class _Side(asyncio.Protocol):
         self.eof = False  # this end sent EOF (half-close): its reading direction is done
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport subclass
+        self.transport = cast(
+            asyncio.Transport, transport
+        )  # uvloop's is not an asyncio.Transport subclass
 
     def data_received(self, data: bytes) -> None:
         self.pair.forward(self, data)
@@ -140,7 +142,9 @@ class _Relay:
 
     async def _connect(self, pair: _Pair) -> None:
         try:
-            await asyncio.get_running_loop().create_connection(lambda: pair.upstream, self.host, self.port)
+            await asyncio.get_running_loop().create_connection(
+                lambda: pair.upstream, self.host, self.port
+            )
         except Exception:  # refused, unreachable, or anything else: the client sees a close
             pair.close()
         else:
@@ -156,7 +160,9 @@ class _Relay:
 async def _serve(settings: SpliceSettings) -> None:
     upstream = URL(settings.upstream)
     if upstream.scheme != "http" or upstream.host is None or upstream.port is None:
-        raise SystemExit(f"splice: --upstream must be an http:// URL with a host, got {settings.upstream!r}")
+        raise SystemExit(
+            f"splice: --upstream must be an http:// URL with a host, got {settings.upstream!r}"
+        )
     stop = stop_event()
     relay = _Relay(upstream.host, upstream.port)
     loop = asyncio.get_running_loop()
@@ -173,7 +179,13 @@ async def _serve(settings: SpliceSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_child_main("llmproxy.bench.overhead.splice", "TCP byte relay (bench raw floor).", SpliceSettings, _serve, argv)
+    return run_child_main(
+        "llmproxy.bench.overhead.splice",
+        "TCP byte relay (bench raw floor).",
+        SpliceSettings,
+        _serve,
+        argv,
+    )
 
 
 if __name__ == "__main__":

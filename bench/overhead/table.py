@@ -42,18 +42,24 @@ class Case:
 def _added(direct: LoadResult, other: LoadResult) -> tuple[float, float, float]:
     """What ``other`` adds over ``direct``: p50 and p99 (ms), and its throughput ratio."""
     ratio = other.rps / direct.rps if direct.rps else float("nan")
-    return (other.percentile_ms(50) - direct.percentile_ms(50),
-            other.percentile_ms(99) - direct.percentile_ms(99), ratio)
+    return (
+        other.percentile_ms(50) - direct.percentile_ms(50),
+        other.percentile_ms(99) - direct.percentile_ms(99),
+        ratio,
+    )
 
 
 def _missed(added: tuple[float, float, float]) -> list[str]:
     """The goals (p50, p99, thr) that an ``_added`` result misses."""
     add50, add99, ratio = added
     return [
-        name for name, ok in (
-            ("p50", add50 <= GOAL_ADDED_P50_MS), ("p99", add99 <= GOAL_ADDED_P99_MS),
+        name
+        for name, ok in (
+            ("p50", add50 <= GOAL_ADDED_P50_MS),
+            ("p99", add99 <= GOAL_ADDED_P99_MS),
             ("thr", ratio >= GOAL_THROUGHPUT_RATIO),
-        ) if not ok
+        )
+        if not ok
     ]
 
 
@@ -125,8 +131,7 @@ def format_table(cases: list[Case], loop: str) -> str:
             f"{(p.percentile_ms(50) if p else float('nan')):>12.2f}{(p.percentile_ms(99) if p else float('nan')):>8.2f}"
             f"{add50:>10.2f}{add99:>8.2f}{d.rps:>11.0f}{(p.rps if p else float('nan')):>9.0f}{ratio:>7.2f}"
             f"{proxy_cpu:>17.0f}{d.cpu_us_per_request(0):>6.0f}{floor50:>11.2f}{floor99:>7.2f}{floor_cpu:>6.0f}"
-            f"{raw50:>9.2f}{raw99:>7.2f}{raw_cpu:>5.0f}  "
-            + ", ".join(marks)
+            f"{raw50:>9.2f}{raw99:>7.2f}{raw_cpu:>5.0f}  " + ", ".join(marks)
         )
     lines.append("")
     lines.append(
@@ -148,7 +153,11 @@ def format_table(cases: list[Case], loop: str) -> str:
     )
     lines.append(f"event loop of the proxy and the floors: {loop}")
     judged = [c for c in cases if c.judged and c.proxied is not None]
-    verdict = ("PASS" if all_pass else "FAIL") if judged else "n/a (no paced rows measured through the proxy)"
+    verdict = (
+        ("PASS" if all_pass else "FAIL")
+        if judged
+        else "n/a (no paced rows measured through the proxy)"
+    )
     lines.append(f"overall (paced upstream rows): {verdict}")
     if beyond:
         lines.append(

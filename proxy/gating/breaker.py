@@ -30,7 +30,9 @@ class UpstreamUnavailable(ProxyError):
 
 
 class CircuitBreaker:
-    def __init__(self, threshold: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, threshold: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.threshold = threshold  # 0 disables the breaker
         self.cooldown_s = cooldown_s
         self._clock = clock
@@ -56,7 +58,8 @@ class CircuitBreaker:
             return True
         retry = max(1, int(self.cooldown_s - (self._clock() - (self._opened_at or 0))) + 1)
         raise UpstreamUnavailable(
-            f"upstream failing ({self._failures} consecutive errors); failing fast", headers={"Retry-After": str(retry)}
+            f"upstream failing ({self._failures} consecutive errors); failing fast",
+            headers={"Retry-After": str(retry)},
         )
 
     def success(self, probe: bool = False) -> None:

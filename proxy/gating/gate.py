@@ -135,7 +135,12 @@ class Gate:
 
     # -- the protocol ---------------------------------------------------------------
     def submit(
-        self, session: str, *, supersedable: bool, route: str = "", permits: int = 1,
+        self,
+        session: str,
+        *,
+        supersedable: bool,
+        route: str = "",
+        permits: int = 1,
         sizer: Callable[[int], int] | None = None,
     ) -> Ticket:
         """Admit a new request (never blocks). Admission is decided first; only an admitted
@@ -153,10 +158,17 @@ class Gate:
         grant_now = replaced is None and len(self._free) >= permits and not self._queue
         if replaced is None and not grant_now and len(self._queue) >= self.max_queue:
             raise QueueFull(
-                f"queue full ({self.max_queue} waiting)", headers={"Retry-After": str(self.retry_after_s)}
+                f"queue full ({self.max_queue} waiting)",
+                headers={"Retry-After": str(self.retry_after_s)},
             )
         ticket = Ticket(
-            next(self._ids), session, supersedable, route, asyncio.get_running_loop().create_future(), permits, sizer
+            next(self._ids),
+            session,
+            supersedable,
+            route,
+            asyncio.get_running_loop().create_future(),
+            permits,
+            sizer,
         )
         self._idle.clear()
         if supersedable:
@@ -166,7 +178,9 @@ class Gate:
             self._queue[replaced] = ticket  # the newcomer takes the old one's position
             old.state = "done"
             if not old.future.done():  # done = its waiter was cancelled meanwhile
-                old.future.set_exception(Superseded("superseded by a newer request from the same session"))
+                old.future.set_exception(
+                    Superseded("superseded by a newer request from the same session")
+                )
                 old.future.exception()  # retrieved: the waiter may already be gone
             self._grant_waiters()  # the newcomer may need fewer permits than the one it replaced
         elif grant_now:
@@ -216,7 +230,11 @@ class Gate:
         top = max(ticket.slots[1:])
         mine = set(ticket.slots)
         return {
-            s for t in self._inflight.values() if t is not ticket and pinned(t) for s in t.slots if s < top and s not in mine
+            s
+            for t in self._inflight.values()
+            if t is not ticket and pinned(t)
+            for s in t.slots
+            if s < top and s not in mine
         }
 
     def settled(self, ticket: Ticket) -> None:
@@ -315,7 +333,9 @@ class Gate:
             if ticket.sizer is not None:
                 try:
                     ticket.permits = ticket.sizer(self.total)
-                except ProxyError as exc:  # it cannot run here any more (too wide for the upstream found)
+                except (
+                    ProxyError
+                ) as exc:  # it cannot run here any more (too wide for the upstream found)
                     self._queue.pop(0)
                     ticket.state = "done"
                     ticket.future.set_exception(exc)
@@ -334,7 +354,9 @@ class Gate:
             slot = preferred
         else:
             slot = self._free.pop(0)
-        extra = self._free[: ticket.permits - 1]  # lowest ids: where llama-server puts extra completions
+        extra = self._free[
+            : ticket.permits - 1
+        ]  # lowest ids: where llama-server puts extra completions
         del self._free[: ticket.permits - 1]
         self._affinity[ticket.session] = slot
         self._affinity.move_to_end(ticket.session)

@@ -56,7 +56,11 @@ class JobRegistry:
         jobs, handlers = set(self._jobs), set(self._handlers)
         if not (jobs or handlers):
             return
-        log.warning("shutdown deadline: cutting what is still running", jobs=len(jobs), handlers=len(handlers))
+        log.warning(
+            "shutdown deadline: cutting what is still running",
+            jobs=len(jobs),
+            handlers=len(handlers),
+        )
         await _cut(jobs)
         if self._handlers:  # relaying the jobs' last event, or writing to a slow reader
             await asyncio.wait(set(self._handlers), timeout=grace)

@@ -46,8 +46,14 @@ _FAMILY = {
 # chat-completions handler.
 SLOT_ROUTES = frozenset(
     {
-        "/infill", "/completion", "/completions", "/v1/completions",
-        "/chat/completions", "/v1/chat/completions", "/api/chat", "/v1/messages",
+        "/infill",
+        "/completion",
+        "/completions",
+        "/v1/completions",
+        "/chat/completions",
+        "/v1/chat/completions",
+        "/api/chat",
+        "/v1/messages",
     }
 )
 

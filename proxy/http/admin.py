@@ -37,7 +37,13 @@ async def status(request: web.Request) -> web.Response:
         for t in gate.inflight_snapshot()
     ]
     queued = [
-        {"id": t.id, "route": t.route, "permits": t.permits, "session": t.session[:8], "age_s": round(now - t.created, 3)}
+        {
+            "id": t.id,
+            "route": t.route,
+            "permits": t.permits,
+            "session": t.session[:8],
+            "age_s": round(now - t.created, 3),
+        }
         for t in gate.queue_snapshot()
     ]
     return web.json_response(
@@ -54,7 +60,9 @@ async def status(request: web.Request) -> web.Response:
                 "supersede_inflight": st.policy(st.settings.supersede_inflight),
                 "on_disconnect": st.policy(st.settings.on_disconnect),
                 # gated routes whose stop this upstream cannot confirm: 'auto' is 'finish' there
-                "unconfirmed_routes": sorted(r for r in st.adapter.gated_routes if not st.adapter.confirms(r)),
+                "unconfirmed_routes": sorted(
+                    r for r in st.adapter.gated_routes if not st.adapter.confirms(r)
+                ),
             },
         }
     )
@@ -73,7 +81,9 @@ _PATHS = ("/llmproxy/health", "/llmproxy/status", "/llmproxy/metrics")
 async def reserved(request: web.Request) -> web.Response:
     """Everything else under /llmproxy/ (registered before the proxy's catch-all)."""
     if request.path in _PATHS:
-        raise NotAllowed(f"{request.method} is not allowed on {request.path}", headers={"Allow": "GET, HEAD"})
+        raise NotAllowed(
+            f"{request.method} is not allowed on {request.path}", headers={"Allow": "GET, HEAD"}
+        )
     raise NotFound(f"no such llmproxy endpoint: {request.path}")
 
 

@@ -21,10 +21,16 @@ async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
     bytes (413, refused before reading when Content-Length already says too much)."""
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
-        raise BadRequest(f"compressed request bodies are not supported (Content-Encoding: {encoding}); send it uncompressed")
+        raise BadRequest(
+            f"compressed request bodies are not supported (Content-Encoding: {encoding}); send it uncompressed"
+        )
     if request.content_length is not None and request.content_length > limit:
-        raise BodyTooLarge(f"request body of {request.content_length} bytes exceeds the limit of {limit}")
-    if request.content_length is not None and request.content.is_eof():  # already buffered: no timer
+        raise BodyTooLarge(
+            f"request body of {request.content_length} bytes exceeds the limit of {limit}"
+        )
+    if (
+        request.content_length is not None and request.content.is_eof()
+    ):  # already buffered: no timer
         body = request.content.read_nowait()
         if len(body) != request.content_length:
             raise BadRequest("request body shorter than its Content-Length")
@@ -63,6 +69,8 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise BadRequest(f"request body must be a JSON object, not {type(parsed).__name__}")
     for key, kinds in (("n_predict", int), ("max_tokens", int), ("stream", bool), ("model", str)):
         value = parsed.get(key)
-        if value is not None and (not isinstance(value, kinds) or (kinds is int and isinstance(value, bool))):
+        if value is not None and (
+            not isinstance(value, kinds) or (kinds is int and isinstance(value, bool))
+        ):
             raise BadRequest(f"field {key!r} must be {kinds.__name__}")
     return parsed

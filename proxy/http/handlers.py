@@ -20,16 +20,16 @@ import time
 
 from aiohttp import web
 
-from llmproxy.proxy.upstream.adapters.base import Adapter
-from llmproxy.proxy.http.bodies import parse_json_object, read_body
 from llmproxy.proxy.errors import ProxyError, QueueTimeout
 from llmproxy.proxy.gating.gate import Ticket
+from llmproxy.proxy.gating.sessions import is_warmup, session_key
+from llmproxy.proxy.http.bodies import parse_json_object, read_body
+from llmproxy.proxy.http.security import auth_headers_to_strip
+from llmproxy.proxy.state import RECORD, STATE, ProxyState
+from llmproxy.proxy.upstream.adapters.base import Adapter
 from llmproxy.proxy.upstream.headers import request_headers
 from llmproxy.proxy.upstream.job import UpstreamJob, UpstreamRequest
 from llmproxy.proxy.upstream.responder import Responder
-from llmproxy.proxy.http.security import auth_headers_to_strip
-from llmproxy.proxy.gating.sessions import is_warmup, session_key
-from llmproxy.proxy.state import RECORD, STATE, ProxyState
 
 
 class _Sizing:
@@ -70,8 +70,13 @@ async def gated(request: web.Request) -> web.StreamResponse:
     rec.permits = permits = sizing(st.gate.total)  # or BadRequest
     probe = st.breaker.admit()  # raises UpstreamUnavailable (503) while the breaker is open
     try:
-        ticket = st.gate.submit(rec.session, supersedable=supersedable, route=request.path, permits=permits,
-                                sizer=sizing)
+        ticket = st.gate.submit(
+            rec.session,
+            supersedable=supersedable,
+            route=request.path,
+            permits=permits,
+            sizer=sizing,
+        )
         await _wait_for_permit(st, ticket, request)
     except BaseException:
         st.breaker.neutral(probe)
@@ -112,8 +117,12 @@ async def _forward(
         headers=request_headers(request.headers, strip=auth_headers_to_strip(s)),
         body=raw,
     )
-    out = Responder(request, rec.request_id, buffer_bytes=s.client_buffer_bytes,
-                    write_timeout_s=s.client_write_timeout_s)
+    out = Responder(
+        request,
+        rec.request_id,
+        buffer_bytes=s.client_buffer_bytes,
+        write_timeout_s=s.client_write_timeout_s,
+    )
     try:
         job = UpstreamJob(  # takes the permit (raises Superseded if replaced since the grant)
             gate=st.gate,
@@ -125,7 +134,9 @@ async def _forward(
             metrics=st.metrics,
             breaker=st.breaker,
             breaker_probe=probe,
-            supersede_policy=st.policy(s.supersede_inflight, request.path, adapter, rec.parsed_body),
+            supersede_policy=st.policy(
+                s.supersede_inflight, request.path, adapter, rec.parsed_body
+            ),
             disconnect_policy=st.policy(s.on_disconnect, request.path, adapter, rec.parsed_body),
             unconfirmed_hold_s=s.unconfirmed_cancel_hold_s,
         )

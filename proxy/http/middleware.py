@@ -15,10 +15,10 @@ import structlog
 from aiohttp import web
 
 from llmproxy.proxy.errors import BadRequest, HTTPStatusError, NotAllowed, ProxyError
-from llmproxy.proxy.telemetry.record import RequestRecord
 from llmproxy.proxy.gating.routes import is_safe_path
 from llmproxy.proxy.http.security import check_api_key
 from llmproxy.proxy.state import METRICS, RECORD, REQUEST_LOG, SETTINGS
+from llmproxy.proxy.telemetry.record import RequestRecord
 
 log = structlog.get_logger("llmproxy.http")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -26,7 +26,9 @@ _OPEN = ("/llmproxy/health",)
 
 
 def error_response(exc: ProxyError) -> web.Response:
-    resp = web.Response(status=exc.status, body=exc.body(), content_type="application/json", headers=exc.headers)
+    resp = web.Response(
+        status=exc.status, body=exc.body(), content_type="application/json", headers=exc.headers
+    )
     if exc.close_connection:
         resp.force_close()
     return resp
@@ -40,8 +42,13 @@ async def proxy_middleware(request: web.Request, handler: web.Handler) -> web.St
     # Bound in this request's own context: aiohttp runs each handler in a task of its own
     # (a copy of the connection's context), so the binding ends with it, unbound by nobody.
     structlog.contextvars.bind_contextvars(request_id=request_id)
-    rec = RequestRecord(request_id, request.method, request.path, on_done=app[METRICS].observe,
-                        request_log=app[REQUEST_LOG])
+    rec = RequestRecord(
+        request_id,
+        request.method,
+        request.path,
+        on_done=app[METRICS].observe,
+        request_log=app[REQUEST_LOG],
+    )
     request[RECORD] = rec
     try:
         if not is_safe_path(request.raw_path):

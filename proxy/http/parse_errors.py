@@ -40,13 +40,23 @@ class _EnvelopeRequestHandler(RequestHandler):
             return
         peer = self.transport.get_extra_info("peername") if self.transport is not None else None
         first_line = (str(bad.message).strip().splitlines() or [""])[0][:200]
-        log.warning("malformed request from the client", error=first_line, kind=type(bad).__name__,
-                    peer=peer[0] if peer else None)
+        log.warning(
+            "malformed request from the client",
+            error=first_line,
+            kind=type(bad).__name__,
+            peer=peer[0] if peer else None,
+        )
 
     def handle_error(
-        self, request: BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
     ) -> web.StreamResponse:
-        super().handle_error(request, status, exc, message)  # logs; raises if output already started
+        super().handle_error(
+            request, status, exc, message
+        )  # logs; raises if output already started
         phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
         detail = (message or "").strip().splitlines()[0][:200] if status < 500 and message else ""
         err = HTTPStatusError(status, f"{phrase}: {detail}" if detail else phrase)

@@ -12,13 +12,13 @@ from __future__ import annotations
 import structlog
 from aiohttp import web
 
-from llmproxy.proxy.http.bodies import read_body
 from llmproxy.proxy.errors import ProxyError
-from llmproxy.proxy.upstream.headers import request_headers
-from llmproxy.proxy.upstream.responder import Responder
+from llmproxy.proxy.http.bodies import read_body
 from llmproxy.proxy.http.security import auth_headers_to_strip
 from llmproxy.proxy.state import RECORD, STATE
 from llmproxy.proxy.upstream.forward import forward
+from llmproxy.proxy.upstream.headers import request_headers
+from llmproxy.proxy.upstream.responder import Responder
 
 log = structlog.get_logger("llmproxy.passthrough")
 
@@ -28,8 +28,12 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     body = await read_body(request, st.settings.max_body_bytes, st.settings.body_timeout_s)
     headers = request_headers(request.headers, strip=auth_headers_to_strip(st.settings))
     rec = request[RECORD]
-    out = Responder(request, rec.request_id, buffer_bytes=st.settings.client_buffer_bytes,
-                    write_timeout_s=st.settings.client_write_timeout_s)
+    out = Responder(
+        request,
+        rec.request_id,
+        buffer_bytes=st.settings.client_buffer_bytes,
+        write_timeout_s=st.settings.client_write_timeout_s,
+    )
     try:
         await forward(st.adapter, request.method, request.raw_path, headers, body or None, out, rec)
     except ProxyError as exc:

@@ -18,7 +18,14 @@ from llmproxy.proxy.gating.gate import Gate
 if TYPE_CHECKING:
     from llmproxy.proxy.telemetry.record import RequestRecord
 
-OUTCOMES = ("completed", "superseded", "cancelled_queued", "cancelled_inflight", "rejected", "error")
+OUTCOMES = (
+    "completed",
+    "superseded",
+    "cancelled_queued",
+    "cancelled_inflight",
+    "rejected",
+    "error",
+)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -30,36 +37,61 @@ class Metrics:
             "llmproxy_requests", "Requests by outcome and route", ["outcome", "route"], registry=r
         )
         self.queue_wait = Histogram(
-            "llmproxy_queue_wait_seconds", "Time from arrival to permit grant", buckets=_LATENCY_BUCKETS, registry=r
+            "llmproxy_queue_wait_seconds",
+            "Time from arrival to permit grant",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.upstream_latency = Histogram(
-            "llmproxy_upstream_latency_seconds", "Upstream request start to end of body", buckets=_LATENCY_BUCKETS, registry=r
+            "llmproxy_upstream_latency_seconds",
+            "Upstream request start to end of body",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.upstream_ttfb = Histogram(
-            "llmproxy_upstream_ttfb_seconds", "Upstream request start to first body byte", buckets=_LATENCY_BUCKETS, registry=r
+            "llmproxy_upstream_ttfb_seconds",
+            "Upstream request start to first body byte",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.permit_hold = Histogram(
-            "llmproxy_permit_hold_seconds", "How long a permit was held", buckets=_LATENCY_BUCKETS, registry=r
+            "llmproxy_permit_hold_seconds",
+            "How long a permit was held",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.confirm_wait = Histogram(
-            "llmproxy_confirm_wait_seconds", "Wait for the upstream to confirm a stop", buckets=_LATENCY_BUCKETS, registry=r
+            "llmproxy_confirm_wait_seconds",
+            "Wait for the upstream to confirm a stop",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.confirm_timeouts = Counter(
-            "llmproxy_confirm_timeouts", "Stop confirmations that timed out (the slot is quarantined until idle)",
-            registry=r
+            "llmproxy_confirm_timeouts",
+            "Stop confirmations that timed out (the slot is quarantined until idle)",
+            registry=r,
         )
-        self.queue_depth = Gauge("llmproxy_queue_depth", "Requests waiting for a permit", registry=r)
+        self.queue_depth = Gauge(
+            "llmproxy_queue_depth", "Requests waiting for a permit", registry=r
+        )
         self.inflight = Gauge(
-            "llmproxy_inflight", "Requests holding permits (at the upstream or being stopped)", registry=r
+            "llmproxy_inflight",
+            "Requests holding permits (at the upstream or being stopped)",
+            registry=r,
         )
         self.permits_free = Gauge("llmproxy_permits_free", "Free permits", registry=r)
-        self.permits_total = Gauge("llmproxy_permits_total", "Gate capacity (quarantined slots not counted)", registry=r)
+        self.permits_total = Gauge(
+            "llmproxy_permits_total", "Gate capacity (quarantined slots not counted)", registry=r
+        )
         self.permits_quarantined = Gauge(
-            "llmproxy_permits_quarantined", "Slots kept out of the gate after an unconfirmed stop, until seen idle",
+            "llmproxy_permits_quarantined",
+            "Slots kept out of the gate after an unconfirmed stop, until seen idle",
             registry=r,
         )
         self.breaker_state = Gauge(
-            "llmproxy_breaker_state", "Upstream circuit breaker: 0 closed, 1 open, 2 half-open", registry=r
+            "llmproxy_breaker_state",
+            "Upstream circuit breaker: 0 closed, 1 open, 2 half-open",
+            registry=r,
         )
 
     def observe(self, rec: RequestRecord) -> None:
@@ -85,5 +117,7 @@ class Metrics:
         self.queue_depth.set_function(lambda: gate.queued)
         self.inflight.set_function(lambda: gate.inflight)
         self.permits_free.set_function(lambda: gate.free)
-        self.permits_total.set_function(lambda: gate.capacity)  # may grow (Gate.grow), or count quarantine down
+        self.permits_total.set_function(
+            lambda: gate.capacity
+        )  # may grow (Gate.grow), or count quarantine down
         self.permits_quarantined.set_function(lambda: len(gate.quarantined))

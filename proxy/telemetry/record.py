@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmproxy.proxy.errors import ProxyError
 from llmproxy.common.logs import iso_utc
+from llmproxy.proxy.errors import ProxyError
 from llmproxy.proxy.telemetry.request_log import RequestLog
 
 
@@ -24,7 +24,9 @@ class RequestRecord:
     method: str
     path: str
     on_done: Any = None  # callable(record) -> None: observes metrics (Metrics.observe)
-    request_log: RequestLog = field(default_factory=lambda: RequestLog(0))  # the app's (batched); default: at once
+    request_log: RequestLog = field(
+        default_factory=lambda: RequestLog(0)
+    )  # the app's (batched); default: at once
     session: str | None = None
     gated: bool = False
     parsed_body: Any = None
@@ -114,7 +116,9 @@ class RequestRecord:
             fields["assembled"] = True
         if self.confirm_timed_out:
             fields["confirm_timed_out"] = True
-        error = self.error or (self.upstream_error.message if self.upstream_error is not None else None)
+        error = self.error or (
+            self.upstream_error.message if self.upstream_error is not None else None
+        )
         if error:
             fields["error"] = error
         fields["timestamp"] = iso_utc(self.ended_at)  # when it ended, whenever it is written

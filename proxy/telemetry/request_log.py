@@ -40,7 +40,9 @@ Entry = Callable[["RequestLog"], "dict[str, Any] | None"]
 
 
 class RequestLog:
-    def __init__(self, flush_s: float, max_lines: int = MAX_LINES, per_turn: int = PER_TURN) -> None:
+    def __init__(
+        self, flush_s: float, max_lines: int = MAX_LINES, per_turn: int = PER_TURN
+    ) -> None:
         self.flush_s = flush_s
         self.max_lines = max_lines
         self.per_turn = per_turn

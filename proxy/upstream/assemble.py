@@ -49,7 +49,11 @@ def assembles(path: str, body: Any) -> bool:
     llama-server reads it.)"""
     if path not in ROUTES or not isinstance(body, dict) or body.get("stream") is True:
         return False
-    if _number(body, "n_probs") > 0 or body.get("return_tokens") is True or body.get("verbose") is True:
+    if (
+        _number(body, "n_probs") > 0
+        or body.get("return_tokens") is True
+        or body.get("verbose") is True
+    ):
         return False
     if path in OAI_ROUTES and body.get("logprobs") not in (None, False, 0):
         return False
@@ -115,7 +119,11 @@ class Assembler:
 
     def _oai_event(self, obj: dict[str, Any]) -> None:
         choices = obj.get("choices")
-        choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else None
+        choice = (
+            choices[0]
+            if isinstance(choices, list) and choices and isinstance(choices[0], dict)
+            else None
+        )
         if choice is None:
             return
         index = choice.get("index", 0)

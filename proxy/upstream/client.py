@@ -96,7 +96,9 @@ class UpstreamClient:
         authorization: str | None = None,
     ) -> None:
         if base_url.scheme not in ("http", "https") or not base_url.host:
-            raise ValueError(f"upstream URL must be http:// or https:// with a host, not {str(base_url)!r}")
+            raise ValueError(
+                f"upstream URL must be http:// or https:// with a host, not {str(base_url)!r}"
+            )
         self.base_url = base_url
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
@@ -105,12 +107,18 @@ class UpstreamClient:
         self._host = base_url.host
         self._port = base_url.port
         self._ssl = ssl.create_default_context() if base_url.scheme == "https" else None
-        self._host_header = base_url.host_port_subcomponent or self._host  # default port left out, as aiohttp does
+        self._host_header = (
+            base_url.host_port_subcomponent or self._host
+        )  # default port left out, as aiohttp does
         self._prefix = base_url.raw_path.rstrip("/")
-        if authorization is None and base_url.user is not None:  # http://user:pass@host, as aiohttp does
+        if (
+            authorization is None and base_url.user is not None
+        ):  # http://user:pass@host, as aiohttp does
             authorization = encode_basic_auth(base_url.user, base_url.password or "")
         self._authorization = authorization  # sent on every request in place of the caller's
-        self._idle: deque[tuple[ResponseHandler, float]] = deque()  # (protocol, released at); newest last
+        self._idle: deque[tuple[ResponseHandler, float]] = (
+            deque()
+        )  # (protocol, released at); newest last
         self._expiry: asyncio.TimerHandle | None = None  # closes idle connections as they expire
         self._closed = False
         # False for llama-server: it closes a connection after an event stream although it
@@ -123,7 +131,11 @@ class UpstreamClient:
         return len(self._idle)
 
     def exchange(
-        self, method: str, target: str, headers: Mapping[str, str], body: bytes | None,
+        self,
+        method: str,
+        target: str,
+        headers: Mapping[str, str],
+        body: bytes | None,
         on_send: Callable[[], None] | None = None,
     ) -> Exchange:
         """``async with client.exchange(...) as response``: send ``method target``
@@ -145,7 +157,9 @@ class UpstreamClient:
             self._idle.pop()[0].close()
 
     # -- the pool -----------------------------------------------------------------------
-    def _head(self, method: str, target: str, headers: Mapping[str, str], body: bytes | None) -> tuple[str, CIMultiDict[str]]:
+    def _head(
+        self, method: str, target: str, headers: Mapping[str, str], body: bytes | None
+    ) -> tuple[str, CIMultiDict[str]]:
         head = CIMultiDict(headers)
         head["Host"] = self._host_header
         if self._authorization is not None:
@@ -156,7 +170,9 @@ class UpstreamClient:
 
     def _take_idle(self, now: float) -> ResponseHandler | None:
         while self._idle:
-            proto, since = self._idle.pop()  # the most recently used: the warmest, least likely closed
+            proto, since = (
+                self._idle.pop()
+            )  # the most recently used: the warmest, least likely closed
             if proto.is_connected() and not proto.should_close and now - since < self.keepalive_s:
                 return proto
             proto.close()
@@ -171,7 +187,9 @@ class UpstreamClient:
             idle.popleft()[0].close()  # the oldest go first
         idle.append((proto, now))
         if self._expiry is None:
-            self._expiry = asyncio.get_running_loop().call_at(idle[0][1] + self.keepalive_s, self._expire)
+            self._expiry = asyncio.get_running_loop().call_at(
+                idle[0][1] + self.keepalive_s, self._expire
+            )
 
     def _expire(self) -> None:
         """Close the idle connections older than ``keepalive_s``; re-arm for the next one."""
@@ -187,8 +205,11 @@ class UpstreamClient:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, proto = await loop.create_connection(
-                    lambda: ResponseHandler(loop), self._host, self._port,
-                    ssl=self._ssl, server_hostname=self._host if self._ssl is not None else None,
+                    lambda: ResponseHandler(loop),
+                    self._host,
+                    self._port,
+                    ssl=self._ssl,
+                    server_hostname=self._host if self._ssl is not None else None,
                 )
         except TimeoutError as exc:
             raise ConnectionTimeoutError(f"connect to {self._host_header} timed out") from exc
@@ -198,7 +219,9 @@ class UpstreamClient:
 
     @property
     def _connection_key(self) -> ConnectionKey:
-        return ConnectionKey(self._host, self._port, self._ssl is not None, self._ssl or True, None, None, None)
+        return ConnectionKey(
+            self._host, self._port, self._ssl is not None, self._ssl or True, None, None, None
+        )
 
 
 class Exchange:
@@ -207,11 +230,26 @@ class Exchange:
     A plain async context manager rather than a generator-based one: it is on every
     relayed request's path."""
 
-    __slots__ = ("_client", "_method", "_target", "_headers", "_body", "_on_send", "_proto", "_payload", "_status",
-                 "_stream")
+    __slots__ = (
+        "_client",
+        "_method",
+        "_target",
+        "_headers",
+        "_body",
+        "_on_send",
+        "_proto",
+        "_payload",
+        "_status",
+        "_stream",
+    )
 
     def __init__(
-        self, client: UpstreamClient, method: str, target: str, headers: Mapping[str, str], body: bytes | None,
+        self,
+        client: UpstreamClient,
+        method: str,
+        target: str,
+        headers: Mapping[str, str],
+        body: bytes | None,
         on_send: Callable[[], None] | None,
     ) -> None:
         self._client, self._method, self._target = client, method, target
@@ -247,7 +285,9 @@ class Exchange:
             self._stream = message.headers.get("Content-Type", "").startswith("text/event-stream")
             return UpstreamResponse(message.code, message.headers, payload)
 
-    async def _attempt(self, proto: ResponseHandler, loop: asyncio.AbstractEventLoop) -> tuple[RawResponseMessage, StreamReader]:
+    async def _attempt(
+        self, proto: ResponseHandler, loop: asyncio.AbstractEventLoop
+    ) -> tuple[RawResponseMessage, StreamReader]:
         client = self._client
         proto.set_response_params(
             skip_payload=self._method == "HEAD",
@@ -283,14 +323,27 @@ class Exchange:
         proto, payload = self._proto, self._payload
         assert proto is not None and payload is not None
         transport = proto.transport
-        sent_all = transport is not None and not transport.get_write_buffer_size() and not proto.writing_paused
-        if sent_all and self._client._ssl is not None and self._status >= 400 and len(self._body or b"") > _TLS_SURE_SENT:
+        sent_all = (
+            transport is not None
+            and not transport.get_write_buffer_size()
+            and not proto.writing_paused
+        )
+        if (
+            sent_all
+            and self._client._ssl is not None
+            and self._status >= 400
+            and len(self._body or b"") > _TLS_SURE_SENT
+        ):
             # A TLS transport's buffer size leaves out the TCP buffer under it, so an error
             # answer to a large body may have come before the body was all out: not reused.
             sent_all = False
         if exc_type is not None or not payload.is_eof() or not sent_all:
             proto.abort()
-        elif proto.should_close or not proto.is_connected() or (self._stream and not self._client.reuse_after_stream):
+        elif (
+            proto.should_close
+            or not proto.is_connected()
+            or (self._stream and not self._client.reuse_after_stream)
+        ):
             proto.close()
         else:
             self._client._release(proto, asyncio.get_running_loop().time())

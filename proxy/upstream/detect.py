@@ -23,13 +23,17 @@ from typing import Any
 
 import aiohttp
 
+from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import Adapter, get_json, log
 from llmproxy.proxy.upstream.adapters.llamacpp import LlamaCppAdapter
 from llmproxy.proxy.upstream.adapters.ollama import OllamaAdapter
 from llmproxy.proxy.upstream.adapters.openai import OpenAIAdapter
-from llmproxy.proxy.settings import ProxySettings
 
-KINDS: dict[str, type[Adapter]] = {"llamacpp": LlamaCppAdapter, "openai": OpenAIAdapter, "ollama": OllamaAdapter}
+KINDS: dict[str, type[Adapter]] = {
+    "llamacpp": LlamaCppAdapter,
+    "openai": OpenAIAdapter,
+    "ollama": OllamaAdapter,
+}
 
 
 class _Loading(Exception):
@@ -38,7 +42,9 @@ class _Loading(Exception):
 
     def __init__(self, llama_shaped: bool, status: int = 503) -> None:
         super().__init__(f"upstream answers {status} on /props")
-        self.llama_shaped = llama_shaped  # llama-server's own {"error": {"type": "unavailable_error"}}
+        self.llama_shaped = (
+            llama_shaped  # llama-server's own {"error": {"type": "unavailable_error"}}
+        )
 
 
 def _llama_unavailable(body: Any) -> bool:
@@ -46,16 +52,29 @@ def _llama_unavailable(body: Any) -> bool:
     return isinstance(error, dict) and error.get("type") == "unavailable_error"
 
 
-async def _probe(session: aiohttp.ClientSession, base: str, settings: ProxySettings) -> tuple[str, Any]:
+async def _probe(
+    session: aiohttp.ClientSession, base: str, settings: ProxySettings
+) -> tuple[str, Any]:
     """The kind, and for llamacpp its /props answer."""
     status, props = await get_json(session, base + "/props")
     if status in (502, 503, 504):
         raise _Loading(status == 503 and _llama_unavailable(props), status)
     if status in (401, 403):
-        hint = "set upstream_api_key" if settings.upstream_api_key is None else "check upstream_api_key"
-        log.warning("upstream refused /props: cannot detect a llama-server that wants an API key", status=status,
-                    hint=hint)
-    if status == 200 and isinstance(props, dict) and ("total_slots" in props or "default_generation_settings" in props):
+        hint = (
+            "set upstream_api_key"
+            if settings.upstream_api_key is None
+            else "check upstream_api_key"
+        )
+        log.warning(
+            "upstream refused /props: cannot detect a llama-server that wants an API key",
+            status=status,
+            hint=hint,
+        )
+    if (
+        status == 200
+        and isinstance(props, dict)
+        and ("total_slots" in props or "default_generation_settings" in props)
+    ):
         return "llamacpp", props
     status, version = await get_json(session, base + "/api/version")
     if status == 200 and isinstance(version, dict) and "version" in version:
@@ -63,7 +82,9 @@ async def _probe(session: aiohttp.ClientSession, base: str, settings: ProxySetti
     return "openai", None
 
 
-async def create_adapter(session: aiohttp.ClientSession, settings: ProxySettings, base_url: str) -> Adapter:
+async def create_adapter(
+    session: aiohttp.ClientSession, settings: ProxySettings, base_url: str
+) -> Adapter:
     base = base_url.rstrip("/")
     kind: str | None = None if settings.upstream_kind == "auto" else settings.upstream_kind
     props: Any = None
@@ -78,8 +99,12 @@ async def create_adapter(session: aiohttp.ClientSession, settings: ProxySettings
             break
         except _Loading as exc:
             if loop.time() >= deadline:
-                log.warning(f"upstream still not ready ({exc}) at the end of detection: slot count and "
-                            "/slots learnt once it is", upstream=base, detect_timeout_s=settings.detect_timeout_s)
+                log.warning(
+                    f"upstream still not ready ({exc}) at the end of detection: slot count and "
+                    "/slots learnt once it is",
+                    upstream=base,
+                    detect_timeout_s=settings.detect_timeout_s,
+                )
                 undetected = kind is None and not exc.llama_shaped
                 kind = kind or ("llamacpp" if exc.llama_shaped else "openai")
                 gave_up = True
@@ -87,8 +112,12 @@ async def create_adapter(session: aiohttp.ClientSession, settings: ProxySettings
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             if loop.time() >= deadline:
                 undetected = kind is None
-                log.warning("upstream unreachable during detection" + ("; detected again once it answers"
-                            if undetected else ""), upstream=base, error=str(exc))
+                log.warning(
+                    "upstream unreachable during detection"
+                    + ("; detected again once it answers" if undetected else ""),
+                    upstream=base,
+                    error=str(exc),
+                )
                 kind = kind or "openai"
                 gave_up = True
                 break
@@ -101,7 +130,9 @@ async def create_adapter(session: aiohttp.ClientSession, settings: ProxySettings
     return adapter
 
 
-async def redetect(session: aiohttp.ClientSession, settings: ProxySettings, base_url: str) -> Adapter | None:
+async def redetect(
+    session: aiohttp.ClientSession, settings: ProxySettings, base_url: str
+) -> Adapter | None:
     """One more detection attempt for an upstream that never answered at start: the adapter
     it turns out to need, or None while it still does not answer (or answers 503 in a
     shape that is not llama-server's)."""
@@ -119,8 +150,13 @@ async def redetect(session: aiohttp.ClientSession, settings: ProxySettings, base
 
 
 async def _build(
-    session: aiohttp.ClientSession, settings: ProxySettings, base: str, kind: str, props: Any,
-    *, props_pending: bool,
+    session: aiohttp.ClientSession,
+    settings: ProxySettings,
+    base: str,
+    kind: str,
+    props: Any,
+    *,
+    props_pending: bool,
 ) -> Adapter:
     adapter = KINDS[kind](base, session, settings)
     if isinstance(adapter, LlamaCppAdapter):

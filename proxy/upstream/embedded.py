@@ -32,12 +32,14 @@ from aiohttp import web
 from llmproxy.backend.settings import stop_budget_s
 from llmproxy.common.children import child_preexec
 from llmproxy.common.config import EXIT_USAGE
-from llmproxy.proxy.settings import ProxySettings
 from llmproxy.common.server import StopRequest
+from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import SETTINGS, STOP, UPSTREAM_URL
 
 log = structlog.get_logger("llmproxy.embedded")
-BACKEND_DRAIN_S = 0.5  # the backend's own --shutdown-timeout-s: the proxy's connections are closed by then
+BACKEND_DRAIN_S = (
+    0.5  # the backend's own --shutdown-timeout-s: the proxy's connections are closed by then
+)
 BACKEND_STOP_S = stop_budget_s(BACKEND_DRAIN_S) + 1.0  # SIGTERM -> SIGKILL (9 s)
 
 
@@ -48,7 +50,14 @@ class BackendMistake(RuntimeError):
 
 def backend_command(s: ProxySettings, port_file: Path) -> list[str]:
     cmd = [sys.executable, "-m", "llmproxy.backend", "--host", "127.0.0.1", "--port", "0"]
-    cmd += ["--port-file", str(port_file), "--engine", s.engine, "--shutdown-timeout-s", str(BACKEND_DRAIN_S)]
+    cmd += [
+        "--port-file",
+        str(port_file),
+        "--engine",
+        s.engine,
+        "--shutdown-timeout-s",
+        str(BACKEND_DRAIN_S),
+    ]
     cmd += ["--no-sigint"]  # Ctrl-C is the proxy's to handle (see the module docstring)
     if s.parallel is not None:  # slots: llama-cpp runs one worker per slot, torch one batch of them
         cmd += ["--max-batch-size" if s.engine == "torch" else "--parallel", str(s.parallel)]
@@ -72,9 +81,13 @@ async def _wait_ready(proc: asyncio.subprocess.Process, port_file: Path, timeout
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
         while loop.time() < deadline:
             if proc.returncode == EXIT_USAGE:
-                raise BackendMistake(f"embedded backend rejected its settings (code {proc.returncode})")
+                raise BackendMistake(
+                    f"embedded backend rejected its settings (code {proc.returncode})"
+                )
             if proc.returncode is not None:
-                raise RuntimeError(f"embedded backend exited during start-up (code {proc.returncode})")
+                raise RuntimeError(
+                    f"embedded backend exited during start-up (code {proc.returncode})"
+                )
             if url is None and port_file.exists() and (text := port_file.read_text().strip()):
                 url = f"http://127.0.0.1:{int(text)}"
             if url is not None:
@@ -110,7 +123,9 @@ async def _watch_exit(proc: asyncio.subprocess.Process, stop: StopRequest | None
     would still say ok. Stop the proxy with a failure status instead, so that whoever runs
     it (systemd's ``Restart=on-failure``, a shell) sees it and starts it again."""
     code = await proc.wait()
-    log.error("embedded backend exited unexpectedly: stopping the proxy", pid=proc.pid, exit_code=code)
+    log.error(
+        "embedded backend exited unexpectedly: stopping the proxy", pid=proc.pid, exit_code=code
+    )
     if stop is not None:
         stop.request(1)
 
@@ -123,12 +138,19 @@ async def embedded_backend(app: web.Application) -> AsyncIterator[None]:
     with tempfile.TemporaryDirectory(prefix="llmproxy-") as tmp:
         port_file = Path(tmp) / "backend.port"
         cmd = backend_command(s, port_file)
-        log.info("starting embedded backend", engine=s.engine, model=str(s.model or "default"), parallel=s.parallel)
+        log.info(
+            "starting embedded backend",
+            engine=s.engine,
+            model=str(s.model or "default"),
+            parallel=s.parallel,
+        )
         proc = await asyncio.create_subprocess_exec(*cmd, preexec_fn=child_preexec())
         try:
             app[UPSTREAM_URL] = await _wait_ready(proc, port_file, s.backend_start_timeout_s)
             log.info("embedded backend ready", url=app[UPSTREAM_URL], pid=proc.pid)
-            watch = asyncio.create_task(_watch_exit(proc, app.get(STOP)), name="llmproxy-backend-watch")
+            watch = asyncio.create_task(
+                _watch_exit(proc, app.get(STOP)), name="llmproxy-backend-watch"
+            )
             try:
                 yield
             finally:

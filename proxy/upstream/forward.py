@@ -20,18 +20,25 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
+from llmproxy.proxy.errors import map_client_errors
+from llmproxy.proxy.telemetry.record import RequestRecord
 from llmproxy.proxy.upstream.adapters.base import Adapter
 from llmproxy.proxy.upstream.assemble import CONTENT_TYPE, Assembler
-from llmproxy.proxy.errors import map_client_errors
 from llmproxy.proxy.upstream.headers import response_headers
-from llmproxy.proxy.telemetry.record import RequestRecord
 from llmproxy.proxy.upstream.responder import Responder
 
 
 async def forward(
-    adapter: Adapter, method: str, raw_path: str, headers: Mapping[str, str], body: bytes | None,
-    out: Responder, rec: RequestRecord, on_end: Callable[[], None] | None = None,
-    on_head: Callable[[], None] | None = None, assembler: Assembler | None = None,
+    adapter: Adapter,
+    method: str,
+    raw_path: str,
+    headers: Mapping[str, str],
+    body: bytes | None,
+    out: Responder,
+    rec: RequestRecord,
+    on_end: Callable[[], None] | None = None,
+    on_head: Callable[[], None] | None = None,
+    assembler: Assembler | None = None,
 ) -> None:
     """``method raw_path`` on the adapter's upstream, its response written through ``out``.
 
@@ -52,14 +59,18 @@ async def forward(
     assembled = False
     try:
         with map_client_errors():
-            async with adapter.client.exchange(method, raw_path, headers, body, rec.mark_sent) as resp:
+            async with adapter.client.exchange(
+                method, raw_path, headers, body, rec.mark_sent
+            ) as resp:
                 status, content = resp.status, resp.content
                 rec.upstream_status = status
                 if on_head is not None:
                     on_head()
                 head = response_headers(resp.headers, adapter.base_url)
-                if assembler is not None and status == 200 and head.get("Content-Type", "").startswith(
-                    "text/event-stream"
+                if (
+                    assembler is not None
+                    and status == 200
+                    and head.get("Content-Type", "").startswith("text/event-stream")
                 ):
                     assembled = True
                     async for data in content.iter_any():

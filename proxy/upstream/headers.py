@@ -63,8 +63,10 @@ def proxied_location(location: str, upstream: URL) -> str | None:
     try:
         target = URL(location, encoded=True)
         same_origin = (
-            bool(target.scheme) and target.scheme.lower() == upstream.scheme
-            and (target.host or "").lower() == (upstream.host or "").lower() and target.port == upstream.port
+            bool(target.scheme)
+            and target.scheme.lower() == upstream.scheme
+            and (target.host or "").lower() == (upstream.host or "").lower()
+            and target.port == upstream.port
         )
     except ValueError:
         return None
@@ -72,7 +74,7 @@ def proxied_location(location: str, upstream: URL) -> str | None:
     path = target.raw_path or "/"
     if not same_origin or not (path == base or path.startswith(base + "/")):
         return None
-    rest = path[len(base):] or "/"
+    rest = path[len(base) :] or "/"
     query = f"?{target.raw_query_string}" if target.raw_query_string else ""
     fragment = f"#{target.raw_fragment}" if target.raw_fragment else ""
     return rest + query + fragment
@@ -81,7 +83,9 @@ def proxied_location(location: str, upstream: URL) -> str | None:
 def response_headers(headers: Mapping[str, str], upstream: URL | None = None) -> CIMultiDict[str]:
     """Headers to send back to the client (Content-Type, Content-Encoding... preserved);
     a Location into the ``upstream`` base URL is rewritten (``proxied_location``)."""
-    drop = _RESPONSE_DROP | _connection_tokens(headers) if "Connection" in headers else _RESPONSE_DROP
+    drop = (
+        _RESPONSE_DROP | _connection_tokens(headers) if "Connection" in headers else _RESPONSE_DROP
+    )
     out = _filter(headers, drop)
     location = out.get("Location")
     if upstream is not None and location is not None:

@@ -44,15 +44,15 @@ from typing import Any
 import structlog
 from multidict import CIMultiDict
 
-from llmproxy.proxy.upstream.adapters.base import Adapter
-from llmproxy.proxy.upstream.assemble import Assembler
-from llmproxy.proxy.gating.breaker import CircuitBreaker
 from llmproxy.proxy.errors import ProxyError, ShuttingDown, Superseded
+from llmproxy.proxy.gating.breaker import CircuitBreaker
 from llmproxy.proxy.gating.gate import Gate, Ticket
 from llmproxy.proxy.telemetry.metrics import Metrics
 from llmproxy.proxy.telemetry.record import RequestRecord
-from llmproxy.proxy.upstream.responder import Responder
+from llmproxy.proxy.upstream.adapters.base import Adapter
+from llmproxy.proxy.upstream.assemble import Assembler
 from llmproxy.proxy.upstream.forward import forward
+from llmproxy.proxy.upstream.responder import Responder
 
 log = structlog.get_logger("llmproxy.job")
 
@@ -88,7 +88,13 @@ class UpstreamJob:
         disconnect_policy: str,
         unconfirmed_hold_s: float,
     ) -> None:
-        self.gate, self.ticket, self.adapter, self.request, self.out = gate, ticket, adapter, request, out
+        self.gate, self.ticket, self.adapter, self.request, self.out = (
+            gate,
+            ticket,
+            adapter,
+            request,
+            out,
+        )
         self.record, self.metrics = record, metrics
         self.breaker, self.breaker_probe = breaker, breaker_probe
         self.supersede_policy, self.disconnect_policy = supersede_policy, disconnect_policy
@@ -163,7 +169,9 @@ class UpstreamJob:
             self._report_health()
             if not self.out.ended:
                 self.out.fail(ProxyError("upstream job ended without a response"))
-            if self.out.stalled:  # dropped mid-way (the handler applied on_disconnect) or after the end
+            if (
+                self.out.stalled
+            ):  # dropped mid-way (the handler applied on_disconnect) or after the end
                 rec.client_gone = True
                 rec.error = rec.error or "client took nothing of its response in time: dropped"
             self._release()
@@ -172,16 +180,25 @@ class UpstreamJob:
             rec.end_ref()
         if self._quarantine:
             slots = self.ticket.slots
-            log.warning("slots quarantined until /slots shows them idle", slots=list(slots),
-                        request_id=rec.request_id)
-            await self.adapter.watch_idle(slots, self.gate.unquarantine, self.gate.closing,
-                                          answered=rec.upstream_status is not None)
+            log.warning(
+                "slots quarantined until /slots shows them idle",
+                slots=list(slots),
+                request_id=rec.request_id,
+            )
+            await self.adapter.watch_idle(
+                slots,
+                self.gate.unquarantine,
+                self.gate.closing,
+                answered=rec.upstream_status is not None,
+            )
 
     def _release(self) -> None:
         """Give the permit back (once; the upstream is idle for this request, or its slots
         are quarantined: ``_quarantine``)."""
         if self.record.permit_hold_s is None:
-            self.record.permit_hold_s = time.monotonic() - (self.ticket.granted_at or time.monotonic())
+            self.record.permit_hold_s = time.monotonic() - (
+                self.ticket.granted_at or time.monotonic()
+            )
             self.gate.quarantine(self.ticket, self.ticket.slots if self._quarantine else ())
 
     def _upstream_ended(self) -> None:
@@ -242,7 +259,9 @@ class UpstreamJob:
                 self.record.confirm_timed_out = True
                 self._quarantine = True
         elif self._stop_reason is not None:
-            await asyncio.sleep(self._unconfirmed_hold())  # policy cancel without a view: best effort
+            await asyncio.sleep(
+                self._unconfirmed_hold()
+            )  # policy cancel without a view: best effort
         else:  # failed mid-way (a read timeout, a cut body): the upstream may run on, unseen
             await asyncio.sleep(self.unconfirmed_hold_s)
         waited = time.monotonic() - start
@@ -269,8 +288,18 @@ class UpstreamJob:
             assembler = None
             if self.adapter.assembles(req.path, rec.parsed_body):  # sent as a stream (assemble.py)
                 rec.assembled, assembler = True, Assembler(req.path)
-            await forward(self.adapter, req.method, req.raw_path, req.headers, body, self.out, rec,
-                          self._upstream_ended, self._on_head, assembler)
+            await forward(
+                self.adapter,
+                req.method,
+                req.raw_path,
+                req.headers,
+                body,
+                self.out,
+                rec,
+                self._upstream_ended,
+                self._on_head,
+                assembler,
+            )
         except ProxyError as exc:
             rec.upstream_error = exc
             log.warning("upstream request failed", error=exc.message, request_id=rec.request_id)

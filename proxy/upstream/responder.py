@@ -85,11 +85,26 @@ class Responder:
     """The response to one client request, written as the upstream's arrives (see the
     module's contract). ``request_id`` goes out as ``X-Request-Id``, as in the log line."""
 
-    __slots__ = ("_request", "_request_id", "_resp", "_tail", "_last_write", "_ended", "_error", "gone",
-                 "_buffer_bytes", "_write_timeout_s", "stalled")
+    __slots__ = (
+        "_request",
+        "_request_id",
+        "_resp",
+        "_tail",
+        "_last_write",
+        "_ended",
+        "_error",
+        "gone",
+        "_buffer_bytes",
+        "_write_timeout_s",
+        "stalled",
+    )
 
     def __init__(
-        self, request: web.Request, request_id: str, *, buffer_bytes: int | None = None,
+        self,
+        request: web.Request,
+        request_id: str,
+        *,
+        buffer_bytes: int | None = None,
         write_timeout_s: float | None = None,
     ) -> None:
         """``buffer_bytes``: the most of this response left waiting for the client before a
@@ -138,7 +153,9 @@ class Responder:
         self._end()
         await self._flush()
 
-    async def head(self, status: int, headers: CIMultiDict[str], content_length: int | None) -> None:
+    async def head(
+        self, status: int, headers: CIMultiDict[str], content_length: int | None
+    ) -> None:
         """Start a response whose body follows in pieces."""
         if self._stopped():
             return
@@ -205,7 +222,9 @@ class Responder:
             return _NO_GUARD
         transport = self._request.transport
         if self._buffer_bytes is not None and transport is not None:
-            if transport.get_write_buffer_size() + size + 64 <= self._buffer_bytes:  # 64: chunk framing
+            if (
+                transport.get_write_buffer_size() + size + 64 <= self._buffer_bytes
+            ):  # 64: chunk framing
                 return _NO_GUARD
         return _Stall(self)
 
@@ -214,7 +233,11 @@ class Responder:
         one that takes nothing for ``write_timeout_s`` is dropped rather than left holding
         its buffer (the handler may have returned already: this is the writer's wait)."""
         transport = self._request.transport
-        if self._write_timeout_s is None or transport is None or not transport.get_write_buffer_size():
+        if (
+            self._write_timeout_s is None
+            or transport is None
+            or not transport.get_write_buffer_size()
+        ):
             return
         transport.set_write_buffer_limits(high=0)  # paused until everything is out
         try:
@@ -324,7 +347,9 @@ class _Stall:
         self._left = self._unsent()
         self._timer = asyncio.get_running_loop().call_later(timeout / 4, self._check)
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> bool:
         if self._timer is not None:
             self._timer.cancel()
         assert self._scope is not None

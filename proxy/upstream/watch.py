@@ -38,11 +38,11 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from llmproxy.proxy.upstream.adapters.base import Adapter, log
-from llmproxy.proxy.upstream.detect import redetect
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import ProxyState
+from llmproxy.proxy.upstream.adapters.base import Adapter, log
+from llmproxy.proxy.upstream.detect import redetect
 
 WATCH_FIRST_S = 0.5
 WATCH_MAX_S = 30.0
@@ -91,7 +91,11 @@ def gate_capacity(settings: ProxySettings, adapter: Adapter, *, warn: bool = Tru
         return slots or 1
     if slots is not None and settings.capacity > slots:
         if warn:
-            log.warning("capacity exceeds the upstream's slots; clamping", capacity=settings.capacity, slots=slots)
+            log.warning(
+                "capacity exceeds the upstream's slots; clamping",
+                capacity=settings.capacity,
+                slots=slots,
+            )
         return slots
     return settings.capacity
 

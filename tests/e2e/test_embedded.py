@@ -59,12 +59,23 @@ async def start(tmp_path: Path) -> tuple[asyncio.subprocess.Process, str]:
     port_file = tmp_path / "port"
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMPROXY_")}
     proc = await asyncio.create_subprocess_exec(
-        LLMPROXY, "serve", "--port", "0", "--port-file", str(port_file), "--log-json",
-        "--backend-start-timeout-s", "120", env=env, stderr=asyncio.subprocess.PIPE,
+        LLMPROXY,
+        "serve",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--log-json",
+        "--backend-start-timeout-s",
+        "120",
+        env=env,
+        stderr=asyncio.subprocess.PIPE,
         start_new_session=True,  # its own process group, as a shell runs a job
         preexec_fn=child_preexec(),
     )
-    await wait_until(lambda: port_file.exists() or proc.returncode is not None, 150, what="proxy listening")
+    await wait_until(
+        lambda: port_file.exists() or proc.returncode is not None, 150, what="proxy listening"
+    )
     assert proc.returncode is None
     return proc, f"http://127.0.0.1:{int(port_file.read_text())}"
 
@@ -76,8 +87,14 @@ async def test_embedded_backend_end_to_end(tmp_path: Path) -> None:
             async with http.get(url + "/llmproxy/status") as r:
                 status = await r.json()
             assert status["upstream"]["kind"] == "llamacpp" and status["upstream"]["can_confirm"]
-            body = {"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n", "n_predict": 8,
-                    "temperature": 0, "id_slot": 0, "cache_prompt": True}
+            body = {
+                "input_prefix": "def add(a, b):\n    ",
+                "input_suffix": "\n",
+                "n_predict": 8,
+                "temperature": 0,
+                "id_slot": 0,
+                "cache_prompt": True,
+            }
             async with http.post(url + "/infill", json=body) as r:
                 raw = await r.read()
             assert r.status == 200 and b'"content":"' in raw  # compact JSON, as llama.vim needs
@@ -85,7 +102,9 @@ async def test_embedded_backend_end_to_end(tmp_path: Path) -> None:
 
             # an editor burst: 8 keystrokes, each abandoning the previous request
             async def one(i: int) -> dict:
-                async with http.post(url + "/completion", json={"prompt": f"x = {i}", "n_predict": 24}) as r:
+                async with http.post(
+                    url + "/completion", json={"prompt": f"x = {i}", "n_predict": 24}
+                ) as r:
                     return await r.json()
 
             busy_max = 0
@@ -105,6 +124,7 @@ async def test_embedded_backend_end_to_end(tmp_path: Path) -> None:
                 assert (await r.json())["permits"]["total"] == 1
             kids = descendants(proc.pid)
             assert len(kids) >= 2  # backend server + its worker
+
             # Ctrl-C with a generation in flight: it still completes (a backend acting on the
             # SIGINT itself would cut it after its 0.5 s drain)
             async def long() -> dict:
@@ -123,11 +143,23 @@ async def test_embedded_backend_end_to_end(tmp_path: Path) -> None:
             assert late.get("stop") is True and late["tokens_predicted"] == 256, late
         assert await asyncio.wait_for(proc.wait(), 60) == 0
         await wait_until(lambda: not any(alive(k) for k in kids), 10, what="no orphan processes")
-        log = [json.loads(ln) for ln in (await proc.stderr.read()).decode().splitlines() if ln.startswith("{")]
-        outcomes = [e["outcome"] for e in log if e.get("event") == "request" and e.get("route") == "/completion"]
+        log = [
+            json.loads(ln)
+            for ln in (await proc.stderr.read()).decode().splitlines()
+            if ln.startswith("{")
+        ]
+        outcomes = [
+            e["outcome"]
+            for e in log
+            if e.get("event") == "request" and e.get("route") == "/completion"
+        ]
         assert outcomes.count("completed") >= 2 and len(outcomes) == 9
         # both processes run on the default loop (auto: uvloop, installed with the speedups extra)
-        starts = [(e["event"], e["loop"]) for e in log if e.get("event") in ("listening", "backend_listening")]
+        starts = [
+            (e["event"], e["loop"])
+            for e in log
+            if e.get("event") in ("listening", "backend_listening")
+        ]
         assert sorted(starts) == [("backend_listening", "uvloop"), ("listening", "uvloop")]
     finally:
         if proc.returncode is None:
@@ -150,7 +182,11 @@ async def test_backend_death_stops_the_proxy_with_a_failure_status(tmp_path: Pat
     ``Restart=on-failure`` (or the user) starts it again, and leaves nothing behind."""
     proc, url = await start(tmp_path)
     kids = descendants(proc.pid)
-    backend = [k for k in kids if int(Path(f"/proc/{k}/stat").read_text().rsplit(")", 1)[1].split()[1]) == proc.pid]
+    backend = [
+        k
+        for k in kids
+        if int(Path(f"/proc/{k}/stat").read_text().rsplit(")", 1)[1].split()[1]) == proc.pid
+    ]
     assert len(backend) == 1, backend
     os.kill(backend[0], signal.SIGKILL)
     try:
@@ -160,7 +196,11 @@ async def test_backend_death_stops_the_proxy_with_a_failure_status(tmp_path: Pat
             proc.kill()
             await proc.wait()
     assert proc.stderr is not None
-    events = [json.loads(line) for line in (await proc.stderr.read()).decode().splitlines() if line.startswith("{")]
+    events = [
+        json.loads(line)
+        for line in (await proc.stderr.read()).decode().splitlines()
+        if line.startswith("{")
+    ]
     died = [e for e in events if e["event"].startswith("embedded backend exited unexpectedly")]
     assert len(died) == 1 and died[0]["exit_code"] == -signal.SIGKILL, died
     await wait_until(lambda: not any(alive(k) for k in kids), 20, what="workers gone")

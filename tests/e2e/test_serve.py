@@ -10,47 +10,65 @@ import asyncio
 import json
 import os
 import signal
-import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.common.children import child_preexec
-from tests.helpers.net import raw_exchange, wait_until
+from tests.helpers.net import raw_exchange
 from tests.helpers.serve import LLMPROXY, serve, wait_for_log
+
 
 async def test_serve_subprocess_proxies_and_stops_cleanly(tmp_path: Path) -> None:
     script = lambda _p, _b: Script(tokens=4, token_delay_s=0.001)  # noqa: E731
-    async with FakeUpstream(slots=2, script=script) as fake, serve(tmp_path, "--upstream", fake.url) as (proc, url):
+    async with (
+        FakeUpstream(slots=2, script=script) as fake,
+        serve(tmp_path, "--upstream", fake.url) as (proc, url),
+    ):
         async with aiohttp.ClientSession() as http:
             async with http.post(url + "/infill", data=b'{"input_prefix":"x","n_predict":4}') as r:
                 assert r.status == 200
-                assert await r.read() == b'{"index":0,"content":"t0 t1 t2 t3 ","id_slot":0,"stop":true,"model":"fake","tokens_predicted":4,"tokens_evaluated":1,"stop_type":"limit","truncated":false}'
+                assert (
+                    await r.read()
+                    == b'{"index":0,"content":"t0 t1 t2 t3 ","id_slot":0,"stop":true,"model":"fake","tokens_predicted":4,"tokens_evaluated":1,"stop_type":"limit","truncated":false}'
+                )
             async with http.get(url + "/llmproxy/status") as r:
                 assert (await r.json())["permits"]["total"] == 2
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 10) == 0
-        lines = [json.loads(ln) for ln in (await proc.stderr.read()).decode().splitlines() if ln.startswith("{")]
+        lines = [
+            json.loads(ln)
+            for ln in (await proc.stderr.read()).decode().splitlines()
+            if ln.startswith("{")
+        ]
         req = [ln for ln in lines if ln.get("event") == "request" and ln["route"] == "/infill"]
         assert req and req[0]["outcome"] == "completed" and req[0]["request_id"]
 
 
 async def test_sigterm_drains_inflight_and_503s_queued(tmp_path: Path) -> None:
     script = lambda _p, _b: Script(tokens=30, token_delay_s=0.02)  # noqa: E731
-    async with FakeUpstream(slots=1, script=script) as fake, serve(
-        tmp_path, "--upstream", fake.url, "--shutdown-timeout-s", "10"
-    ) as (proc, url), aiohttp.ClientSession() as http:
-        inflight = asyncio.create_task(http.post(url + "/completion", json={"prompt": "a"},
-                                                 headers={"X-LLMProxy-Session": "a"}))
+    async with (
+        FakeUpstream(slots=1, script=script) as fake,
+        serve(tmp_path, "--upstream", fake.url, "--shutdown-timeout-s", "10") as (proc, url),
+        aiohttp.ClientSession() as http,
+    ):
+        inflight = asyncio.create_task(
+            http.post(
+                url + "/completion", json={"prompt": "a"}, headers={"X-LLMProxy-Session": "a"}
+            )
+        )
         await fake.wait_for(lambda f: len(f.generations) == 1)
-        queued = asyncio.create_task(http.post(url + "/completion", json={"prompt": "b"},
-                                               headers={"X-LLMProxy-Session": "b"}))
+        queued = asyncio.create_task(
+            http.post(
+                url + "/completion", json={"prompt": "b"}, headers={"X-LLMProxy-Session": "b"}
+            )
+        )
+
         async def is_queued() -> bool:
             async with http.get(url + "/llmproxy/status") as r:
                 return (await r.json())["queue"]["depth"] == 1
+
         while not await is_queued():
             await asyncio.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
@@ -67,9 +85,19 @@ async def test_sigterm_cuts_inflight_at_the_deadline(tmp_path: Path) -> None:
     """In-flight requests get ``shutdown_timeout_s`` in all, not once per shutdown stage: a
     stream still running at the deadline ends with an error event, and the process exits 0."""
     script = lambda _p, _b: Script(tokens=3000, token_delay_s=0.01)  # noqa: E731  (30 s)
-    async with FakeUpstream(kind="openai", slots=1, script=script) as fake, serve(
-        tmp_path, "--upstream", fake.url, "--shutdown-timeout-s", "2", "--on-disconnect", "finish"
-    ) as (proc, url), aiohttp.ClientSession() as http:
+    async with (
+        FakeUpstream(kind="openai", slots=1, script=script) as fake,
+        serve(
+            tmp_path,
+            "--upstream",
+            fake.url,
+            "--shutdown-timeout-s",
+            "2",
+            "--on-disconnect",
+            "finish",
+        ) as (proc, url),
+        aiohttp.ClientSession() as http,
+    ):
         async with http.post(url + "/v1/completions", json={"prompt": "a", "stream": True}) as r:
             assert r.status == 200
             await r.content.readline()  # the stream has started
@@ -80,15 +108,23 @@ async def test_sigterm_cuts_inflight_at_the_deadline(tmp_path: Path) -> None:
         assert b'"type":"shutting_down"' in rest.rstrip().rsplit(b"\n", 1)[-1]  # the last event
         assert await asyncio.wait_for(proc.wait(), 10) == 0
         assert loop.time() - t0 < 4.5  # 2 s, plus slack; it used to take up to 3 x 2 s
-        lines = [json.loads(ln) for ln in (await proc.stderr.read()).decode().splitlines() if ln.startswith("{")]
-        assert [ln["outcome"] for ln in lines if ln.get("event") == "request"] == ["cancelled_inflight"]
+        lines = [
+            json.loads(ln)
+            for ln in (await proc.stderr.read()).decode().splitlines()
+            if ln.startswith("{")
+        ]
+        assert [ln["outcome"] for ln in lines if ln.get("event") == "request"] == [
+            "cancelled_inflight"
+        ]
 
 
 async def test_second_signal_forces_exit(tmp_path: Path) -> None:
     script = lambda _p, _b: Script(fail="hang_before_headers")  # noqa: E731
-    async with FakeUpstream(slots=1, script=script) as fake, serve(
-        tmp_path, "--upstream", fake.url, "--shutdown-timeout-s", "60"
-    ) as (proc, url), aiohttp.ClientSession() as http:
+    async with (
+        FakeUpstream(slots=1, script=script) as fake,
+        serve(tmp_path, "--upstream", fake.url, "--shutdown-timeout-s", "60") as (proc, url),
+        aiohttp.ClientSession() as http,
+    ):
         hung = asyncio.create_task(http.post(url + "/completion", json={"prompt": "a"}))
         await fake.wait_for(lambda f: len(f.generations) == 1)
         proc.send_signal(signal.SIGTERM)
@@ -103,11 +139,16 @@ async def test_request_id_on_every_log_line_of_a_request(tmp_path: Path) -> None
     """The adapter's confirmation-timeout error is logged deep inside the job, without an
     explicit request id: it must still carry the request's id (bound contextvars)."""
     script = lambda _p, _b: Script(tokens=500, token_delay_s=0.01)  # noqa: E731
-    async with FakeUpstream(slots=1, script=script, abort_linger_s=30) as fake, serve(
-        tmp_path, "--upstream", fake.url, "--confirm-timeout-s", "0.3"
-    ) as (proc, url), aiohttp.ClientSession() as http:
-        task = asyncio.create_task(http.post(url + "/completion", json={"prompt": "a"},
-                                             headers={"X-Request-Id": "req-abc"}))
+    async with (
+        FakeUpstream(slots=1, script=script, abort_linger_s=30) as fake,
+        serve(tmp_path, "--upstream", fake.url, "--confirm-timeout-s", "0.3") as (proc, url),
+        aiohttp.ClientSession() as http,
+    ):
+        task = asyncio.create_task(
+            http.post(
+                url + "/completion", json={"prompt": "a"}, headers={"X-Request-Id": "req-abc"}
+            )
+        )
         await fake.wait_for(lambda f: len(f.generations) == 1)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -117,7 +158,11 @@ async def test_request_id_on_every_log_line_of_a_request(tmp_path: Path) -> None
                 raw = await proc.stderr.readline()
                 if raw.startswith(b"{"):
                     lines.append(json.loads(raw))
-        during = [ln for ln in lines if ln.get("request_id") == "req-abc" or ln.get("level") in ("warning", "error")]
+        during = [
+            ln
+            for ln in lines
+            if ln.get("request_id") == "req-abc" or ln.get("level") in ("warning", "error")
+        ]
         assert any("confirmation timed out" in ln["event"] for ln in during)
         assert all(ln.get("request_id") == "req-abc" for ln in during), during
 
@@ -125,28 +170,48 @@ async def test_request_id_on_every_log_line_of_a_request(tmp_path: Path) -> None
 async def test_loud_warning_when_exposed_without_api_key(tmp_path: Path) -> None:
     async with FakeUpstream(slots=1) as fake:
         for extra, warned in (((), True), (("--api-key", "k"), False)):
-            async with serve(tmp_path, "--upstream", fake.url, "--host", "0.0.0.0", *extra) as (proc, _url):
+            async with serve(tmp_path, "--upstream", fake.url, "--host", "0.0.0.0", *extra) as (
+                proc,
+                _url,
+            ):
                 proc.send_signal(signal.SIGTERM)
                 assert await asyncio.wait_for(proc.wait(), 10) == 0
                 out = (await proc.stderr.read()).decode()
                 lines = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
-                warnings = [ln for ln in lines if ln["level"] == "warning" and "API key" in ln["event"]]
+                warnings = [
+                    ln for ln in lines if ln["level"] == "warning" and "API key" in ln["event"]
+                ]
                 assert bool(warnings) is warned, out[-2000:]
-            assert not (tmp_path / "port").exists()  # removed at exit: the next run's wait starts clean
+            assert not (
+                tmp_path / "port"
+            ).exists()  # removed at exit: the next run's wait starts clean
 
 
 async def test_malformed_requests_log_one_json_warning_each(tmp_path: Path) -> None:
     """What a client's bad bytes cause is a one-line warning, never an ERROR traceback (any
     client could repeat it at will), and aiohttp's own records come out as JSON too."""
-    async with FakeUpstream(slots=1) as fake, serve(tmp_path, "--upstream", fake.url) as (proc, url):
-        await raw_exchange(url, b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
-                                b"Content-Length: 2\r\n\r\n{}")  # refused unread; aiohttp then fails to discard it
-        await raw_exchange(url, b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-                                b"2\r\n{}\r\nZZ\r\n")
+    async with (
+        FakeUpstream(slots=1) as fake,
+        serve(tmp_path, "--upstream", fake.url) as (proc, url),
+    ):
+        await raw_exchange(
+            url,
+            b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
+            b"Content-Length: 2\r\n\r\n{}",
+        )  # refused unread; aiohttp then fails to discard it
+        await raw_exchange(
+            url,
+            b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"2\r\n{}\r\nZZ\r\n",
+        )
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 10) == 0
-        lines = [json.loads(ln) for ln in (await proc.stderr.read()).decode().splitlines()]  # all JSON
-    assert not [ln for ln in lines if ln["level"] in ("error", "critical") or "exception" in ln], lines
+        lines = [
+            json.loads(ln) for ln in (await proc.stderr.read()).decode().splitlines()
+        ]  # all JSON
+    assert not [ln for ln in lines if ln["level"] in ("error", "critical") or "exception" in ln], (
+        lines
+    )
     bad = {ln["kind"] for ln in lines if ln["event"] == "malformed request from the client"}
     assert bad == {"ContentEncodingError", "BadHttpMessage"}, lines
 
@@ -155,8 +220,16 @@ async def test_invalid_option_exits_with_one_readable_error() -> None:
     """A bad value for ``llmproxy serve`` ends it at once with the flag named, no traceback."""
     env = {**os.environ, "LLMPROXY_QUEUE_TIMEOUT_S": "soon"}
     proc = await asyncio.create_subprocess_exec(
-        LLMPROXY, "serve", "--port", "0", "--max-queue", "-1", env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, preexec_fn=child_preexec(),
+        LLMPROXY,
+        "serve",
+        "--port",
+        "0",
+        "--max-queue",
+        "-1",
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        preexec_fn=child_preexec(),
     )
     out, err = await asyncio.wait_for(proc.communicate(), 30)
     text = err.decode()
@@ -175,14 +248,27 @@ async def test_port_file_is_cleared_at_start_and_removed_at_exit(tmp_path: Path)
     async with FakeUpstream(slots=1) as fake:
         env = {k: v for k, v in os.environ.items() if not k.startswith("LLMPROXY_")}
         proc = await asyncio.create_subprocess_exec(
-            LLMPROXY, "serve", "--port", "0", "--port-file", str(port_file), "--log-json", "--upstream", fake.url,
-            stderr=asyncio.subprocess.PIPE, env=env, preexec_fn=child_preexec(),
+            LLMPROXY,
+            "serve",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--log-json",
+            "--upstream",
+            fake.url,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            preexec_fn=child_preexec(),
         )
         try:
             await wait_for_log(proc, "listening", 30)
             port = int(port_file.read_text())
             assert port != 1
-            async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/llmproxy/health") as r:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.get(f"http://127.0.0.1:{port}/llmproxy/health") as r,
+            ):
                 assert r.status == 200
             proc.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(proc.wait(), 10) == 0

@@ -65,16 +65,32 @@ class Backend:
         self.engine = engine
         defaults = {
             "--log-level": "warning",
-            "--n-threads": os.environ.get("LLMPROXY_TEST_THREADS", "1"),  # shared CI boxes: 1 thread is steadier
+            "--n-threads": os.environ.get(
+                "LLMPROXY_TEST_THREADS", "1"
+            ),  # shared CI boxes: 1 thread is steadier
             "--n-predict-max": "512",
             "--restart-backoff-min-s": "0.2",
         }
-        cmd = [sys.executable, "-m", "llmproxy.backend", "--port", "0", "--port-file", str(self.port_file),
-               "--engine", engine, "--log-json"]
-        cmd += [part for flag, value in defaults.items() if flag not in args for part in (flag, value)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "llmproxy.backend",
+            "--port",
+            "0",
+            "--port-file",
+            str(self.port_file),
+            "--engine",
+            engine,
+            "--log-json",
+        ]
+        cmd += [
+            part for flag, value in defaults.items() if flag not in args for part in (flag, value)
+        ]
         cmd += args
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, preexec_fn=child_preexec())
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=cwd, preexec_fn=child_preexec()
+        )
         self.port = 0
 
     @property
@@ -91,7 +107,9 @@ class Backend:
         deadline = time.monotonic() + timeout
         while not self.port_file.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"backend did not start (rc={self.proc.poll()}):\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"backend did not start (rc={self.proc.poll()}):\n{self.log_tail()}"
+                )
             time.sleep(0.05)
         self.port = int(self.port_file.read_text().strip())
         while True:
@@ -99,11 +117,19 @@ class Backend:
             if status == 200:
                 return self
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"backend not healthy (rc={self.proc.poll()}):\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"backend not healthy (rc={self.proc.poll()}):\n{self.log_tail()}"
+                )
             time.sleep(0.05)
 
-    def request(self, method: str, path: str, body: Any = None, timeout: float = 60) -> tuple[int, Any]:
-        data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    def request(
+        self, method: str, path: str, body: Any = None, timeout: float = 60
+    ) -> tuple[int, Any]:
+        data = (
+            None
+            if body is None
+            else (body if isinstance(body, bytes) else json.dumps(body).encode())
+        )
         req = urllib.request.Request(self.url + path, data=data, method=method)
         req.add_header("Content-Type", "application/json")
         try:

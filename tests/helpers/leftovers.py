@@ -59,7 +59,13 @@ def live_descendants(root: int) -> list[int]:
 
 def _describe(pid: int) -> str:
     try:
-        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        cmd = (
+            Path(f"/proc/{pid}/cmdline")
+            .read_bytes()
+            .replace(b"\0", b" ")
+            .decode(errors="replace")
+            .strip()
+        )
     except OSError:
         cmd = "?"
     st = _stat(pid)

@@ -10,7 +10,9 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 
-async def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+async def wait_until(
+    pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition"
+) -> None:
     """Poll ``pred`` (cheap, in-process state) until true; fail loudly at the deadline."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -59,6 +61,5 @@ def dechunk(raw: bytes) -> bytes:
         n = int(raw[pos:eol], 16)
         if n == 0:
             return bytes(out)
-        out += raw[eol + 2:eol + 2 + n]
+        out += raw[eol + 2 : eol + 2 + n]
         pos = eol + 2 + n + 2
-

@@ -31,10 +31,17 @@ class RunningProxy:
 
 @asynccontextmanager
 async def run_proxy(upstream: str, **overrides: Any) -> AsyncIterator[RunningProxy]:
-    settings = ProxySettings(**{"upstream": upstream, "port": 0, "detect_timeout_s": 0, **overrides})
+    settings = ProxySettings(
+        **{"upstream": upstream, "port": 0, "detect_timeout_s": 0, **overrides}
+    )
     app = build_app(settings)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2,
-                           keepalive_timeout=settings.idle_timeout_s)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=2,
+        keepalive_timeout=settings.idle_timeout_s,
+    )
     await runner.setup()
     parse_errors.install(runner)
     site = web.TCPSite(runner, "127.0.0.1", 0)

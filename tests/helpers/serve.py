@@ -23,11 +23,22 @@ async def serve(
     port_file = tmp_path / "port"
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMPROXY_")} | (env_extra or {})
     proc = await asyncio.create_subprocess_exec(
-        LLMPROXY, "serve", "--port", "0", "--port-file", str(port_file), "--log-json", *args,
-        stderr=asyncio.subprocess.PIPE, env=env, preexec_fn=child_preexec(),
+        LLMPROXY,
+        "serve",
+        "--port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--log-json",
+        *args,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+        preexec_fn=child_preexec(),
     )
     try:
-        await wait_until(lambda: port_file.exists() or proc.returncode is not None, 30, what="port file")
+        await wait_until(
+            lambda: port_file.exists() or proc.returncode is not None, 30, what="port file"
+        )
         assert proc.returncode is None, await proc.stderr.read()
         yield proc, f"http://127.0.0.1:{int(port_file.read_text())}"
     finally:

@@ -12,10 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.interop.servers import (
-    Server, fim_model, free_port, llama_cpp_python_argv, llama_server_argv, llama_server_binary, running,
-)
 from llmproxy.backend.model_path import default_model_path
+from tests.interop.servers import (
+    Server,
+    fim_model,
+    free_port,
+    llama_cpp_python_argv,
+    llama_server_argv,
+    llama_server_binary,
+    running,
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -45,10 +51,17 @@ LlamaServer = Callable[..., AbstractAsyncContextManager[Server]]
 def llama_server(llama_bin: Path, tmp_path: Path) -> LlamaServer:
     """``async with llama_server(parallel=1, model=None, ctx_per_slot=2048, extra=()) as srv``:
     a llama-server of its own (``extra``: more flags)."""
-    def start(parallel: int = 1, model: Path | None = None, ctx_per_slot: int = 2048,
-              extra: tuple[str, ...] = ()) -> AbstractAsyncContextManager[Server]:
+
+    def start(
+        parallel: int = 1,
+        model: Path | None = None,
+        ctx_per_slot: int = 2048,
+        extra: tuple[str, ...] = (),
+    ) -> AbstractAsyncContextManager[Server]:
         port = free_port()
-        argv = llama_server_argv(llama_bin, model or default_model_path(), port, parallel, ctx_per_slot) + list(extra)
+        argv = llama_server_argv(
+            llama_bin, model or default_model_path(), port, parallel, ctx_per_slot
+        ) + list(extra)
         return running(argv, tmp_path / f"llama-server-{port}.log", "/health", port)
 
     return start
@@ -56,8 +69,14 @@ def llama_server(llama_bin: Path, tmp_path: Path) -> LlamaServer:
 
 @pytest.fixture
 async def llama_cpp_python(tmp_path: Path) -> AsyncIterator[Server]:
-    pytest.importorskip("uvicorn", reason="llama-cpp-python's server extra is not installed: run `make interop`")
+    pytest.importorskip(
+        "uvicorn", reason="llama-cpp-python's server extra is not installed: run `make interop`"
+    )
     port = free_port()
-    async with running(llama_cpp_python_argv(default_model_path(), port), tmp_path / "llama-cpp-python.log",
-                       "/v1/models", port) as srv:
+    async with running(
+        llama_cpp_python_argv(default_model_path(), port),
+        tmp_path / "llama-cpp-python.log",
+        "/v1/models",
+        port,
+    ) as srv:
         yield srv

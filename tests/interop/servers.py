@@ -24,8 +24,11 @@ from llmproxy.backend.model_path import default_model_path
 from llmproxy.bench.backends import child_server
 
 VERSION = "11434.0.0"  # tests/interop/build_llama_server.sh's default
-FIM_TOKENS = {"tokenizer.ggml.fim_pre_token_id": 8, "tokenizer.ggml.fim_suf_token_id": 9,
-              "tokenizer.ggml.fim_mid_token_id": 10}
+FIM_TOKENS = {
+    "tokenizer.ggml.fim_pre_token_id": 8,
+    "tokenizer.ggml.fim_suf_token_id": 9,
+    "tokenizer.ggml.fim_mid_token_id": 10,
+}
 
 
 def llama_server_binary() -> Path | None:
@@ -48,7 +51,11 @@ def fim_model(dest: Path) -> Path:
     arch = reader.fields["general.architecture"]
     writer = gguf.GGUFWriter(str(out), str(bytes(arch.parts[arch.data[0]]), "utf-8"))
     for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture" or field.name in FIM_TOKENS:
+        if (
+            field.name.startswith("GGUF.")
+            or field.name == "general.architecture"
+            or field.name in FIM_TOKENS
+        ):
             continue
         value_type = field.types[0]
         sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
@@ -56,7 +63,9 @@ def fim_model(dest: Path) -> Path:
     for name, token in FIM_TOKENS.items():
         writer.add_uint32(name, token)
     for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
+        writer.add_tensor(
+            tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -85,18 +94,49 @@ class Server:
 
 
 @contextlib.asynccontextmanager
-async def running(argv: Sequence[str], log: Path, ready_path: str, port: int) -> AsyncIterator[Server]:
+async def running(
+    argv: Sequence[str], log: Path, ready_path: str, port: int
+) -> AsyncIterator[Server]:
     """Run ``argv`` (a server listening on ``port``) until the block ends."""
     url = f"http://127.0.0.1:{port}"
     async with child_server(argv, log, url, ready_path, timeout_s=120) as proc:
         yield Server(url, log, proc)
 
 
-def llama_server_argv(binary: Path, model: Path, port: int, parallel: int, ctx_per_slot: int = 2048) -> list[str]:
-    return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-np", str(parallel),
-            "-c", str(ctx_per_slot * parallel), "-t", str(os.cpu_count() or 2), "--no-webui"]
+def llama_server_argv(
+    binary: Path, model: Path, port: int, parallel: int, ctx_per_slot: int = 2048
+) -> list[str]:
+    return [
+        str(binary),
+        "-m",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-np",
+        str(parallel),
+        "-c",
+        str(ctx_per_slot * parallel),
+        "-t",
+        str(os.cpu_count() or 2),
+        "--no-webui",
+    ]
 
 
 def llama_cpp_python_argv(model: Path, port: int) -> list[str]:
-    return [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--n_ctx", "2048", "--n_threads", str(os.cpu_count() or 2)]
+    return [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        "2048",
+        "--n_threads",
+        str(os.cpu_count() or 2),
+    ]

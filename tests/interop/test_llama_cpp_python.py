@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
 
 import aiohttp
 
@@ -22,31 +21,53 @@ END_TOKENS = {"0": -100, "1": -100, "2": -100}  # SmolLM2's: every generation ru
 PROMPT = "def fibonacci(n: int) -> int:\n    "
 
 
-async def complete(http: aiohttp.ClientSession, url: str, prompt: str, *, stream: bool,
-                   first_chunk: asyncio.Event | None = None) -> tuple[int, float]:
-    body = {"prompt": prompt, "max_tokens": 96, "stream": stream, "logit_bias": END_TOKENS, "seed": 1}
+async def complete(
+    http: aiohttp.ClientSession,
+    url: str,
+    prompt: str,
+    *,
+    stream: bool,
+    first_chunk: asyncio.Event | None = None,
+) -> tuple[int, float]:
+    body = {
+        "prompt": prompt,
+        "max_tokens": 96,
+        "stream": stream,
+        "logit_bias": END_TOKENS,
+        "seed": 1,
+    }
     start = time.monotonic()
-    async with http.post(url + "/v1/completions", data=json.dumps(body),
-                         headers={"Content-Type": "application/json", "X-LLMProxy-Session": "editor"}) as r:
+    async with http.post(
+        url + "/v1/completions",
+        data=json.dumps(body),
+        headers={"Content-Type": "application/json", "X-LLMProxy-Session": "editor"},
+    ) as r:
         async for _ in r.content.iter_any():
             if first_chunk is not None:
                 first_chunk.set()
         return r.status, time.monotonic() - start
 
 
-async def test_a_superseded_stream_stops_and_the_next_request_starts_at_once(llama_cpp_python: Server) -> None:
+async def test_a_superseded_stream_stops_and_the_next_request_starts_at_once(
+    llama_cpp_python: Server,
+) -> None:
     async with run_proxy(llama_cpp_python.url) as px, aiohttp.ClientSession() as http:
         assert px.state.adapter.kind == "openai"
         await complete(http, px.url, PROMPT + "a", stream=True)  # warm-up
         _, alone = await complete(http, px.url, PROMPT + "b", stream=True)
         started = asyncio.Event()
-        first = asyncio.create_task(complete(http, px.url, PROMPT + "c", stream=True, first_chunk=started))
+        first = asyncio.create_task(
+            complete(http, px.url, PROMPT + "c", stream=True, first_chunk=started)
+        )
         await asyncio.wait_for(started.wait(), 120)
         status, second = await complete(http, px.url, PROMPT + "d", stream=True)
         first_status, first_s = await first
         assert status == 200 and first_status == 200  # a started stream ends with an error event
         assert first_s < alone  # cut, not run to its end
-        assert second < 1.5 * alone, (second, alone)  # not after the old generation's end (about 2 x alone)
+        assert second < 1.5 * alone, (
+            second,
+            alone,
+        )  # not after the old generation's end (about 2 x alone)
         px.flush_log()
 
 

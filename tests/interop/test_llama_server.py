@@ -21,26 +21,54 @@ import pytest
 from tests.helpers.proxy import run_proxy
 from tests.interop.conftest import LlamaServer
 
-PREFIX = "def fibonacci(n: int) -> int:\n    \"\"\"The n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n"
+PREFIX = 'def fibonacci(n: int) -> int:\n    """The n-th Fibonacci number."""\n    if n < 2:\n        return n\n'
 LLAMA_VIM = {
-    "id_slot": 0, "input_prefix": PREFIX, "input_suffix": "\n\nprint(fibonacci(10))\n",
-    "input_extra": [{"text": "import math\n", "time": [1738000000, 123456], "filename": "src/util.py"}],
-    "prompt": "    retu", "n_predict": 24, "stop": [], "n_indent": 4, "top_k": 40, "top_p": 0.90,
-    "samplers": ["top_k", "top_p", "infill"], "stream": False, "cache_prompt": True, "seed": 3,
-    "t_max_prompt_ms": 5000, "t_max_predict_ms": 5000,
-    "response_fields": ["content", "timings/prompt_n", "timings/predicted_n", "truncated", "tokens_cached",
-                        "generation_settings/stream"],
+    "id_slot": 0,
+    "input_prefix": PREFIX,
+    "input_suffix": "\n\nprint(fibonacci(10))\n",
+    "input_extra": [
+        {"text": "import math\n", "time": [1738000000, 123456], "filename": "src/util.py"}
+    ],
+    "prompt": "    retu",
+    "n_predict": 24,
+    "stop": [],
+    "n_indent": 4,
+    "top_k": 40,
+    "top_p": 0.90,
+    "samplers": ["top_k", "top_p", "infill"],
+    "stream": False,
+    "cache_prompt": True,
+    "seed": 3,
+    "t_max_prompt_ms": 5000,
+    "t_max_predict_ms": 5000,
+    "response_fields": [
+        "content",
+        "timings/prompt_n",
+        "timings/predicted_n",
+        "truncated",
+        "tokens_cached",
+        "generation_settings/stream",
+    ],
 }
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("/completion", {"prompt": PREFIX, "n_predict": 24, "seed": 7}),
-    ("/completion", {"prompt": PREFIX, "n_predict": 48, "seed": 7, "stop": ["\n"], "stream": False}),
+    (
+        "/completion",
+        {"prompt": PREFIX, "n_predict": 48, "seed": 7, "stop": ["\n"], "stream": False},
+    ),
     ("/completion", {"prompt": PREFIX, "n_predict": 16, "seed": 7, "n_cmpl": 2}),
     ("/completions", {"prompt": PREFIX + "ü€ 😀", "n_predict": 16, "seed": 9}),
     ("/infill", LLAMA_VIM),
-    ("/infill", {"input_prefix": PREFIX, "input_suffix": "\n", "prompt": "", "n_predict": 16, "seed": 5}),
+    (
+        "/infill",
+        {"input_prefix": PREFIX, "input_suffix": "\n", "prompt": "", "n_predict": 16, "seed": 5},
+    ),
     ("/v1/completions", {"prompt": PREFIX, "max_tokens": 24, "seed": 7}),
     ("/v1/completions", {"prompt": PREFIX, "max_tokens": 12, "seed": 7, "n": 2, "stop": ["\n\n"]}),
-    ("/completion", {"prompt": "word " * 3000, "n_predict": 4}),  # over the slot's context: an error
+    (
+        "/completion",
+        {"prompt": "word " * 3000, "n_predict": 4},
+    ),  # over the slot's context: an error
 ]
 VARYING = {"timings", "created", "id"}
 
@@ -51,20 +79,35 @@ def normalised(body: Any) -> Any:
         return [normalised(b) for b in body]
     if not isinstance(body, dict):
         return body
-    return {k: normalised(v) for k, v in body.items() if k not in VARYING and not k.startswith("timings/")}
+    return {
+        k: normalised(v)
+        for k, v in body.items()
+        if k not in VARYING and not k.startswith("timings/")
+    }
 
 
-async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, str, bytes]:
+async def post(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> tuple[int, str, bytes]:
     async with http.post(url, data=json.dumps(body, separators=(",", ":"))) as r:
         return r.status, r.headers["Content-Type"], await r.read()
 
 
-@pytest.mark.parametrize(("route", "body"), CASES, ids=[f"{r}-{i}" for i, (r, _) in enumerate(CASES)])
+@pytest.mark.parametrize(
+    ("route", "body"), CASES, ids=[f"{r}-{i}" for i, (r, _) in enumerate(CASES)]
+)
 async def test_non_streaming_answer_through_the_proxy_matches_llama_server(
     llama_server: LlamaServer, fim_gguf: Any, route: str, body: dict[str, Any]
 ) -> None:
-    async with llama_server(parallel=2, model=fim_gguf) as srv, run_proxy(srv.url) as px, aiohttp.ClientSession() as http:
-        direct_body = {**body, "id_slot": 0}  # what the proxy sends: its permit's slot, 0 when all are free
+    async with (
+        llama_server(parallel=2, model=fim_gguf) as srv,
+        run_proxy(srv.url) as px,
+        aiohttp.ClientSession() as http,
+    ):
+        direct_body = {
+            **body,
+            "id_slot": 0,
+        }  # what the proxy sends: its permit's slot, 0 when all are free
         await post(http, srv.url + route, direct_body)  # the same prompt cache state for both
         status, ctype, direct = await post(http, srv.url + route, direct_body)
         p_status, p_ctype, proxied = await post(http, px.url + route, body)
@@ -73,7 +116,9 @@ async def test_non_streaming_answer_through_the_proxy_matches_llama_server(
         assert normalised(json.loads(proxied)) == normalised(json.loads(direct))
         if status == 200:
             assert px.state.gate.free == 2
-            assert b'"content":"' in proxied or b'"text":"' in proxied  # compact, as llama.vim matches it
+            assert (
+                b'"content":"' in proxied or b'"text":"' in proxied
+            )  # compact, as llama.vim matches it
             assert b'": ' not in proxied.replace(b'\\"', b"")
 
 
@@ -109,10 +154,13 @@ async def decoded_when_idle_after_disconnect(srv_url: str, px_url: str) -> tuple
 
 @pytest.mark.parametrize("parallel", [1, 4])
 async def test_a_dropped_non_streaming_client_stops_its_generation_within_a_few_tokens(
-    llama_server: LlamaServer, parallel: int,
+    llama_server: LlamaServer,
+    parallel: int,
 ) -> None:
     async with llama_server(parallel=parallel) as srv:
-        async with run_proxy(srv.url, upstream_stream="off") as px:  # as before: not streamed upstream
+        async with run_proxy(
+            srv.url, upstream_stream="off"
+        ) as px:  # as before: not streamed upstream
             _, _, off_s = await decoded_when_idle_after_disconnect(srv.url, px.url)
             assert srv.stopped_tasks() == 0  # llama-server never noticed: it ran to the end
         async with run_proxy(srv.url) as px:
@@ -120,7 +168,9 @@ async def test_a_dropped_non_streaming_client_stops_its_generation_within_a_few_
             assert srv.stopped_tasks() == 1
             await asyncio.wait_for(_until_free(px, parallel), 10)
     # llama-server's log: "release: ... stop processing: n_tokens = N", N = prompt + generated
-    ran_off, ran_streamed = [int(n) for n in re.findall(r"stop processing: n_tokens = (\d+)", srv.log_text())]
+    ran_off, ran_streamed = [
+        int(n) for n in re.findall(r"stop processing: n_tokens = (\d+)", srv.log_text())
+    ]
     prompt = ran_off - 200  # the first ran to its end: all 200 tokens
     assert ran_streamed - prompt - at_drop <= 4, (ran_streamed - prompt, at_drop)
     assert off_s > 10 * streamed_s, (off_s, streamed_s)
@@ -139,10 +189,15 @@ async def test_a_long_prompt_cancelled_before_its_answer_never_runs_after_its_pe
     is still on its way. The proxy cuts a stream only once its head arrived (the task runs)."""
     prompt = " ".join(f"word{i}" for i in range(1800))  # about 7000 tokens: a long tokenization
     violations: list[tuple[float, float]] = []
-    async with llama_server(parallel=1, ctx_per_slot=8192) as srv, run_proxy(srv.url, confirm_timeout_s=600) as px, \
-            aiohttp.ClientSession() as http:
+    async with (
+        llama_server(parallel=1, ctx_per_slot=8192) as srv,
+        run_proxy(srv.url, confirm_timeout_s=600) as px,
+        aiohttp.ClientSession() as http,
+    ):
         for delay in [0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01, 0.015, 0.02] * 2:
-            request = asyncio.create_task(post(http, px.url + "/completion", {"prompt": prompt, "n_predict": 8}))
+            request = asyncio.create_task(
+                post(http, px.url + "/completion", {"prompt": prompt, "n_predict": 8})
+            )
             await asyncio.sleep(delay)  # the next keystroke, this long after the request
             request.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -161,7 +216,11 @@ async def test_back_to_back_requests_after_streams_all_succeed(llama_server: Lla
     """llama-server closes a connection after an event stream although it says keep-alive:
     a request sent on it at once failed with 502 (ServerDisconnectedError) before the
     proxy stopped pooling such connections."""
-    async with llama_server(parallel=1) as srv, run_proxy(srv.url) as px, aiohttp.ClientSession() as http:
+    async with (
+        llama_server(parallel=1) as srv,
+        run_proxy(srv.url) as px,
+        aiohttp.ClientSession() as http,
+    ):
         statuses = []
         for stream in (True, True, False, False, True, False, True):
             body = {"prompt": PREFIX, "n_predict": 2, "stream": stream}
@@ -177,23 +236,34 @@ async def test_a_slot_whose_stop_timed_out_gets_no_request_until_llama_server_sh
     """A cancelled long prompt keeps llama-server's slot busy for its whole prompt evaluation;
     a confirmation that gives up before then quarantines the slot, and the next request waits
     in the proxy, not in llama-server's own queue."""
-    prompt = " ".join(f"word{i}" for i in range(800))  # about 3,000 tokens: seconds of prompt evaluation
-    async with llama_server(parallel=1, ctx_per_slot=8192) as srv, \
-            run_proxy(srv.url, confirm_timeout_s=0.2, queue_timeout_s=600) as px, aiohttp.ClientSession() as http:
-        first = asyncio.create_task(post(http, px.url + "/completion", {"prompt": prompt, "n_predict": 8}))
+    prompt = " ".join(
+        f"word{i}" for i in range(800)
+    )  # about 3,000 tokens: seconds of prompt evaluation
+    async with (
+        llama_server(parallel=1, ctx_per_slot=8192) as srv,
+        run_proxy(srv.url, confirm_timeout_s=0.2, queue_timeout_s=600) as px,
+        aiohttp.ClientSession() as http,
+    ):
+        first = asyncio.create_task(
+            post(http, px.url + "/completion", {"prompt": prompt, "n_predict": 8})
+        )
         while not (await slot_state(http, srv.url))["is_processing"]:
             await asyncio.sleep(0.01)
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
         await asyncio.wait_for(_until(lambda: px.state.gate.quarantined == [0]), 30)
-        second = asyncio.create_task(post(http, px.url + "/completion", {"prompt": "def f(x):", "n_predict": 4}))
+        second = asyncio.create_task(
+            post(http, px.url + "/completion", {"prompt": "def f(x):", "n_predict": 4})
+        )
         await asyncio.wait_for(_until(lambda: px.state.gate.queued == 1), 10)
         busy_while_queued = 0
         while px.state.gate.quarantined:  # llama-server still evaluates the cancelled prompt
             busy_while_queued += (await slot_state(http, srv.url))["is_processing"]
             assert not second.done()
-            assert px.state.gate.quarantined == [] or px.state.gate.queued == 1  # waits here, not upstream
+            assert (
+                px.state.gate.quarantined == [] or px.state.gate.queued == 1
+            )  # waits here, not upstream
             await asyncio.sleep(0.05)
         status, _, _ = await asyncio.wait_for(second, 120)
         assert status == 200 and busy_while_queued > 0
@@ -209,11 +279,16 @@ async def test_an_embedding_holds_the_slot_it_runs_on(llama_server: LlamaServer)
     proxy's queue, not inside llama-server on a slot the gate believed free."""
     text = " ".join(f"word{i}" for i in range(400))  # about 1,500 tokens to embed
     flags = ("--embeddings", "--pooling", "mean", "-b", "2048", "-ub", "2048")
-    async with llama_server(parallel=1, extra=flags) as srv, run_proxy(srv.url) as px, \
-            aiohttp.ClientSession() as http:
+    async with (
+        llama_server(parallel=1, extra=flags) as srv,
+        run_proxy(srv.url) as px,
+        aiohttp.ClientSession() as http,
+    ):
         embedding = asyncio.create_task(post(http, px.url + "/embedding", {"content": text}))
         await asyncio.wait_for(_until(lambda: px.state.gate.free == 0), 30)
-        completion = asyncio.create_task(post(http, px.url + "/completion", {"prompt": "def f(x):", "n_predict": 4}))
+        completion = asyncio.create_task(
+            post(http, px.url + "/completion", {"prompt": "def f(x):", "n_predict": 4})
+        )
         await asyncio.wait_for(_until(lambda: px.state.gate.queued == 1), 10)
         assert (await slot_state(http, srv.url))["is_processing"] or embedding.done()
         assert (await embedding)[0] == 200

@@ -9,11 +9,11 @@ from pathlib import Path
 from llmproxy.backend.cli import add_arguments
 from llmproxy.backend.settings import BackendSettings, stop_budget_s
 from llmproxy.common.config import settings_from_args
-from llmproxy.proxy.upstream.embedded import BACKEND_DRAIN_S, BACKEND_STOP_S, backend_command
 from llmproxy.proxy.gating.registry import DRAIN_GRACE_S
 from llmproxy.proxy.server import _WRITE_GRACE_S
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.systemd import render
+from llmproxy.proxy.upstream.embedded import BACKEND_DRAIN_S, BACKEND_STOP_S, backend_command
 
 
 def backend_settings(tmp_path: Path, **proxy: object) -> BackendSettings:
@@ -27,15 +27,21 @@ def backend_settings(tmp_path: Path, **proxy: object) -> BackendSettings:
 
 def test_parallel_is_the_backends_slot_count_on_both_engines(tmp_path: Path) -> None:
     assert backend_settings(tmp_path, parallel=3).slot_layout() == [1, 1, 1]  # a worker per slot
-    assert backend_settings(tmp_path, engine="torch", parallel=3).slot_layout() == [3]  # one batch of 3
+    assert backend_settings(tmp_path, engine="torch", parallel=3).slot_layout() == [
+        3
+    ]  # one batch of 3
     # unset: each engine's own default
     assert backend_settings(tmp_path).slot_layout() == [1]
-    assert backend_settings(tmp_path, engine="torch").slot_layout() == [BackendSettings().max_batch_size]
+    assert backend_settings(tmp_path, engine="torch").slot_layout() == [
+        BackendSettings().max_batch_size
+    ]
 
 
 def test_n_ctx_reaches_the_backend(tmp_path: Path) -> None:
     assert backend_settings(tmp_path, n_ctx=8192).n_ctx == 8192
-    assert backend_settings(tmp_path).n_ctx == BackendSettings().n_ctx  # unset: the backend's default
+    assert (
+        backend_settings(tmp_path).n_ctx == BackendSettings().n_ctx
+    )  # unset: the backend's default
 
 
 def test_backend_stop_fits_the_proxys_budget(tmp_path: Path) -> None:
@@ -48,6 +54,12 @@ def test_backend_stop_fits_the_proxys_budget(tmp_path: Path) -> None:
     assert stop_budget_s(s.shutdown_timeout_s) < BACKEND_STOP_S
     proxy = ProxySettings()
     worst = proxy.shutdown_timeout_s + DRAIN_GRACE_S + 2 * _WRITE_GRACE_S + BACKEND_STOP_S
-    unit = render(exec_start="x", config="c", user=True, socket_listen=None, shutdown_timeout_s=proxy.shutdown_timeout_s)
+    unit = render(
+        exec_start="x",
+        config="c",
+        user=True,
+        socket_listen=None,
+        shutdown_timeout_s=proxy.shutdown_timeout_s,
+    )
     stop = int(proxy.shutdown_timeout_s) + 15
     assert f"TimeoutStopSec={stop}s" in unit.service and worst < stop

@@ -67,11 +67,26 @@ async def status(http: aiohttp.ClientSession, url: str) -> tuple[dict, float]:
 
 
 @pytest.mark.slow
-async def test_thousand_connections_queue_limit_status_rss_fds(tmp_path: Path, many_fds: None) -> None:
-    async with FakeUpstream(slots=1, script=script, abort_linger_s=0.01) as fake, serve(
-        tmp_path, "--upstream", fake.url, "--capacity", "1", "--max-queue", str(MAX_QUEUE),
-        "--queue-timeout-s", "120", "--log-level", "warning",
-    ) as (proc, url), aiohttp.ClientSession() as admin:
+async def test_thousand_connections_queue_limit_status_rss_fds(
+    tmp_path: Path, many_fds: None
+) -> None:
+    async with (
+        FakeUpstream(slots=1, script=script, abort_linger_s=0.01) as fake,
+        serve(
+            tmp_path,
+            "--upstream",
+            fake.url,
+            "--capacity",
+            "1",
+            "--max-queue",
+            str(MAX_QUEUE),
+            "--queue-timeout-s",
+            "120",
+            "--log-level",
+            "warning",
+        ) as (proc, url),
+        aiohttp.ClientSession() as admin,
+    ):
         # drain the child's stderr so it never blocks on a full pipe
         drain = asyncio.create_task(proc.stderr.read())
         async with admin.post(url + "/completion", json={"prompt": "warm"}) as r:
@@ -80,20 +95,32 @@ async def test_thousand_connections_queue_limit_status_rss_fds(tmp_path: Path, m
         fds0, rss0 = fd_count(proc.pid), rss_kb(proc.pid)
 
         conn = aiohttp.TCPConnector(limit=0, force_close=True)
-        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=90)) as http:
+        async with aiohttp.ClientSession(
+            connector=conn, timeout=aiohttp.ClientTimeout(total=90)
+        ) as http:
             blocker = asyncio.create_task(http.post(url + "/completion", json={"prompt": "block"}))
             await fake.wait_for(lambda f: f.slot_busy == [True], 10)
 
             async def one(i: int) -> int:
-                async with http.post(url + "/completion", json={"prompt": f"q{i}", "n_predict": 1},
-                                     headers={"X-LLMProxy-Session": f"c{i}"}) as r:
+                async with http.post(
+                    url + "/completion",
+                    json={"prompt": f"q{i}", "n_predict": 1},
+                    headers={"X-LLMProxy-Session": f"c{i}"},
+                ) as r:
                     body = await r.json()
                     if r.status == 429:
-                        assert body["error"]["type"] == "queue_full" and body["error"]["src"] == "llmproxy"
+                        assert (
+                            body["error"]["type"] == "queue_full"
+                            and body["error"]["src"] == "llmproxy"
+                        )
                     return r.status
 
             poller = await asyncio.create_subprocess_exec(  # its own process: our busy loop does not skew it
-                sys.executable, "-c", POLLER, url + "/llmproxy/status", stdout=asyncio.subprocess.PIPE,
+                sys.executable,
+                "-c",
+                POLLER,
+                url + "/llmproxy/status",
+                stdout=asyncio.subprocess.PIPE,
                 preexec_fn=child_preexec(),
             )
             assert poller.stdout is not None
@@ -117,10 +144,17 @@ async def test_thousand_connections_queue_limit_status_rss_fds(tmp_path: Path, m
         assert results.count(429) == CLIENTS - MAX_QUEUE
         assert results.count(200) == MAX_QUEUE
         assert len(latencies) >= 5 and max(latencies) < 1.0, latencies
-        print(f"status latency max {max(latencies) * 1000:.0f} ms over {len(latencies)} polls; fds {fds0}; rss0 {rss0} kB")
+        print(
+            f"status latency max {max(latencies) * 1000:.0f} ms over {len(latencies)} polls; fds {fds0}; rss0 {rss0} kB"
+        )
         for _ in range(200):  # quiescence: no request left, connections closed on both sides
             st, _ = await status(admin, url)
-            if st["permits"]["free"] == 1 and st["queue"]["depth"] == 0 and st["jobs"] == 0 and fd_count(proc.pid) <= fds0 + 3:
+            if (
+                st["permits"]["free"] == 1
+                and st["queue"]["depth"] == 0
+                and st["jobs"] == 0
+                and fd_count(proc.pid) <= fds0 + 3
+            ):
                 break
             await asyncio.sleep(0.05)
         assert st["permits"]["free"] == 1 and st["queue"]["depth"] == 0 and st["jobs"] == 0
@@ -132,9 +166,13 @@ async def test_thousand_connections_queue_limit_status_rss_fds(tmp_path: Path, m
 
 
 async def test_listen_backlog_holds_a_full_queue(tmp_path: Path, fake: FakeUpstream) -> None:
-    async with serve(tmp_path, "--upstream", fake.url, "--capacity", "1", "--max-queue", str(MAX_QUEUE)) as (proc, url):
+    async with serve(
+        tmp_path, "--upstream", fake.url, "--capacity", "1", "--max-queue", str(MAX_QUEUE)
+    ) as (proc, url):
         port = url.rsplit(":", 1)[1]
-        ss = await asyncio.create_subprocess_exec("ss", "-ltnH", f"sport = :{port}", stdout=asyncio.subprocess.PIPE)
+        ss = await asyncio.create_subprocess_exec(
+            "ss", "-ltnH", f"sport = :{port}", stdout=asyncio.subprocess.PIPE
+        )
         out, _ = await ss.communicate()
         (line,) = out.decode().splitlines()
         backlog = int(line.split()[2])  # Send-Q of a listening socket = its backlog

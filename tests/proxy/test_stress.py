@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.proxy.telemetry.metrics import OUTCOMES
-from tests.helpers.proxy import run_proxy
 from tests.helpers.net import wait_until
+from tests.helpers.proxy import run_proxy
 
 
 @dataclass(frozen=True)
@@ -56,24 +56,46 @@ def script_for(_path: str, body: dict) -> Script:
     kind = body.get("upstream", "ok")
     if kind == "500":
         return Script(status=500)
-    return Script(tokens=body["tokens"], token_delay_s=0.004, fail="reset_mid_stream" if kind == "reset" else None)
+    return Script(
+        tokens=body["tokens"],
+        token_delay_s=0.004,
+        fail="reset_mid_stream" if kind == "reset" else None,
+    )
 
 
 async def scenario(ops: list[Op], capacity: int, linger: float, policy: str) -> None:
-    async with FakeUpstream(slots=capacity, abort_linger_s=linger, script=script_for) as fake, run_proxy(
-        fake.url, max_queue=4, queue_timeout_s=3, supersede_inflight=policy, on_disconnect=policy
-    ) as px, aiohttp.ClientSession() as http:
+    async with (
+        FakeUpstream(slots=capacity, abort_linger_s=linger, script=script_for) as fake,
+        run_proxy(
+            fake.url,
+            max_queue=4,
+            queue_timeout_s=3,
+            supersede_inflight=policy,
+            on_disconnect=policy,
+        ) as px,
+        aiohttp.ClientSession() as http,
+    ):
         statuses: dict[int, int] = {}
         with structlog.testing.capture_logs() as logs:
 
             async def client(i: int, op: Op) -> None:
                 await asyncio.sleep(op.delay_ms / 1000 * i)
-                body = {"prompt": "p", "seq": i, "stream": op.stream, "tokens": op.tokens, "upstream": op.upstream,
-                        "n_predict": 0 if op.warmup else 64, "n_cmpl": op.n_cmpl}
+                body = {
+                    "prompt": "p",
+                    "seq": i,
+                    "stream": op.stream,
+                    "tokens": op.tokens,
+                    "upstream": op.upstream,
+                    "n_predict": 0 if op.warmup else 64,
+                    "n_cmpl": op.n_cmpl,
+                }
 
                 async def call() -> None:
-                    async with http.post(px.url + "/completion", json=body,
-                                         headers={"X-LLMProxy-Session": str(op.session), "X-Request-Id": f"r{i}"}) as r:
+                    async with http.post(
+                        px.url + "/completion",
+                        json=body,
+                        headers={"X-LLMProxy-Session": str(op.session), "X-Request-Id": f"r{i}"},
+                    ) as r:
                         await r.read()
                         statuses[i] = r.status
 
@@ -89,8 +111,11 @@ async def scenario(ops: list[Op], capacity: int, linger: float, policy: str) -> 
             px.flush_log()
             # A client aborted at once may never reach the proxy; every other one must be logged.
             must = {f"r{i}" for i, op in enumerate(ops) if op.abort_ms is None}
-            await wait_until(lambda: must <= {e.get("request_id") for e in logs if e.get("event") == "request"}, 10,
-                             what="one canonical line per request")
+            await wait_until(
+                lambda: must <= {e.get("request_id") for e in logs if e.get("event") == "request"},
+                10,
+                what="one canonical line per request",
+            )
         gate = px.state.gate
         assert gate.free == capacity and gate.queued == 0 and gate.inflight == 0
         assert fake.max_concurrent <= capacity, fake.snapshot()
@@ -109,12 +134,25 @@ async def scenario(ops: list[Op], capacity: int, linger: float, policy: str) -> 
                 assert e["outcome"] in ("superseded", "cancelled_queued", "rejected"), e
         too_wide = {i for i, op in enumerate(ops) if op.n_cmpl > capacity}
         assert all(statuses[i] == 400 for i in too_wide if i in statuses), statuses
-        assert all(i in statuses for i in too_wide if ops[i].abort_ms is None), statuses  # answered at once
+        assert all(i in statuses for i in too_wide if ops[i].abort_ms is None), (
+            statuses
+        )  # answered at once
         assert not too_wide & reached_fake
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], phases=[Phase.explicit, Phase.reuse, Phase.generate])
-@given(ops=ops_strategy, capacity=st.integers(1, 3), linger=st.sampled_from([0.0, 0.02, 0.08]),
-       policy=st.sampled_from(["auto", "cancel", "finish"]))
-def test_gate_invariants_under_random_load(ops: list[Op], capacity: int, linger: float, policy: str) -> None:
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)
+@given(
+    ops=ops_strategy,
+    capacity=st.integers(1, 3),
+    linger=st.sampled_from([0.0, 0.02, 0.08]),
+    policy=st.sampled_from(["auto", "cancel", "finish"]),
+)
+def test_gate_invariants_under_random_load(
+    ops: list[Op], capacity: int, linger: float, policy: str
+) -> None:
     asyncio.run(scenario(ops, capacity, linger, policy))

@@ -30,14 +30,29 @@ ROOT = Path(__file__).resolve().parents[2]
 LLMPROXY = str(Path(sys.executable).with_name("llmproxy"))
 # what systemd does at activation: the socket on fd 3, LISTEN_PID = the exec'ed process
 # (and no other copy of it: the fd it was passed on is closed)
-ACTIVATE = ("import os, sys; fd = int(sys.argv[1]); os.dup2(fd, 3); fd == 3 or os.close(fd); "
-            "os.environ.update(LISTEN_FDS='1', LISTEN_PID=str(os.getpid())); os.execv(sys.argv[2], sys.argv[2:])")
+ACTIVATE = (
+    "import os, sys; fd = int(sys.argv[1]); os.dup2(fd, 3); fd == 3 or os.close(fd); "
+    "os.environ.update(LISTEN_FDS='1', LISTEN_PID=str(os.getpid())); os.execv(sys.argv[2], sys.argv[2:])"
+)
 
 
 def install(tmp: Path, *extra: str, config: str = "") -> Path:
     (tmp / "config.toml").write_text(config)
-    subprocess.run([LLMPROXY, "systemd", "install", "--user", "--dir", str(tmp / "units"),
-                    "--config", str(tmp / "config.toml"), *extra], check=True, capture_output=True)
+    subprocess.run(
+        [
+            LLMPROXY,
+            "systemd",
+            "install",
+            "--user",
+            "--dir",
+            str(tmp / "units"),
+            "--config",
+            str(tmp / "config.toml"),
+            *extra,
+        ],
+        check=True,
+        capture_output=True,
+    )
     return tmp / "units"
 
 
@@ -48,8 +63,12 @@ def verify(tmp: Path, *units: Path) -> list[str]:
     run_dir = tmp / "xdg-run"
     run_dir.mkdir(mode=0o700, exist_ok=True)
     env = {**os.environ, "XDG_RUNTIME_DIR": str(run_dir)}
-    proc = subprocess.run(["systemd-analyze", "verify", "--user", *map(str, units)],
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        ["systemd-analyze", "verify", "--user", *map(str, units)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     problems = [ln for ln in proc.stderr.splitlines() if "llmproxy" in ln]
     return problems + ([f"exit status {proc.returncode}"] if proc.returncode else [])
 
@@ -66,16 +85,27 @@ def test_installed_units_verify(tmp_path: Path) -> None:
     assert verify(tmp_path, service, sock) == []
     text = service.read_text()
     assert f"ExecStart={LLMPROXY} serve --config {tmp_path / 'config.toml'} --log-json" in text
-    for line in ("NoNewPrivileges=yes", "ProtectSystem=strict", "ProtectHome=read-only", "PrivateTmp=yes",
-                 "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6", "MemoryDenyWriteExecute=yes",
-                 "StateDirectory=llmproxy", "Restart=on-failure", "KillMode=mixed", "TimeoutStopSec=20s"):
+    for line in (
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+        "ProtectHome=read-only",
+        "PrivateTmp=yes",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6",
+        "MemoryDenyWriteExecute=yes",
+        "StateDirectory=llmproxy",
+        "Restart=on-failure",
+        "KillMode=mixed",
+        "TimeoutStopSec=20s",
+    ):
         assert line in text.splitlines(), line
     assert "ListenStream=127.0.0.1:8099" in sock.read_text().splitlines()
 
 
 def test_verify_catches_a_broken_unit(tmp_path: Path) -> None:
     service = install(tmp_path) / "llmproxy.service"
-    service.write_text(service.read_text().replace("ProtectHome=read-only", "ProtectHome=sometimes"))
+    service.write_text(
+        service.read_text().replace("ProtectHome=read-only", "ProtectHome=sometimes")
+    )
     assert verify(tmp_path, service)
 
 
@@ -93,30 +123,49 @@ async def test_socket_activation_serves_and_drains(tmp_path: Path) -> None:
     port = listener.getsockname()[1]
     script = lambda _p, _b: Script(tokens=20, token_delay_s=0.02)  # noqa: E731
     async with FakeUpstream(slots=1, script=script) as fake:
-        units = install(tmp_path, config=f'upstream = "{fake.url}"\nport = 1\n')  # port 1: must not be bound
-        exec_line = next(ln for ln in (units / "llmproxy.service").read_text().splitlines()
-                         if ln.startswith("ExecStart="))
+        units = install(
+            tmp_path, config=f'upstream = "{fake.url}"\nport = 1\n'
+        )  # port 1: must not be bound
+        exec_line = next(
+            ln
+            for ln in (units / "llmproxy.service").read_text().splitlines()
+            if ln.startswith("ExecStart=")
+        )
         argv = shlex.split(exec_line.removeprefix("ExecStart="))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("LLMPROXY_", "LISTEN_"))}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", ACTIVATE, str(listener.fileno()), *argv,
-            pass_fds=[listener.fileno()], env=env, stderr=asyncio.subprocess.PIPE,
+            sys.executable,
+            "-c",
+            ACTIVATE,
+            str(listener.fileno()),
+            *argv,
+            pass_fds=[listener.fileno()],
+            env=env,
+            stderr=asyncio.subprocess.PIPE,
             preexec_fn=child_preexec(cloexec=False),  # it would close the passed fd
         )
         listener.close()  # the child holds it now
         try:
             url = f"http://127.0.0.1:{port}"
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
-                async with http.get(url + "/llmproxy/health") as r:  # waits in the backlog until ready
+                async with http.get(
+                    url + "/llmproxy/health"
+                ) as r:  # waits in the backlog until ready
                     assert r.status == 200
-                inflight = asyncio.ensure_future(http.post(url + "/completion", json={"prompt": "x"}))
+                inflight = asyncio.ensure_future(
+                    http.post(url + "/completion", json={"prompt": "x"})
+                )
                 await fake.wait_for(lambda f: len(f.generations) == 1)
                 proc.send_signal(signal.SIGTERM)
                 resp = await inflight
                 assert resp.status == 200 and (await resp.json())["tokens_predicted"] == 20
                 resp.release()
             assert await asyncio.wait_for(proc.wait(), 15) == 0
-            logs = [json.loads(ln) for ln in (await proc.stderr.read()).decode().splitlines() if ln.startswith("{")]
+            logs = [
+                json.loads(ln)
+                for ln in (await proc.stderr.read()).decode().splitlines()
+                if ln.startswith("{")
+            ]
             listening = [ln for ln in logs if ln.get("event") == "listening"]
             assert listening and listening[0]["socket_activated"] is True
             assert listening[0]["url"].endswith(f":{port}")
@@ -136,21 +185,39 @@ async def test_socket_activation_keeps_the_socket_from_the_embedded_backend(tmp_
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
     port, inode = listener.getsockname()[1], os.fstat(listener.fileno()).st_ino
-    units = install(tmp_path, config="port = 1\nbackend_start_timeout_s = 120\n")  # no upstream: embedded
-    exec_line = next(ln for ln in (units / "llmproxy.service").read_text().splitlines() if ln.startswith("ExecStart="))
+    units = install(
+        tmp_path, config="port = 1\nbackend_start_timeout_s = 120\n"
+    )  # no upstream: embedded
+    exec_line = next(
+        ln
+        for ln in (units / "llmproxy.service").read_text().splitlines()
+        if ln.startswith("ExecStart=")
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LLMPROXY_", "LISTEN_"))}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", ACTIVATE, str(listener.fileno()), *shlex.split(exec_line.removeprefix("ExecStart=")),
-        pass_fds=[listener.fileno()], env=env, stderr=asyncio.subprocess.DEVNULL,
+        sys.executable,
+        "-c",
+        ACTIVATE,
+        str(listener.fileno()),
+        *shlex.split(exec_line.removeprefix("ExecStart=")),
+        pass_fds=[listener.fileno()],
+        env=env,
+        stderr=asyncio.subprocess.DEVNULL,
         preexec_fn=child_preexec(cloexec=False),  # it would close the passed fd
     )
     listener.close()
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=150)) as http:
-            async with http.get(f"http://127.0.0.1:{port}/llmproxy/health") as r:  # after the backend is up
+            async with http.get(
+                f"http://127.0.0.1:{port}/llmproxy/health"
+            ) as r:  # after the backend is up
                 assert r.status == 200
-        holders = {pid for pid in [proc.pid, *descendants(proc.pid)] for fd in Path(f"/proc/{pid}/fd").iterdir()
-                   if os.readlink(fd) == f"socket:[{inode}]"}
+        holders = {
+            pid
+            for pid in [proc.pid, *descendants(proc.pid)]
+            for fd in Path(f"/proc/{pid}/fd").iterdir()
+            if os.readlink(fd) == f"socket:[{inode}]"
+        }
         assert holders == {proc.pid}
         backends = descendants(proc.pid)
         assert backends

@@ -39,7 +39,9 @@ class Buffers:
     def __init__(self, max_batch: int, n_ctx: int, device: torch.device) -> None:
         pin = device.type == "cuda"
         self.device = device
-        self.host = torch.zeros((2, max_batch), dtype=torch.long, pin_memory=pin)  # tokens, positions
+        self.host = torch.zeros(
+            (2, max_batch), dtype=torch.long, pin_memory=pin
+        )  # tokens, positions
         self.dev = torch.zeros((2, max_batch), dtype=torch.long, device=device)
         self.mask = torch.zeros(max_batch * (n_ctx + 1), dtype=torch.bool, device=device)
         self.arange = torch.arange(n_ctx + 1, dtype=torch.long, device=device)
@@ -61,11 +63,15 @@ class Batch:
 
     def __init__(self, model: Any, device: torch.device, max_batch: int, n_ctx: int) -> None:
         self.model = model
-        self.cache_keyword = cache_keyword(model)  # past_key_values | cache (by transformers release)
+        self.cache_keyword = cache_keyword(
+            model
+        )  # past_key_values | cache (by transformers release)
         self.device = device
         self.buffers = Buffers(max_batch, n_ctx, device)
         dtype = next(model.parameters()).dtype
-        self.kv = SlotCache(model, max_batch, device, dtype, cap=min(INITIAL_COLUMNS, n_ctx + 1), max_cap=n_ctx + 1)
+        self.kv = SlotCache(
+            model, max_batch, device, dtype, cap=min(INITIAL_COLUMNS, n_ctx + 1), max_cap=n_ctx + 1
+        )
         self.slots = torch.arange(max_batch, dtype=torch.long, device=device)
         self.owner: list[Any] = [None] * max_batch  # slot -> sequence (row or prefilling)
         self.fill = [0] * max_batch  # slot -> columns holding that sequence's tokens

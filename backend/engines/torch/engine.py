@@ -97,22 +97,34 @@ class TorchEngine:
         from llmproxy.backend.engines.torch.text import PromptBuilder
 
         t0 = time.perf_counter()
-        threads = int(self.settings.threads_per_worker()) if hasattr(self.settings, "threads_per_worker") else 0
+        threads = (
+            int(self.settings.threads_per_worker())
+            if hasattr(self.settings, "threads_per_worker")
+            else 0
+        )
         if threads > 0:
             torch.set_num_threads(threads)
         place = choose_placement(self.settings.device, self.settings.dtype)
         progress(0.05)
         loaded = load_model(self.model_path, Path(self.settings.cache_dir), place, progress)
         self.tokenizer = loaded.tokenizer
-        self.prompts = PromptBuilder(loaded.tokenizer, loaded.add_bos, self.n_ctx, int(self.settings.n_predict_max))
+        self.prompts = PromptBuilder(
+            loaded.tokenizer, loaded.add_bos, self.n_ctx, int(self.settings.n_predict_max)
+        )
         self.batch = Batch(loaded.model, place.device, self.max_batch, self.n_ctx)
-        plan = plan_memory(loaded.model, place.device, place.dtype, self.max_batch, self.chunk, self.n_ctx)
+        plan = plan_memory(
+            loaded.model, place.device, place.dtype, self.max_batch, self.chunk, self.n_ctx
+        )
         self.kv_budget = plan.kv_budget_tokens
         progress(0.9)
         if getattr(self.settings, "warmup", True):
             self._warmup()
         self.load_count += 1
-        self.last_load = {"converted": loaded.converted, "seconds": time.perf_counter() - t0, "dir": loaded.source_dir}
+        self.last_load = {
+            "converted": loaded.converted,
+            "seconds": time.perf_counter() - t0,
+            "dir": loaded.source_dir,
+        }
         progress(1.0)
         self.info = EngineInfo(
             model_path=str(self.model_path),
@@ -141,7 +153,11 @@ class TorchEngine:
         return self.max_batch
 
     def active(self) -> int:
-        return len(self.waiting) + len(self.prefilling) + (len(self.batch) if self.batch is not None else 0)
+        return (
+            len(self.waiting)
+            + len(self.prefilling)
+            + (len(self.batch) if self.batch is not None else 0)
+        )
 
     def active_ids(self) -> list[str]:
         rows = self.batch.rows if self.batch is not None else []
@@ -221,11 +237,20 @@ class TorchEngine:
         from llmproxy.backend.protocol import Prompt, SamplingParams
 
         for i in range(2):
-            self.admit(Submit(f"__warmup{i}", i, Prompt(kind="completion", text="Hello"), SamplingParams(n_predict=3)))
+            self.admit(
+                Submit(
+                    f"__warmup{i}",
+                    i,
+                    Prompt(kind="completion", text="Hello"),
+                    SamplingParams(n_predict=3),
+                )
+            )
         while self.active():
             self.step()
 
-    def _finish(self, seq: _Seq, reason: str, emit_held: bool = True, stopping_word: str = "") -> list[Event]:
+    def _finish(
+        self, seq: _Seq, reason: str, emit_held: bool = True, stopping_word: str = ""
+    ) -> list[Event]:
         out: list[Event] = []
         if emit_held:
             tail = seq.held + seq.detok.flush()

@@ -36,7 +36,9 @@ def cache_keyword(model: Any) -> str:
     import transformers  # a forward that names neither (a wrapper): go by the release
     from packaging.version import Version  # a dependency of transformers
 
-    return "cache" if Version(transformers.__version__).release[:2] >= (5, 24) else "past_key_values"
+    return (
+        "cache" if Version(transformers.__version__).release[:2] >= (5, 24) else "past_key_values"
+    )
 
 
 class SlotLayer(CacheLayerMixin):
@@ -55,7 +57,9 @@ class SlotLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         return None
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.owner.write(self.index, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -72,15 +76,25 @@ class SlotCache(Cache):
     """KV store of ``slots`` sequences; see the module docstring for the layout."""
 
     def __init__(
-        self, model: Any, slots: int, device: torch.device, dtype: torch.dtype, cap: int = 256, max_cap: int | None = None
+        self,
+        model: Any,
+        slots: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        cap: int = 256,
+        max_cap: int | None = None,
     ) -> None:
         cfg = model.config.get_text_config(decoder=True)
         heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         n_layers = cfg.num_hidden_layers
         super().__init__(layers=[SlotLayer(self, i) for i in range(n_layers)])
-        with torch.inference_mode():  # an inference tensor: every in-place write runs in inference mode
-            self.store = torch.zeros((n_layers, 2, slots, heads, cap, head_dim), dtype=dtype, device=device)
+        with (
+            torch.inference_mode()
+        ):  # an inference tensor: every in-place write runs in inference mode
+            self.store = torch.zeros(
+                (n_layers, 2, slots, heads, cap, head_dim), dtype=dtype, device=device
+            )
         self.width = 0  # columns attention reads in the planned forward
         self.max_cap = max_cap  # growth stops here (the context size) unless a forward needs more
         self._rows: slice | torch.Tensor = slice(0, 0)
@@ -99,7 +113,11 @@ class SlotCache(Cache):
         cap = max(columns, 2 * self.cap)
         if self.max_cap is not None:
             cap = max(columns, min(cap, self.max_cap))
-        grown = torch.zeros((*self.store.shape[:4], cap, self.store.shape[5]), dtype=self.store.dtype, device=self.store.device)
+        grown = torch.zeros(
+            (*self.store.shape[:4], cap, self.store.shape[5]),
+            dtype=self.store.dtype,
+            device=self.store.device,
+        )
         grown[:, :, :, :, : self.cap].copy_(self.store)
         self.store = grown
 
@@ -115,7 +133,9 @@ class SlotCache(Cache):
         self._rows = slice(0, n) if contiguous else slots
         self._index = (slots.view(n, 1), cols)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._index is not None, "SlotCache.plan() must precede a forward"
         kv = self.store[layer]
         # (n, heads, T, dim) -> rows of (T, heads, dim) at (slot, column) pairs
@@ -125,7 +145,9 @@ class SlotCache(Cache):
         w = self.width
         if isinstance(self._rows, slice):
             return kv[0, self._rows, :, :w], kv[1, self._rows, :, :w]
-        return kv[0].index_select(0, self._rows)[:, :, :w], kv[1].index_select(0, self._rows)[:, :, :w]
+        return kv[0].index_select(0, self._rows)[:, :, :w], kv[1].index_select(0, self._rows)[
+            :, :, :w
+        ]
 
     @torch.inference_mode()
     def move(self, dst: int, src: int, columns: int) -> None:

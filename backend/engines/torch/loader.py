@@ -99,7 +99,9 @@ def convert_gguf(gguf: Path, target: Path, dtype: Any) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
     result = model.load_state_dict(tensors, strict=False)
-    missing = [k for k in result.missing_keys if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    missing = [
+        k for k in result.missing_keys if not (k == "lm_head.weight" and config.tie_word_embeddings)
+    ]
     if missing:
         raise RuntimeError(f"GGUF conversion left weights unset: {missing[:5]}")
     model.tie_weights()
@@ -149,7 +151,9 @@ def load_model(
             converted = True
     progress(0.5)
     tok = AutoTokenizer.from_pretrained(src)
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=placement.dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        src, dtype=placement.dtype, attn_implementation="sdpa"
+    )
     model.to(placement.device)
     model.eval()
     meta_file = src / "llmproxy.json"

@@ -36,7 +36,9 @@ def kv_bytes_per_token(model: Any, dtype: torch.dtype) -> int:
 
 
 @torch.inference_mode()
-def plan_memory(model: Any, device: torch.device, dtype: torch.dtype, max_batch: int, chunk: int, n_ctx: int) -> MemoryPlan:
+def plan_memory(
+    model: Any, device: torch.device, dtype: torch.dtype, max_batch: int, chunk: int, n_ctx: int
+) -> MemoryPlan:
     per_tok = kv_bytes_per_token(model, dtype)
     if device.type != "cuda":
         return MemoryPlan(per_tok, None, (("kv_bytes_per_token", str(per_tok)),))

@@ -14,6 +14,7 @@ import random
 from typing import Any
 
 import torch
+
 from llmproxy.backend.protocol import SamplingParams
 
 
@@ -21,7 +22,9 @@ class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.p = params
         self.greedy = params.temperature <= 0
-        seed = params.seed if params.seed is not None and params.seed >= 0 else random.getrandbits(63)
+        seed = (
+            params.seed if params.seed is not None and params.seed >= 0 else random.getrandbits(63)
+        )
         self.gen: Any = None if self.greedy else torch.Generator().manual_seed(int(seed))
 
     def __call__(self, logits: torch.Tensor) -> int:
@@ -53,7 +56,9 @@ def sample_rows(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
     greedy = [i for i, s in enumerate(samplers) if s.greedy]
     out = [0] * len(samplers)
     if greedy:
-        picked = (logits if len(greedy) == len(samplers) else logits[greedy]).argmax(dim=-1).tolist()
+        picked = (
+            (logits if len(greedy) == len(samplers) else logits[greedy]).argmax(dim=-1).tolist()
+        )
         for i, tok in zip(greedy, picked, strict=True):
             out[i] = tok
     for i, s in enumerate(samplers):

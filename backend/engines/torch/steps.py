@@ -70,7 +70,11 @@ def schedule(engine: Any) -> None:
             _start(engine, waiting.popleft())
             n += 1
         return
-    while waiting and len(batch) + len(engine.prefilling) < engine.max_batch and _kv_fits(engine, waiting[0]):
+    while (
+        waiting
+        and len(batch) + len(engine.prefilling) < engine.max_batch
+        and _kv_fits(engine, waiting[0])
+    ):
         _start(engine, waiting.popleft())
 
 
@@ -100,7 +104,11 @@ def run_step(engine: Any) -> list[Event]:
                 done_rows.append(i)
         # only sequences whose prompt is complete draw a token (a seeded sampler's stream
         # must not depend on how its prompt was chunked)
-        firsts = sample_rows([group[i][0].sampler for i in done_rows], logits[done_rows]) if done_rows else []
+        firsts = (
+            sample_rows([group[i][0].sampler for i in done_rows], logits[done_rows])
+            if done_rows
+            else []
+        )
         for i, first in zip(done_rows, firsts, strict=True):
             seq = group[i][0]
             engine.prefilling.remove(seq)

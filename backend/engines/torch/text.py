@@ -26,7 +26,14 @@ _FIM_NAMES = {
     "rep": ("<reponame>", "<repo_name>", "<|repo_name|>"),
     "sep": ("<file_sep>", "<|file_sep|>"),
 }
-_EOG_NAMES = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
+_EOG_NAMES = (
+    "<|endoftext|>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<end_of_turn>",
+    "<|end|>",
+)
 
 
 def _vocab_id(vocab: dict[str, int], names: tuple[str, ...]) -> int:
@@ -45,7 +52,11 @@ class PromptBuilder:
         self.n_predict_max = n_predict_max
         vocab = tokenizer.get_vocab()
         ids = {k: _vocab_id(vocab, names) for k, names in _FIM_NAMES.items()}
-        self.fim = (ids["pre"], ids["suf"], ids["mid"]) if min(ids["pre"], ids["suf"], ids["mid"]) >= 0 else None
+        self.fim = (
+            (ids["pre"], ids["suf"], ids["mid"])
+            if min(ids["pre"], ids["suf"], ids["mid"]) >= 0
+            else None
+        )
         self.fim_rep, self.fim_sep = ids["rep"], ids["sep"]
         bos = tokenizer.bos_token_id
         self.bos = [bos] if add_bos and bos is not None else []
@@ -72,7 +83,10 @@ class PromptBuilder:
             return self.bos + self._tok(prompt.text)
         if prompt.kind == "chat":
             text = self.tok.apply_chat_template(
-                chat_messages(prompt), chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
+                chat_messages(prompt),
+                chat_template=self.chat_template,
+                tokenize=False,
+                add_generation_prompt=True,
             )
             bos = [] if (self.bos_text and text.startswith(self.bos_text)) else self.bos
             return bos + self._tok(text)
@@ -80,7 +94,15 @@ class PromptBuilder:
 
     def _infill(self, prompt: Prompt, n_predict: int) -> list[int]:
         return infill_tokens(
-            prompt, self._plain, self.bos, self.fim, self.fim_rep, self.fim_sep, self.n_ctx, n_predict, self.n_predict_max
+            prompt,
+            self._plain,
+            self.bos,
+            self.fim,
+            self.fim_rep,
+            self.fim_sep,
+            self.n_ctx,
+            n_predict,
+            self.n_predict_max,
         )
 
 

@@ -56,19 +56,30 @@ class Adapter:
     gated_routes: ClassVar[frozenset[str]] = GATED_ROUTES
 
     def __init__(
-        self, base_url: str, session: aiohttp.ClientSession, settings: ProxySettings, *, slots: int | None = None
+        self,
+        base_url: str,
+        session: aiohttp.ClientSession,
+        settings: ProxySettings,
+        *,
+        slots: int | None = None,
     ) -> None:
         self.base_url = URL(base_url.rstrip("/"))
         self.session = session
         self.client = UpstreamClient(
-            self.base_url, connect_timeout_s=settings.connect_timeout_s, read_timeout_s=settings.read_timeout_s,
+            self.base_url,
+            connect_timeout_s=settings.connect_timeout_s,
+            read_timeout_s=settings.read_timeout_s,
             authorization=upstream_authorization(settings),
         )
         self.settings = settings
         self.slots = slots
         self.can_confirm = False
-        self.known = asyncio.Event()  # set once nothing is left to learn (``pending``; see watch.py)
-        self.undetected = False  # kind auto, upstream not there at start (no answer, 502-504): detect again
+        self.known = (
+            asyncio.Event()
+        )  # set once nothing is left to learn (``pending``; see watch.py)
+        self.undetected = (
+            False  # kind auto, upstream not there at start (no answer, 502-504): detect again
+        )
         self.piece_gap_s: float | None = None  # recent streams' gap between pieces (about a token)
 
     def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
@@ -119,7 +130,12 @@ class Adapter:
         return True
 
     async def watch_idle(
-        self, slots: Sequence[int], idle: Callable[[int], None], closing: asyncio.Event, *, answered: bool = True
+        self,
+        slots: Sequence[int],
+        idle: Callable[[int], None],
+        closing: asyncio.Event,
+        *,
+        answered: bool = True,
     ) -> None:
         """After ``confirm_stopped`` gave up: call ``idle(slot)`` for each of ``slots`` once the
         backend shows it idle, and return when none is left, or once ``closing`` is set
@@ -132,5 +148,10 @@ class Adapter:
         self.client.close()
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "url": str(self.base_url), "slots": self.slots, "can_confirm": self.can_confirm,
-                "detected": not self.undetected}
+        return {
+            "kind": self.kind,
+            "url": str(self.base_url),
+            "slots": self.slots,
+            "can_confirm": self.can_confirm,
+            "detected": not self.undetected,
+        }

@@ -57,7 +57,9 @@ def set_top_level(raw: bytes, key: str, value: object, *, present: bool | None =
         brace = raw.index(b"{")
         rest = raw[brace + 1 :]
         sep = b"," if rest.strip()[:1] not in (b"}", b"") else b""
-        encoded_value = str(value) if type(value) is int else json.dumps(value, separators=(",", ":"))
+        encoded_value = (
+            str(value) if type(value) is int else json.dumps(value, separators=(",", ":"))
+        )
         return b"".join((raw[: brace + 1], encoded_key, b":", encoded_value.encode(), sep, rest))
     text = raw.decode("utf-8")
     spans = top_level_spans(text)
@@ -69,4 +71,6 @@ def set_top_level(raw: bytes, key: str, value: object, *, present: bool | None =
         return (text[:start] + encoded + text[end:]).encode("utf-8")
     brace = text.index("{")
     sep = "," if spans else ""
-    return (text[: brace + 1] + json.dumps(key) + ":" + encoded + sep + text[brace + 1 :]).encode("utf-8")
+    return (text[: brace + 1] + json.dumps(key) + ":" + encoded + sep + text[brace + 1 :]).encode(
+        "utf-8"
+    )

@@ -35,12 +35,18 @@ from typing import Any
 
 import aiohttp
 
-from llmproxy.proxy.upstream.adapters.base import Adapter, get_json, log
-from llmproxy.proxy.upstream.assemble import assembles
-from llmproxy.proxy.upstream.adapters.body import set_top_level
 from llmproxy.proxy.errors import BadRequest
 from llmproxy.proxy.gating.gate import Gate, Ticket
-from llmproxy.proxy.gating.routes import EMBEDDING_ROUTES, GATED_ROUTES, LLAMACPP_GATED_ROUTES, RERANK_ROUTES, SLOT_ROUTES
+from llmproxy.proxy.gating.routes import (
+    EMBEDDING_ROUTES,
+    GATED_ROUTES,
+    LLAMACPP_GATED_ROUTES,
+    RERANK_ROUTES,
+    SLOT_ROUTES,
+)
+from llmproxy.proxy.upstream.adapters.base import Adapter, get_json, log
+from llmproxy.proxy.upstream.adapters.body import set_top_level
+from llmproxy.proxy.upstream.assemble import assembles
 
 QUARANTINE_POLL_MAX_S = 1.0
 
@@ -88,7 +94,9 @@ class LlamaCppAdapter(Adapter):
         super().__init__(*args, **kwargs)
         self.props_pending = False  # slot count still to be read from /props (detection gave up)
         self.slots_pending = False  # /slots failed in a way that may pass (timeout, refused, 5xx)
-        self.streams = self.settings.upstream_stream != "off"  # until /props says which server it is
+        self.streams = (
+            self.settings.upstream_stream != "off"
+        )  # until /props says which server it is
         self.own: bool | None = None  # llmproxy's own backend? (None: /props not read yet)
         self.client.reuse_after_stream = False
 
@@ -98,7 +106,9 @@ class LlamaCppAdapter(Adapter):
         self.slots = total_slots(props)
         self.own = own = isinstance(props, dict) and props.get("build_info") == OWN_BACKEND
         self.client.reuse_after_stream = own  # llama-server closes a connection after a stream
-        self.streams = self.settings.upstream_stream == "on" or (self.settings.upstream_stream == "auto" and not own)
+        self.streams = self.settings.upstream_stream == "on" or (
+            self.settings.upstream_stream == "auto" and not own
+        )
 
     def assembles(self, path: str, parsed: Any) -> bool:
         """A non-streaming completion is sent as a stream (assemble.py): llama-server notices
@@ -139,7 +149,9 @@ class LlamaCppAdapter(Adapter):
         if not isinstance(parsed, dict):
             return 1
         if path in EMBEDDING_ROUTES:
-            return min(_inputs(parsed["input"] if "input" in parsed else parsed.get("content")), capacity)
+            return min(
+                _inputs(parsed["input"] if "input" in parsed else parsed.get("content")), capacity
+            )
         if path in RERANK_ROUTES:
             docs = parsed.get("documents")
             docs = docs if isinstance(docs, list) else parsed.get("texts")
@@ -156,7 +168,9 @@ class LlamaCppAdapter(Adapter):
             hint = "the upstream's slot count is not known yet (it was still loading): try again shortly"
         else:
             hint = "the upstream has no more (llama-server: raise -np)"
-        raise BadRequest(f"'{field}' = {wanted} needs {wanted} slots at once, llmproxy has {capacity}: {hint}")
+        raise BadRequest(
+            f"'{field}' = {wanted} needs {wanted} slots at once, llmproxy has {capacity}: {hint}"
+        )
 
     def confirms(self, path: str) -> bool:
         """Only where ``id_slot`` pins the request to the permit's slot: llama-server runs an
@@ -180,8 +194,12 @@ class LlamaCppAdapter(Adapter):
             log.info("upstream /slots available now: stops are confirmed from here on")
         elif not ok and not was_pending:
             hint = "set upstream_api_key" if status in (401, 403) else None
-            log.warning("upstream /slots unavailable: cannot confirm stops, in-flight policy falls back to finish",
-                        status=status, asking_again=self.slots_pending, **({"hint": hint} if hint else {}))
+            log.warning(
+                "upstream /slots unavailable: cannot confirm stops, in-flight policy falls back to finish",
+                status=status,
+                asking_again=self.slots_pending,
+                **({"hint": hint} if hint else {}),
+            )
         return ok
 
     def pending(self) -> bool:
@@ -199,7 +217,9 @@ class LlamaCppAdapter(Adapter):
             if status == 200 and isinstance(props, dict):
                 self.props_pending = False
                 self.learn_props(props)
-            elif status is not None and status < 500:  # an answer that will not change (404: no /props)
+            elif (
+                status is not None and status < 500
+            ):  # an answer that will not change (404: no /props)
                 self.props_pending = False
         if self.slots_pending and not self.can_confirm:
             await self.probe_slots()
@@ -211,7 +231,9 @@ class LlamaCppAdapter(Adapter):
         try:
             status, data = await get_json(self.session, self.base_url / "slots")
         except aiohttp.ClientConnectorError as exc:  # refused: nothing listens, nothing runs
-            return "down" if isinstance(exc.os_error, ConnectionRefusedError) else "unknown"  # DNS, EMFILE: unknown
+            return (
+                "down" if isinstance(exc.os_error, ConnectionRefusedError) else "unknown"
+            )  # DNS, EMFILE: unknown
         except (aiohttp.ClientError, TimeoutError):
             return "unknown"
         if status != 200:
@@ -262,13 +284,20 @@ class LlamaCppAdapter(Adapter):
                     watch = gate.settle_extras(ticket, pinned)
                     if not watch:
                         return
-                    if isinstance(busy, dict) and all(busy.get(slot) for slot in watch) and (ticket.slots, watch) == before:
+                    if (
+                        isinstance(busy, dict)
+                        and all(busy.get(slot) for slot in watch)
+                        and (ticket.slots, watch) == before
+                    ):
                         return
                     await asyncio.sleep(interval)
                     interval = min(interval * 2, s.confirm_poll_max_s)
         except TimeoutError:
-            log.warning("sending a request on several slots before the lower slots held by others "
-                        "were busy: an extra completion may take one of them", slots=list(ticket.slots))
+            log.warning(
+                "sending a request on several slots before the lower slots held by others "
+                "were busy: an extra completion may take one of them",
+                slots=list(ticket.slots),
+            )
         finally:
             gate.settled(ticket)
 
@@ -303,7 +332,12 @@ class LlamaCppAdapter(Adapter):
             return False
 
     async def watch_idle(
-        self, slots: Sequence[int], idle: Callable[[int], None], closing: asyncio.Event, *, answered: bool = True
+        self,
+        slots: Sequence[int],
+        idle: Callable[[int], None],
+        closing: asyncio.Event,
+        *,
+        answered: bool = True,
     ) -> None:
         """Poll /slots (from ``confirm_poll_max_s``, backing off to ``QUARANTINE_POLL_MAX_S``)
         and call ``idle(slot)`` for each of ``slots`` once it shows idle (twice in a row when
@@ -328,4 +362,6 @@ class LlamaCppAdapter(Adapter):
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(interval):
                         await closing.wait()
-                interval = min(interval * 2, max(QUARANTINE_POLL_MAX_S, self.settings.confirm_poll_max_s))
+                interval = min(
+                    interval * 2, max(QUARANTINE_POLL_MAX_S, self.settings.confirm_poll_max_s)
+                )

@@ -39,7 +39,9 @@ def test_indent_cut_follows_llama_server() -> None:
     assert indent_cut("x\ny", 0) is None  # n_indent 0 (absent): no rule
 
 
-def feed(pieces: list[str], stops: tuple[str, ...] = (), n_indent: int = 0) -> tuple[list[str], str, Any]:
+def feed(
+    pieces: list[str], stops: tuple[str, ...] = (), n_indent: int = 0
+) -> tuple[list[str], str, Any]:
     """Run ``hold_back`` as an engine does, one decoded piece at a time: (emitted chunks,
     text still held at the end, the final Hold or None if the pieces ran out)."""
     held, emitted = "", []
@@ -111,19 +113,35 @@ def test_n_indent_parsing() -> None:
 # llama.vim's /infill body, cursor inside an ``if`` block; greedy. SmolLM2 writes
 # ' with open(path, "r")' then a line "    else:" (indented 4 < 8), and more lines.
 IN_BLOCK = {
-    "id_slot": 0, "input_prefix": "import os\n\ndef load(path):\n    if os.path.exists(path):\n",
-    "input_suffix": "\n", "input_extra": [], "prompt": "        ", "n_predict": 64, "stop": [],
-    "top_k": 1, "top_p": 0.90, "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True,
-    "temperature": 0, "seed": 1,
+    "id_slot": 0,
+    "input_prefix": "import os\n\ndef load(path):\n    if os.path.exists(path):\n",
+    "input_suffix": "\n",
+    "input_extra": [],
+    "prompt": "        ",
+    "n_predict": 64,
+    "stop": [],
+    "top_k": 1,
+    "top_p": 0.90,
+    "samplers": ["top_k", "top_p", "infill"],
+    "cache_prompt": True,
+    "temperature": 0,
+    "seed": 1,
 }
 # cursor at the end of "def load(path):": the first token is a newline ("\n   "), and the
 # body that follows has a blank line after "return f.read()".
-AFTER_DEF = {**IN_BLOCK, "input_prefix": "import os\n\ndef load(path):", "prompt": "", "n_predict": 48}
+AFTER_DEF = {
+    **IN_BLOCK,
+    "input_prefix": "import os\n\ndef load(path):",
+    "prompt": "",
+    "n_predict": 48,
+}
 
 
 def stream_pieces(backend: Any, body: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
     """A streamed /infill: the content of each event (one per token here) and the last event."""
-    req = urllib.request.Request(backend.url + "/infill", data=json.dumps({**body, "stream": True}).encode())
+    req = urllib.request.Request(
+        backend.url + "/infill", data=json.dumps({**body, "stream": True}).encode()
+    )
     req.add_header("Content-Type", "application/json")
     with urllib.request.urlopen(req, timeout=60) as resp:
         raw = resp.read().decode()
@@ -132,12 +150,18 @@ def stream_pieces(backend: Any, body: dict[str, Any]) -> tuple[list[str], dict[s
     return [e["content"] for e in events], events[-1]
 
 
-@pytest.mark.parametrize(("body", "n_indent"), [(IN_BLOCK, 8), (AFTER_DEF, 4)], ids=["shallow-line", "blank-line"])
-def test_n_indent_cuts_the_first_shallower_line(backend: Any, body: dict[str, Any], n_indent: int) -> None:
+@pytest.mark.parametrize(
+    ("body", "n_indent"), [(IN_BLOCK, 8), (AFTER_DEF, 4)], ids=["shallow-line", "blank-line"]
+)
+def test_n_indent_cuts_the_first_shallower_line(
+    backend: Any, body: dict[str, Any], n_indent: int
+) -> None:
     status, free = backend.post("/infill", body)
     assert status == 200, free
     cut = indent_cut(free["content"], n_indent)
-    assert cut is not None, f"precondition: the model no longer leaves the block: {free['content']!r}"
+    assert cut is not None, (
+        f"precondition: the model no longer leaves the block: {free['content']!r}"
+    )
     want = free["content"][:cut]
     status, r = backend.post("/infill", {**body, "n_indent": n_indent})
     assert status == 200, r

@@ -12,7 +12,13 @@ from typing import Any
 
 import aiohttp
 
-LONG = {"prompt": "Once upon a time", "n_predict": 500, "ignore_eos": True, "temperature": 0.8, "stream": True}
+LONG = {
+    "prompt": "Once upon a time",
+    "n_predict": 500,
+    "ignore_eos": True,
+    "temperature": 0.8,
+    "stream": True,
+}
 
 
 async def read_tokens(resp: aiohttp.ClientResponse, n: int) -> int:
@@ -72,7 +78,9 @@ async def test_slot_busy_until_worker_stopped(backend: Any) -> None:
             t_end = time.perf_counter() + 0.5
             while time.perf_counter() < t_end:
                 sl = await slot0(s, backend.url)
-                assert sl["is_processing"] is True, "slot reported idle while the worker is still generating"
+                assert sl["is_processing"] is True, (
+                    "slot reported idle while the worker is still generating"
+                )
                 await asyncio.sleep(0.02)
         finally:
             os.kill(pid, signal.SIGCONT)
@@ -91,7 +99,9 @@ async def test_non_stream_client_timeout_cancels(backend: Any) -> None:
     body = {**LONG, "stream": False}
     async with aiohttp.ClientSession() as s:
         try:
-            async with s.post(backend.url + "/completion", json=body, timeout=aiohttp.ClientTimeout(total=0.5)) as r:
+            async with s.post(
+                backend.url + "/completion", json=body, timeout=aiohttp.ClientTimeout(total=0.5)
+            ) as r:
                 await r.read()
         except TimeoutError:
             pass

@@ -11,19 +11,24 @@ from typing import Any
 
 import aiohttp
 import pytest
-from tests.helpers.backend import kill_worker_mid_stream, parallel_flags, wait_until
 
 from llmproxy.bench.child import cpu_seconds
+from tests.helpers.backend import kill_worker_mid_stream, parallel_flags, wait_until
+
 
 def log_events(backend: Any, event: str) -> list[dict[str, Any]]:
     lines = backend.log_path.read_text(errors="replace").splitlines()
-    return [e for e in (json.loads(ln) for ln in lines if ln.startswith("{")) if e.get("event") == event]
+    return [
+        e for e in (json.loads(ln) for ln in lines if ln.startswith("{")) if e.get("event") == event
+    ]
 
 
 @pytest.mark.slow
 async def test_worker_sigsegv_fails_stream_and_recovers(engine: str, start_backend: Any) -> None:
     if engine != "llama-cpp":
-        pytest.skip("the supervisor's path is engine-independent (SIGKILL is covered for both); torch reloads are slow")
+        pytest.skip(
+            "the supervisor's path is engine-independent (SIGKILL is covered for both); torch reloads are slow"
+        )
     b = start_backend(engine, *parallel_flags(engine, 1))
     old_pid = b.worker_pids()[0]
     async with aiohttp.ClientSession() as s:
@@ -38,7 +43,9 @@ async def test_worker_sigsegv_fails_stream_and_recovers(engine: str, start_backe
 
 
 @pytest.mark.slow
-def test_corrupt_model_backs_off_stays_up_and_idle(tmp_path: Path, engine: str, start_backend: Any) -> None:
+def test_corrupt_model_backs_off_stays_up_and_idle(
+    tmp_path: Path, engine: str, start_backend: Any
+) -> None:
     if engine != "llama-cpp":
         pytest.skip("a corrupt GGUF is a llama-cpp fault")
     bad = tmp_path / "corrupt.gguf"

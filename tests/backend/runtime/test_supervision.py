@@ -12,10 +12,15 @@ from typing import Any
 
 import aiohttp
 import pytest
-from tests.helpers.backend import LONG, kill_worker_mid_stream, parallel_flags, processes_in, wait_until
 
+from tests.helpers.backend import (
+    LONG,
+    kill_worker_mid_stream,
+    parallel_flags,
+    processes_in,
+    wait_until,
+)
 from tests.helpers.proxy import run_proxy
-
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +56,9 @@ async def test_worker_sigkill_non_stream_gets_502(crashy: Any) -> None:
     assert wait_until(lambda: crashy.get("/health")[0] == 200, 120, 0.1)
     pid = crashy.worker_pids()[0]
     async with aiohttp.ClientSession() as s:
-        task = asyncio.ensure_future(s.post(crashy.url + "/completion", json={**LONG, "stream": False}))
+        task = asyncio.ensure_future(
+            s.post(crashy.url + "/completion", json={**LONG, "stream": False})
+        )
         t_end = time.monotonic() + 30
         while True:
             async with s.get(crashy.url + "/slots") as r:
@@ -78,7 +85,9 @@ def two_slots(engine: str, start_backend: Any) -> Any:
     return start_backend(engine, *parallel_flags(engine, 2))
 
 
-async def test_n_cmpl_runs_its_completions_at_once_and_a_client_leaving_stops_them(two_slots: Any) -> None:
+async def test_n_cmpl_runs_its_completions_at_once_and_a_client_leaving_stops_them(
+    two_slots: Any,
+) -> None:
     req = {**LONG, "n_predict": 200, "stream": False, "n_cmpl": 2}
     async with aiohttp.ClientSession() as s:
         task = asyncio.ensure_future(s.post(two_slots.url + "/completion", json=req))
@@ -112,11 +121,16 @@ async def test_n_cmpl_through_the_proxy_runs_on_the_slots_the_gate_granted(two_s
         assert gate.capacity == 2
 
         async def post(session: str, **extra: Any) -> tuple[int, Any]:
-            async with s.post(px.url + "/completion", json={"prompt": "x =", "n_predict": 8, **extra},
-                              headers={"X-LLMProxy-Session": session}) as r:
+            async with s.post(
+                px.url + "/completion",
+                json={"prompt": "x =", "n_predict": 8, **extra},
+                headers={"X-LLMProxy-Session": session},
+            ) as r:
                 return r.status, await r.json()
 
-        endless = asyncio.ensure_future(post("a", n_predict=1800, ignore_eos=True))  # until its client leaves
+        endless = asyncio.ensure_future(
+            post("a", n_predict=1800, ignore_eos=True)
+        )  # until its client leaves
         t_end = time.monotonic() + 30
         while not gate.inflight:
             assert time.monotonic() < t_end and not endless.done()
@@ -125,11 +139,16 @@ async def test_n_cmpl_through_the_proxy_runs_on_the_slots_the_gate_granted(two_s
         while not gate.queued:
             assert time.monotonic() < t_end and not wide.done()
             await asyncio.sleep(0.01)
-        assert [x["is_processing"] for x in two_slots.slots()] == [True, False]  # it waits in the proxy
+        assert [x["is_processing"] for x in two_slots.slots()] == [
+            True,
+            False,
+        ]  # it waits in the proxy
         endless.cancel()  # its client leaves: the proxy stops it, confirms slot 0 idle, then grants both
         await asyncio.gather(endless, return_exceptions=True)
         status, b = await wide
-        assert status == 200 and [c["id_slot"] for c in b] == [0, 1], b  # the injected id_slot's first
+        assert status == 200 and [c["id_slot"] for c in b] == [0, 1], (
+            b
+        )  # the injected id_slot's first
         assert all(c["stop"] for c in b)
         await asyncio.wait_for(gate.wait_quiescent(), 30)
         assert gate.free == 2
@@ -139,7 +158,9 @@ async def test_parallel_slots_run_at_once(two_slots: Any) -> None:
     assert [s["id"] for s in two_slots.slots()] == [0, 1]
     req = {**LONG, "n_predict": 200, "stream": False}
     async with aiohttp.ClientSession() as s:
-        tasks = [asyncio.ensure_future(s.post(two_slots.url + "/completion", json=req)) for _ in range(2)]
+        tasks = [
+            asyncio.ensure_future(s.post(two_slots.url + "/completion", json=req)) for _ in range(2)
+        ]
         both = False
         t_end = time.monotonic() + 30
         while not both and time.monotonic() < t_end and not all(t.done() for t in tasks):
@@ -160,7 +181,10 @@ async def test_parallel_slots_run_at_once(two_slots: Any) -> None:
 async def test_id_slot_honoured_and_busy_slot_waits(two_slots: Any) -> None:
     async with aiohttp.ClientSession() as s:
         long = asyncio.ensure_future(
-            s.post(two_slots.url + "/completion", json={**LONG, "n_predict": 100, "stream": False, "id_slot": 1})
+            s.post(
+                two_slots.url + "/completion",
+                json={**LONG, "n_predict": 100, "stream": False, "id_slot": 1},
+            )
         )
         t_end = time.monotonic() + 30
         while True:
@@ -169,7 +193,9 @@ async def test_id_slot_honoured_and_busy_slot_waits(two_slots: Any) -> None:
                     break
             assert time.monotonic() < t_end
             await asyncio.sleep(0.005)
-        async with s.post(two_slots.url + "/completion", json={"prompt": "x", "n_predict": 2, "id_slot": 1}) as r:
+        async with s.post(
+            two_slots.url + "/completion", json={"prompt": "x", "n_predict": 2, "id_slot": 1}
+        ) as r:
             short = await r.json()
         assert long.done(), "a request for a busy slot must wait for it"
         first = await long
@@ -178,7 +204,9 @@ async def test_id_slot_honoured_and_busy_slot_waits(two_slots: Any) -> None:
     assert first_body["id_slot"] == 1 and short["id_slot"] == 1
 
 
-def test_slot_down_n_cmpl_is_503_pinned_runs_elsewhere(engine: str, start_backend: Any, tmp_path: Path) -> None:
+def test_slot_down_n_cmpl_is_503_pinned_runs_elsewhere(
+    engine: str, start_backend: Any, tmp_path: Path
+) -> None:
     """llama-cpp runs one worker per slot: with one of two restarting, two completions at
     once cannot start, so the request is answered 503 instead of waiting through the
     restart's back-off while its caller holds two permits. A request pinned to the dead
@@ -186,20 +214,36 @@ def test_slot_down_n_cmpl_is_503_pinned_runs_elsewhere(engine: str, start_backen
     a 503 each time, which would trip the proxy's breaker for every editor."""
     if engine != "llama-cpp":
         pytest.skip("one worker process per slot: llama-cpp only (torch runs its slots in one)")
-    b = start_backend(engine, *parallel_flags(engine, 2), "--restart-backoff-min-s", "60",
-                      "--restart-backoff-max-s", "60", cwd=tmp_path)
+    b = start_backend(
+        engine,
+        *parallel_flags(engine, 2),
+        "--restart-backoff-min-s",
+        "60",
+        "--restart-backoff-max-s",
+        "60",
+        cwd=tmp_path,
+    )
     os.kill(b.worker_pids()[1], signal.SIGKILL)
     assert wait_until(lambda: "worker_died" in b.log_tail(), 10), b.log_tail()
-    status, body = b.post("/completion", {"prompt": "x", "n_predict": 2, "n_cmpl": 2, "id_slot": 0}, timeout=20)
+    status, body = b.post(
+        "/completion", {"prompt": "x", "n_predict": 2, "n_cmpl": 2, "id_slot": 0}, timeout=20
+    )
     assert status == 503, body
     status, body = b.post("/completion", {"prompt": "x", "n_predict": 2, "n": 1, "id_slot": 0})
-    assert status == 200 and isinstance(body, dict), body  # one completion on the live slot still runs
+    assert status == 200 and isinstance(body, dict), (
+        body
+    )  # one completion on the live slot still runs
     for _ in range(6):  # more than the proxy's default breaker threshold (5)
-        status, body = b.post("/infill", {"input_prefix": "def f(", "input_suffix": "\n", "n_predict": 2,
-                                          "id_slot": 1})
+        status, body = b.post(
+            "/infill",
+            {"input_prefix": "def f(", "input_suffix": "\n", "n_predict": 2, "id_slot": 1},
+        )
         assert status == 200 and body["id_slot"] == 0, body
     _, slots = b.get("/slots")
-    assert [s["worker_state"] for s in slots] == ["ready", "error"]  # still in its back-off: really down
+    assert [s["worker_state"] for s in slots] == [
+        "ready",
+        "error",
+    ]  # still in its back-off: really down
     assert [s["is_processing"] for s in slots] == [False, False]
     # While one pinned to the dead slot runs on slot 0, /slots shows slot 1 busy too: the
     # proxy confirms a cancelled request's stop by polling the slot it pinned.
@@ -210,7 +254,9 @@ def test_slot_down_n_cmpl_is_503_pinned_runs_elsewhere(engine: str, start_backen
         return bool(seen[-1][0]["is_processing"])
 
     with ThreadPoolExecutor(1) as pool:
-        long = pool.submit(b.post, "/completion", {**LONG, "n_predict": 48, "stream": False, "id_slot": 1})
+        long = pool.submit(
+            b.post, "/completion", {**LONG, "n_predict": 48, "stream": False, "id_slot": 1}
+        )
         assert wait_until(running_on_slot_0, 30, 0.005)
         status, body = long.result(60)
     assert status == 200 and body["id_slot"] == 0, body
@@ -220,7 +266,9 @@ def test_slot_down_n_cmpl_is_503_pinned_runs_elsewhere(engine: str, start_backen
 
 
 @pytest.mark.parametrize("backoff_s", ["5", "0"])
-def test_stop_right_after_a_worker_death(engine: str, start_backend: Any, tmp_path: Path, backoff_s: str) -> None:
+def test_stop_right_after_a_worker_death(
+    engine: str, start_backend: Any, tmp_path: Path, backoff_s: str
+) -> None:
     """SIGTERM once a worker's death was handled: its restart ends first (``5``: cancelled in
     its back-off; ``0``: its new process starting at once, which then gets the poison pill),
     the server exits 0, and no process of it is left."""
@@ -237,7 +285,13 @@ def test_n_cmpl_gives_an_array_of_completions(two_slots: Any) -> None:
     """llama.vscode's ``n_cmpl``: that many completions of the prompt as a JSON array
     (llama-server's shape), each on its own slot as llama-server places them (``id_slot``'s
     first, then the lowest other free one), 1 still a single object, more than the slots a 400."""
-    req = {"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n", "n_predict": 6, "seed": 7, "temperature": 0.8}
+    req = {
+        "input_prefix": "def add(a, b):\n    ",
+        "input_suffix": "\n",
+        "n_predict": 6,
+        "seed": 7,
+        "temperature": 0.8,
+    }
     status, body = two_slots.post("/infill", {**req, "n_cmpl": 2})
     assert status == 200, body
     assert isinstance(body, list) and [r["index"] for r in body] == [0, 1]
@@ -245,7 +299,10 @@ def test_n_cmpl_gives_an_array_of_completions(two_slots: Any) -> None:
     status, pinned = two_slots.post("/infill", {**req, "n_cmpl": 2, "id_slot": 1})
     assert status == 200 and [r["id_slot"] for r in pinned] == [1, 0], pinned
     assert [r["generation_settings"]["seed"] for r in pinned] == [7, 8]
-    assert all(r["stop"] is True and isinstance(r["content"], str) and r["tokens_predicted"] >= 1 for r in body)
+    assert all(
+        r["stop"] is True and isinstance(r["content"], str) and r["tokens_predicted"] >= 1
+        for r in body
+    )
     assert [r["generation_settings"]["seed"] for r in body] == [7, 8]
     status, one = two_slots.post("/infill", {**req, "n_cmpl": 1})
     assert status == 200 and isinstance(one, dict) and one["index"] == 0

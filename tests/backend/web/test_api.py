@@ -91,7 +91,9 @@ async def test_stop_word_stream_never_leaks(backend: Any) -> None:
     if len(text) < 6:
         pytest.skip("model output too short")
     word = text[3:6]
-    _, _, raw = await post_stream(backend.url + "/completion", {**req, "stop": [word], "stream": True})
+    _, _, raw = await post_stream(
+        backend.url + "/completion", {**req, "stop": [word], "stream": True}
+    )
     events = sse_events(raw)
     assert "".join(e["content"] for e in events) == text[: text.find(word)]
     assert events[-1]["stop_type"] == "word"
@@ -120,22 +122,49 @@ async def test_infill(backend: Any, stream: bool) -> None:
         assert sse_events(raw)[-1]["stop"] is True
 
 
-FIELDS_ASKED = ["timings/predicted_n", "content", "nope", "content/x", "timings/nope", "", "tokens_cached",
-               "generation_settings/n_predict", "truncated", "timings/prompt_n", "content"]
-FIELDS_GIVEN = ["timings/predicted_n", "content", "tokens_cached", "generation_settings/n_predict", "truncated",
-                "timings/prompt_n"]
+FIELDS_ASKED = [
+    "timings/predicted_n",
+    "content",
+    "nope",
+    "content/x",
+    "timings/nope",
+    "",
+    "tokens_cached",
+    "generation_settings/n_predict",
+    "truncated",
+    "timings/prompt_n",
+    "content",
+]
+FIELDS_GIVEN = [
+    "timings/predicted_n",
+    "content",
+    "tokens_cached",
+    "generation_settings/n_predict",
+    "truncated",
+    "timings/prompt_n",
+]
 
 
 @pytest.mark.parametrize("route", ["/completion", "/infill"])
 @pytest.mark.parametrize("stream", [False, True])
-async def test_response_fields_narrow_the_final_answer(backend: Any, route: str, stream: bool) -> None:
+async def test_response_fields_narrow_the_final_answer(
+    backend: Any, route: str, stream: bool
+) -> None:
     """As llama-server (llama.vim sends ``response_fields``): the final object holds only the
     paths asked for that resolve, each under its whole "/"-separated path, in the order
     asked; the partial events of a stream stay whole; an empty list means everything."""
-    req = {"prompt": PROMPT, "input_prefix": "def add(a, b):\n    ", "input_suffix": "\n", "n_predict": 4,
-           "stream": stream, **GREEDY}
+    req = {
+        "prompt": PROMPT,
+        "input_prefix": "def add(a, b):\n    ",
+        "input_suffix": "\n",
+        "n_predict": 4,
+        "stream": stream,
+        **GREEDY,
+    }
     if stream:
-        status, _, raw = await post_stream(backend.url + route, {**req, "response_fields": FIELDS_ASKED})
+        status, _, raw = await post_stream(
+            backend.url + route, {**req, "response_fields": FIELDS_ASKED}
+        )
         assert status == 200, raw
         *partial, final = sse_events(raw)
         assert partial and all(e["stop"] is False and e["id_slot"] == 0 for e in partial), partial
@@ -148,8 +177,11 @@ async def test_response_fields_narrow_the_final_answer(backend: Any, route: str,
     assert status == 200 and full["stop"] is True and "generation_settings" in full, full
     assert list(final) == FIELDS_GIVEN, final
     assert final == {
-        "timings/predicted_n": full["timings"]["predicted_n"], "content": full["content"],
-        "tokens_cached": full["tokens_cached"], "generation_settings/n_predict": 4, "truncated": full["truncated"],
+        "timings/predicted_n": full["timings"]["predicted_n"],
+        "content": full["content"],
+        "tokens_cached": full["tokens_cached"],
+        "generation_settings/n_predict": 4,
+        "truncated": full["truncated"],
         "timings/prompt_n": final["timings/prompt_n"],  # differs: the prompt cache
     }
     assert isinstance(final["timings/prompt_n"], int) and final["timings/prompt_n"] >= 0
@@ -159,10 +191,14 @@ def test_response_fields_bad_type_and_oai_routes(backend: Any) -> None:
     """A malformed ``response_fields`` is a 400, as any malformed field here; the OpenAI
     routes do not read it (as llama-server)."""
     for bad in ("content", ["content", 1], {"content": True}):
-        status, body = backend.post("/completion", {"prompt": PROMPT, "n_predict": 1, "response_fields": bad})
+        status, body = backend.post(
+            "/completion", {"prompt": PROMPT, "n_predict": 1, "response_fields": bad}
+        )
         _envelope(status, body, 400)
         assert "response_fields" in body["error"]["message"]
-    status, body = backend.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "response_fields": ["content"]})
+    status, body = backend.post(
+        "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "response_fields": ["content"]}
+    )
     assert status == 200 and body["object"] == "text_completion" and "choices" in body, body
 
 
@@ -170,17 +206,41 @@ def test_infill_warmup_fills_the_prompt_cache(backend: Any) -> None:
     """llama.vim's warm-up: the context chunks with ``n_predict: 0`` answer at once with no
     tokens, and (llama-cpp) leave them in the cache: the next completion with the same
     chunks evaluates only its own part of the prompt."""
-    extra = [{"filename": f"m{i}.py", "text": f"def helper_{i}(x):\n    return x * {i} + {i}\n" * 4} for i in range(3)]
-    status, warm = backend.post("/infill", {"input_extra": extra, "input_prefix": "", "input_suffix": "",
-                                            "prompt": "", "n_predict": 0, "cache_prompt": True, **GREEDY})
+    extra = [
+        {"filename": f"m{i}.py", "text": f"def helper_{i}(x):\n    return x * {i} + {i}\n" * 4}
+        for i in range(3)
+    ]
+    status, warm = backend.post(
+        "/infill",
+        {
+            "input_extra": extra,
+            "input_prefix": "",
+            "input_suffix": "",
+            "prompt": "",
+            "n_predict": 0,
+            "cache_prompt": True,
+            **GREEDY,
+        },
+    )
     assert status == 200, warm
     assert warm["content"] == "" and warm["tokens_predicted"] == 0 and warm["stop"] is True
-    status, body = backend.post("/infill", {"input_extra": extra, "input_prefix": "def main():\n    ",
-                                            "input_suffix": "\n", "prompt": "print(", "n_predict": 4,
-                                            "cache_prompt": True, **GREEDY})
+    status, body = backend.post(
+        "/infill",
+        {
+            "input_extra": extra,
+            "input_prefix": "def main():\n    ",
+            "input_suffix": "\n",
+            "prompt": "print(",
+            "n_predict": 4,
+            "cache_prompt": True,
+            **GREEDY,
+        },
+    )
     assert status == 200, body
     if backend.engine == "llama-cpp":  # the torch engine keeps no cache between requests
-        assert body["timings"]["prompt_n"] < body["tokens_evaluated"] - warm["tokens_evaluated"] // 2
+        assert (
+            body["timings"]["prompt_n"] < body["tokens_evaluated"] - warm["tokens_evaluated"] // 2
+        )
 
 
 def test_v1_completions(backend: Any) -> None:
@@ -190,7 +250,10 @@ def test_v1_completions(backend: Any) -> None:
     choice = body["choices"][0]
     assert isinstance(choice["text"], str) and choice["finish_reason"] in ("stop", "length")
     assert body["usage"]["completion_tokens"] <= 8
-    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+    assert (
+        body["usage"]["total_tokens"]
+        == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+    )
 
 
 async def test_v1_completions_stream(backend: Any) -> None:
@@ -219,7 +282,9 @@ def test_chat(backend: Any) -> None:
 async def test_chat_stream(backend: Any) -> None:
     req = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8, **GREEDY}
     _, whole = backend.post("/v1/chat/completions", req)
-    status, _, raw = await post_stream(backend.url + "/v1/chat/completions", {**req, "stream": True})
+    status, _, raw = await post_stream(
+        backend.url + "/v1/chat/completions", {**req, "stream": True}
+    )
     assert status == 200
     events = sse_events(raw)
     assert events[-1] == "[DONE]"
@@ -239,7 +304,9 @@ def _envelope(status: int, body: Any, code: int) -> None:
 def test_bad_input(backend: Any) -> None:
     _envelope(*backend.post("/completion", b"{not json"), 400)
     _envelope(*backend.post("/completion", b"[1, 2]"), 400)
-    _envelope(*backend.post("/completion", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"), 400)  # deep nesting
+    _envelope(
+        *backend.post("/completion", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"), 400
+    )  # deep nesting
     _envelope(*backend.post("/completion", {"n_predict": 4}), 400)  # no prompt
     _envelope(*backend.post("/completion", {"prompt": "x", "temperature": "hot"}), 400)
     _envelope(*backend.post("/completion", {"prompt": "x", "id_slot": 7}), 400)
@@ -256,14 +323,27 @@ def test_bad_input(backend: Any) -> None:
     _envelope(*backend.post("/completion", b'{"prompt": "x", "temperature": NaN}'), 400)
     _envelope(*backend.post("/infill", b'{"input_prefix": "x = ", "t_max_predict_ms": NaN}'), 400)
     _envelope(*backend.post("/completion", b'{"prompt": "x", "top_p": 1e400}'), 400)
-    _envelope(*backend.post("/completion", b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}"), 400)
-    _envelope(*backend.post("/infill", b'{"input_prefix": "x", "t_max_predict_ms": 1' + b"0" * 400 + b"}"), 400)
+    _envelope(
+        *backend.post("/completion", b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}"), 400
+    )
+    _envelope(
+        *backend.post(
+            "/infill", b'{"input_prefix": "x", "t_max_predict_ms": 1' + b"0" * 400 + b"}"
+        ),
+        400,
+    )
     status, body = backend.post("/completion", {"prompt": "x", "n_predict": 1, "seed": 2**64 + 7})
-    assert status == 200 and body["generation_settings"]["seed"] == 7, body  # a uint32, as llama-server's
-    _envelope(*backend.post("/infill", b'{"input_prefix": "# smile \\ud83d", "input_suffix": ""}'), 400)
+    assert status == 200 and body["generation_settings"]["seed"] == 7, (
+        body
+    )  # a uint32, as llama-server's
+    _envelope(
+        *backend.post("/infill", b'{"input_prefix": "# smile \\ud83d", "input_suffix": ""}'), 400
+    )
     _envelope(*backend.post("/completion", {"prompt": [1, 10**6], "n_predict": 2}), 400)
     _envelope(*backend.post("/completion", {"prompt": [-5], "n_predict": 2}), 400)
-    status, body = backend.post("/completion", b'{"prompt": "smile \\ud83d\\ude00", "n_predict": 1}')
+    status, body = backend.post(
+        "/completion", b'{"prompt": "smile \\ud83d\\ude00", "n_predict": 1}'
+    )
     assert status == 200, body  # a surrogate pair is one character
     # streamed requests that fail before the first token get a plain JSON error too
     _envelope(*backend.post("/completion", {"prompt": "hello " * 3000, "stream": True}), 400)
@@ -278,26 +358,44 @@ def test_n_predict_beyond_the_context_generates_until_it_is_full(backend: Any) -
     n_ctx = backend.get("/props")[1]["default_generation_settings"]["n_ctx"]
 
     def evaluated(k: int) -> int:
-        status, body = backend.post("/completion", {"prompt": "hello " * k, "n_predict": 1, **GREEDY})
+        status, body = backend.post(
+            "/completion", {"prompt": "hello " * k, "n_predict": 1, **GREEDY}
+        )
         assert status == 200, body
         return body["tokens_evaluated"]
 
     a, b = evaluated(100), evaluated(200)
     per, base = (b - a) / 100, a - 100 * (b - a) / 100
     k = int((n_ctx - 6 - base) / per)
-    status, body = backend.post("/completion", {"prompt": "hello " * k, "n_predict": 4096, "ignore_eos": True, **GREEDY})
+    status, body = backend.post(
+        "/completion", {"prompt": "hello " * k, "n_predict": 4096, "ignore_eos": True, **GREEDY}
+    )
     assert status == 200, body
     assert body["stop_type"] == "limit" and body["truncated"] is True
-    assert body["tokens_evaluated"] + body["tokens_predicted"] == n_ctx and body["tokens_predicted"] > 0
-    exact = {"prompt": "hello " * k, "n_predict": body["tokens_predicted"], "ignore_eos": True, **GREEDY}
-    status, body = backend.post("/completion", exact)  # asked for exactly the room left: not truncated
+    assert (
+        body["tokens_evaluated"] + body["tokens_predicted"] == n_ctx
+        and body["tokens_predicted"] > 0
+    )
+    exact = {
+        "prompt": "hello " * k,
+        "n_predict": body["tokens_predicted"],
+        "ignore_eos": True,
+        **GREEDY,
+    }
+    status, body = backend.post(
+        "/completion", exact
+    )  # asked for exactly the room left: not truncated
     assert status == 200 and body["stop_type"] == "limit" and body["truncated"] is False, body
-    status, body = backend.post("/completion", {"prompt": "hello", "n_predict": 3, "ignore_eos": True, **GREEDY})
+    status, body = backend.post(
+        "/completion", {"prompt": "hello", "n_predict": 3, "ignore_eos": True, **GREEDY}
+    )
     assert status == 200 and body["stop_type"] == "limit" and body["truncated"] is False
 
 
 def test_model_names_accepted(backend: Any) -> None:
     _, props = backend.get("/props")
     for name in (props["model_alias"], props["model_path"]):
-        status, body = backend.post("/v1/completions", {"prompt": "x", "max_tokens": 1, "model": name})
+        status, body = backend.post(
+            "/v1/completions", {"prompt": "x", "max_tokens": 1, "model": name}
+        )
         assert status == 200, body

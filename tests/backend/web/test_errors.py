@@ -17,7 +17,7 @@ async def boom(request: web.Request) -> web.StreamResponse:
 async def late(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
-    await resp.write(b"data: {\"content\":\"x\"}\n\n")
+    await resp.write(b'data: {"content":"x"}\n\n')
     raise KeyError("after the first event")
 
 
@@ -32,8 +32,11 @@ async def test_unhandled_errors() -> None:
     async with serve_app(app) as url:
         early = await raw_exchange(url, get("/boom"))
         assert early.startswith(b"HTTP/1.1 500 ")
-        assert early.endswith(b'{"error":{"code":500,"message":"internal server error: KeyError","type":"server_error"}}')
+        assert early.endswith(
+            b'{"error":{"code":500,"message":"internal server error: KeyError","type":"server_error"}}'
+        )
         raw = await raw_exchange(url, get("/late"))
         assert raw.startswith(b"HTTP/1.1 200 ") and b'data: {"content":"x"}' in raw
-        assert raw.count(b"HTTP/1.1") == 1 and not raw.endswith(b"0\r\n\r\n")  # cut, not ended cleanly
-
+        assert raw.count(b"HTTP/1.1") == 1 and not raw.endswith(
+            b"0\r\n\r\n"
+        )  # cut, not ended cleanly

@@ -11,8 +11,8 @@ import pytest
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.proxy.gating.breaker import CircuitBreaker, UpstreamUnavailable
-from tests.helpers.proxy import run_proxy
 from tests.helpers.net import closed_port, wait_until
+from tests.helpers.proxy import run_proxy
 
 
 class Clock:
@@ -86,8 +86,12 @@ def test_success_resets_the_count() -> None:
 
 async def test_breaker_fails_fast_then_recovers(http: aiohttp.ClientSession) -> None:
     port = closed_port()
-    async with run_proxy(f"http://127.0.0.1:{port}", upstream_kind="llamacpp", breaker_threshold=3,
-                         breaker_cooldown_s=0.3) as px:
+    async with run_proxy(
+        f"http://127.0.0.1:{port}",
+        upstream_kind="llamacpp",
+        breaker_threshold=3,
+        breaker_cooldown_s=0.3,
+    ) as px:
         for _ in range(3):
             async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:
                 assert r.status == 502
@@ -105,7 +109,9 @@ async def test_breaker_fails_fast_then_recovers(http: aiohttp.ClientSession) -> 
         assert px.state.gate.free == 1
 
 
-async def test_the_probe_closes_the_breaker_as_soon_as_its_head_arrives(http: aiohttp.ClientSession) -> None:
+async def test_the_probe_closes_the_breaker_as_soon_as_its_head_arrives(
+    http: aiohttp.ClientSession,
+) -> None:
     """The half-open probe is a success once the upstream's head says so: a probe that
     streams on does not keep every other request out (503) for the rest of its life."""
     failing = True
@@ -116,21 +122,34 @@ async def test_the_probe_closes_the_breaker_as_soon_as_its_head_arrives(http: ai
             return Script(status=500)
         return Script(tokens=3, hold=hold if body.get("prompt") == "probe" else None)
 
-    async with FakeUpstream(slots=2, script=script) as fake, run_proxy(
-        fake.url, breaker_threshold=1, breaker_cooldown_s=0.2
-    ) as px:
+    async with (
+        FakeUpstream(slots=2, script=script) as fake,
+        run_proxy(fake.url, breaker_threshold=1, breaker_cooldown_s=0.2) as px,
+    ):
         breaker = px.state.breaker
         async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:
             assert r.status == 500
         assert breaker.state == "open"
         failing = False
         await wait_until(lambda: breaker.state == "half_open", 2, what="cooldown over")
-        probe = asyncio.create_task(http.post(px.url + "/completion", json={"prompt": "probe", "stream": True},
-                                              headers={"X-LLMProxy-Session": "probe"}))
-        await fake.wait_for(lambda f: f.concurrent == 1)  # on its slot: llama-server's head goes out now
-        await wait_until(lambda: breaker.state == "closed", 2, what="the probe's head closing the breaker")
-        async with http.post(px.url + "/completion", json={"prompt": "other", "n_predict": 2},
-                             headers={"X-LLMProxy-Session": "other"}) as r:
+        probe = asyncio.create_task(
+            http.post(
+                px.url + "/completion",
+                json={"prompt": "probe", "stream": True},
+                headers={"X-LLMProxy-Session": "probe"},
+            )
+        )
+        await fake.wait_for(
+            lambda f: f.concurrent == 1
+        )  # on its slot: llama-server's head goes out now
+        await wait_until(
+            lambda: breaker.state == "closed", 2, what="the probe's head closing the breaker"
+        )
+        async with http.post(
+            px.url + "/completion",
+            json={"prompt": "other", "n_predict": 2},
+            headers={"X-LLMProxy-Session": "other"},
+        ) as r:
             assert r.status == 200
         hold.set()
         async with await probe as r:

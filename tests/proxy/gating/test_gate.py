@@ -172,7 +172,12 @@ def holder_wide_narrow() -> tuple[Gate, Ticket, Ticket, Ticket]:
     gate = Gate(2, 5)
     holder = gate.submit("h", supersedable=False)
     gate.take(holder)
-    return gate, holder, gate.submit("w", supersedable=False, permits=2), gate.submit("n", supersedable=False)
+    return (
+        gate,
+        holder,
+        gate.submit("w", supersedable=False, permits=2),
+        gate.submit("n", supersedable=False),
+    )
 
 
 async def test_queue_stays_fifo_behind_a_wide_waiter() -> None:
@@ -250,7 +255,9 @@ async def test_two_wide_requests_settling_never_wait_on_each_other() -> None:
     slots above A's extras: A waits on nothing of B's, B waits for A's to be busy. (Had B
     taken the freed slot 0, each would wait for the other's unsent slot to be busy.)"""
     gate = Gate(4, 5)
-    warm = [gate.submit(f"s{i}", supersedable=False) for i in range(3)] + [gate.submit("a", supersedable=False)]
+    warm = [gate.submit(f"s{i}", supersedable=False) for i in range(3)] + [
+        gate.submit("a", supersedable=False)
+    ]
     for t in warm:
         gate.take(t)
     for t in warm:
@@ -310,9 +317,16 @@ async def test_a_quarantined_slot_is_out_of_the_grants_until_given_back() -> Non
     gate.quarantine(wide, [1])  # slot 0 is idle, slot 1 may still run
     assert await waiter.wait() == 0
     assert (gate.total, gate.capacity, gate.free, gate.held, gate.quarantined) == (2, 1, 0, 1, [1])
-    two = gate.submit("y", supersedable=False, permits=2)  # fits the slots, waits for the quarantined one
+    two = gate.submit(
+        "y", supersedable=False, permits=2
+    )  # fits the slots, waits for the quarantined one
     gate.take(waiter)
     gate.release(waiter)
     assert not two.future.done() and gate.free == 1
     gate.unquarantine(1)
-    assert await two.wait() == 0 and two.slots == (0, 1) and gate.quarantined == [] and gate.capacity == 2
+    assert (
+        await two.wait() == 0
+        and two.slots == (0, 1)
+        and gate.quarantined == []
+        and gate.capacity == 2
+    )

@@ -53,7 +53,9 @@ async def test_drain_cuts_what_is_left_at_the_deadline() -> None:
     with structlog.testing.capture_logs() as logs:
         await asyncio.wait_for(reg.drain(0.05, grace=0.05), 5)
     assert handler.cancelled() and job.cancelled() and len(reg) == 0
-    assert [(e["jobs"], e["handlers"]) for e in logs if "shutdown deadline" in e["event"]] == [(1, 1)]
+    assert [(e["jobs"], e["handlers"]) for e in logs if "shutdown deadline" in e["event"]] == [
+        (1, 1)
+    ]
 
 
 async def test_handlers_relay_their_cut_jobs_end_before_being_cut() -> None:

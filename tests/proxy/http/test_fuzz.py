@@ -38,7 +38,9 @@ class LiveProxy:
     def __init__(self) -> None:
         self.ready = threading.Event()
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._main(),), daemon=True)
+        self.thread = threading.Thread(
+            target=self.loop.run_until_complete, args=(self._main(),), daemon=True
+        )
         self._stop: asyncio.Event | None = None
         self.px: RunningProxy | None = None
         self.fake: FakeUpstream | None = None
@@ -46,9 +48,12 @@ class LiveProxy:
     async def _main(self) -> None:
         self._stop = asyncio.Event()
         script = lambda _p, _b: Script(tokens=3, token_delay_s=0.001)  # noqa: E731
-        async with FakeUpstream(kind="llamacpp", slots=1, script=script, abort_linger_s=0.01) as fake, run_proxy(
-            fake.url, api_key=KEY, max_body_bytes=4096, max_queue=4, queue_timeout_s=2
-        ) as px:
+        async with (
+            FakeUpstream(kind="llamacpp", slots=1, script=script, abort_linger_s=0.01) as fake,
+            run_proxy(
+                fake.url, api_key=KEY, max_body_bytes=4096, max_queue=4, queue_timeout_s=2
+            ) as px,
+        ):
             self.fake, self.px = fake, px
             self.ready.set()
             await self._stop.wait()
@@ -63,7 +68,9 @@ class LiveProxy:
         self.thread.join(10)
         self.loop.close()
 
-    def call(self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    def call(
+        self, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+    ) -> tuple[int, bytes]:
         assert self.px is not None
         host, port = self.px.url.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=20)
@@ -84,28 +91,72 @@ def live() -> Iterator[LiveProxy]:
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**63, 2**63) | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
     max_leaves=8,
 )
-KEYS = st.sampled_from(["prompt", "input_prefix", "input_suffix", "messages", "stream", "n_predict", "max_tokens",
-                        "id_slot", "model", "options", "cache_prompt"])
+KEYS = st.sampled_from(
+    [
+        "prompt",
+        "input_prefix",
+        "input_suffix",
+        "messages",
+        "stream",
+        "n_predict",
+        "max_tokens",
+        "id_slot",
+        "model",
+        "options",
+        "cache_prompt",
+    ]
+)
 json_bodies = st.dictionaries(KEYS | st.text(max_size=6), json_values, max_size=6).map(
     lambda d: json.dumps(d).encode()
 )
-bodies = st.one_of(json_bodies, json_bodies, json_bodies, st.binary(max_size=200), st.binary(min_size=4097, max_size=6000))
-header_value = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=40).map(str.strip)
-header_names = st.sampled_from(["Content-Type", "X-LLMProxy-Session", "X-Request-Id", "User-Agent", "Accept",
-                                "Accept-Encoding", "Connection", "X-Forwarded-For"]) | \
-    st.from_regex(r"\AX-[A-Za-z0-9-]{1,12}\Z")
+bodies = st.one_of(
+    json_bodies,
+    json_bodies,
+    json_bodies,
+    st.binary(max_size=200),
+    st.binary(min_size=4097, max_size=6000),
+)
+header_value = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=40).map(
+    str.strip
+)
+header_names = st.sampled_from(
+    [
+        "Content-Type",
+        "X-LLMProxy-Session",
+        "X-Request-Id",
+        "User-Agent",
+        "Accept",
+        "Accept-Encoding",
+        "Connection",
+        "X-Forwarded-For",
+    ]
+) | st.from_regex(r"\AX-[A-Za-z0-9-]{1,12}\Z")
 GOOD = [{"Authorization": f"Bearer {KEY}"}, {"api-key": KEY}]
 auth = st.sampled_from(GOOD * 4 + [{}, {"Authorization": "Bearer nope"}, {"api-key": KEY + "x"}])
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(path=st.sampled_from(sorted(GATED_ROUTES)), body=bodies, extra=st.dictionaries(header_names, header_value,
-       max_size=5), creds=auth)
-def test_fuzz_gated_routes(live: LiveProxy, path: str, body: bytes, extra: dict[str, str], creds: dict[str, str]) -> None:
+@settings(
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    path=st.sampled_from(sorted(GATED_ROUTES)),
+    body=bodies,
+    extra=st.dictionaries(header_names, header_value, max_size=5),
+    creds=auth,
+)
+def test_fuzz_gated_routes(
+    live: LiveProxy, path: str, body: bytes, extra: dict[str, str], creds: dict[str, str]
+) -> None:
     assert live.fake is not None
     before = len(live.fake.received)
     status, data = live.call("POST", path, body, {**extra, **creds})
@@ -141,12 +192,20 @@ SECRET = "hf_SECRETtokenDoNotLog1234567890"
 SECRET2 = "sk-ANOTHERsecretValue0987654321"
 
 
-async def test_secrets_never_reach_logs_or_status(fake: FakeUpstream, http: aiohttp.ClientSession) -> None:
+async def test_secrets_never_reach_logs_or_status(
+    fake: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
     async with run_proxy(fake.url, api_key=SECRET) as px:
         with structlog.testing.capture_logs() as logs:
-            for hdrs in ({"Authorization": f"Bearer {SECRET}"}, {"api-key": SECRET},
-                         {"Authorization": f"Bearer {SECRET2}"}, {"api-key": SECRET2, "X-LLMProxy-Session": SECRET2}):
-                async with http.post(px.url + "/completion", json={"prompt": "x"}, headers=hdrs) as r:
+            for hdrs in (
+                {"Authorization": f"Bearer {SECRET}"},
+                {"api-key": SECRET},
+                {"Authorization": f"Bearer {SECRET2}"},
+                {"api-key": SECRET2, "X-LLMProxy-Session": SECRET2},
+            ):
+                async with http.post(
+                    px.url + "/completion", json={"prompt": "x"}, headers=hdrs
+                ) as r:
                     assert r.status in (200, 401)
             async with http.get(px.url + "/llmproxy/status", headers={"api-key": SECRET}) as r:
                 status_text = await r.text()
@@ -155,15 +214,24 @@ async def test_secrets_never_reach_logs_or_status(fake: FakeUpstream, http: aioh
         dumped = "\n".join(repr(e) for e in logs)
         assert SECRET not in dumped and SECRET2 not in dumped
         assert SECRET not in status_text and SECRET2 not in status_text
-    async with run_proxy(fake.url) as px:  # no key configured: Authorization is the upstream's business
+    async with run_proxy(
+        fake.url
+    ) as px:  # no key configured: Authorization is the upstream's business
         fake.script = lambda _p, _b: Script(tokens=500, token_delay_s=0.01)
         with structlog.testing.capture_logs() as logs:
-            task = asyncio.create_task(http.post(px.url + "/completion", json={"prompt": "x"},
-                                                 headers={"Authorization": f"Bearer {SECRET}", "User-Agent": SECRET2}))
+            task = asyncio.create_task(
+                http.post(
+                    px.url + "/completion",
+                    json={"prompt": "x"},
+                    headers={"Authorization": f"Bearer {SECRET}", "User-Agent": SECRET2},
+                )
+            )
             await fake.wait_for(lambda f: f.slot_busy == [True])
             async with http.get(px.url + "/llmproxy/status") as r:
                 status_text = await r.text()
-            assert json.loads(status_text)["inflight"], status_text  # the request is visible, its material is not
+            assert json.loads(status_text)["inflight"], (
+                status_text
+            )  # the request is visible, its material is not
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
@@ -175,9 +243,15 @@ async def test_secrets_never_reach_logs_or_status(fake: FakeUpstream, http: aioh
 
 
 async def test_secrets_not_in_serve_stderr(tmp_path: Path, fake: FakeUpstream) -> None:
-    async with serve(tmp_path, "--upstream", fake.url, "--api-key", SECRET, "--log-level", "debug") as (proc, url):
+    async with serve(
+        tmp_path, "--upstream", fake.url, "--api-key", SECRET, "--log-level", "debug"
+    ) as (proc, url):
         async with aiohttp.ClientSession() as http:
-            for hdrs in ({"Authorization": f"Bearer {SECRET}"}, {"api-key": SECRET2}, {"Authorization": SECRET2}):
+            for hdrs in (
+                {"Authorization": f"Bearer {SECRET}"},
+                {"api-key": SECRET2},
+                {"Authorization": SECRET2},
+            ):
                 async with http.post(url + "/completion", json={"prompt": "x"}, headers=hdrs) as r:
                     await r.read()
         proc.terminate()

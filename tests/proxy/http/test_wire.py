@@ -11,7 +11,6 @@ import aiohttp
 import pytest
 import structlog
 from aiohttp import web
-
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -19,12 +18,19 @@ from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.proxy.errors import Superseded
 from llmproxy.proxy.upstream.headers import proxied_location, response_headers
 from llmproxy.proxy.upstream.responder import Responder, stream_error_bytes
-from tests.helpers.proxy import run_proxy
 from tests.helpers.net import closed_port, serve_app, wait_until
+from tests.helpers.proxy import run_proxy
 
 
 def assert_envelope(body: dict, status: int, type_: str) -> None:
-    assert body == {"error": {"message": body["error"]["message"], "type": type_, "code": status, "src": "llmproxy"}}
+    assert body == {
+        "error": {
+            "message": body["error"]["message"],
+            "type": type_,
+            "code": status,
+            "src": "llmproxy",
+        }
+    }
 
 
 async def test_upstream_down_is_502_quickly(http: aiohttp.ClientSession) -> None:
@@ -35,7 +41,9 @@ async def test_upstream_down_is_502_quickly(http: aiohttp.ClientSession) -> None
             assert_envelope(await r.json(), 502, "upstream_unreachable")
         assert time.monotonic() - t0 < 2
         with structlog.testing.capture_logs() as logs:
-            async with http.get(px.url + "/health", headers={"X-Request-Id": "h"}) as r:  # passthrough too
+            async with http.get(
+                px.url + "/health", headers={"X-Request-Id": "h"}
+            ) as r:  # passthrough too
                 assert r.status == 502
             px.flush_log()
         await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
@@ -45,16 +53,19 @@ async def test_upstream_down_is_502_quickly(http: aiohttp.ClientSession) -> None
 
 async def test_upstream_hang_is_504(http: aiohttp.ClientSession) -> None:
     script = lambda _p, _b: Script(fail="hang_before_headers")  # noqa: E731
-    async with FakeUpstream(slots=1, script=script, slots_endpoint=False) as fake, run_proxy(
-        fake.url, read_timeout_s=0.3
-    ) as px:
+    async with (
+        FakeUpstream(slots=1, script=script, slots_endpoint=False) as fake,
+        run_proxy(fake.url, read_timeout_s=0.3) as px,
+    ):
         async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:
             assert r.status == 504
             assert_envelope(await r.json(), 504, "upstream_timeout")
         await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
 
 
-async def test_malformed_and_wrong_types_are_400(fake: FakeUpstream, http: aiohttp.ClientSession) -> None:
+async def test_malformed_and_wrong_types_are_400(
+    fake: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
     async with run_proxy(fake.url) as px:
         for body in (b"{bad", b"[1,2]", b"", b'{"n_predict":"many"}', b"\xff\xfe{}", b"[" * 100000):
             async with http.post(px.url + "/completion", data=body) as r:
@@ -83,20 +94,27 @@ async def test_oversize_body_is_413(fake: FakeUpstream, http: aiohttp.ClientSess
     ("kind", "path", "body", "ctype"),
     [
         ("llamacpp", "/completion", {"prompt": "x", "stream": True}, "text/event-stream"),
-        ("llamacpp", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True},
-         "text/event-stream"),
+        (
+            "llamacpp",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "stream": True},
+            "text/event-stream",
+        ),
         ("ollama", "/api/generate", {"model": "m", "prompt": "x"}, "application/x-ndjson"),
     ],
 )
-async def test_streams_relayed_chunk_by_chunk(http: aiohttp.ClientSession, kind: str, path: str, body: dict,
-                                              ctype: str) -> None:
+async def test_streams_relayed_chunk_by_chunk(
+    http: aiohttp.ClientSession, kind: str, path: str, body: dict, ctype: str
+) -> None:
     script = lambda _p, _b: Script(tokens=10, token_delay_s=0.05)  # noqa: E731
     async with FakeUpstream(kind=kind, slots=1, script=script) as fake, run_proxy(fake.url) as px:
         async with http.post(px.url + path, json=body) as r:
             assert r.status == 200 and r.headers["Content-Type"].startswith(ctype)
             first = await r.content.readline()
             assert first.strip()
-            assert fake.completed == []  # the client saw data before the upstream sent its last chunk
+            assert (
+                fake.completed == []
+            )  # the client saw data before the upstream sent its last chunk
             rest = await r.read()
         direct = await http.post(fake.url + path, json=body)
         # byte for byte, except the per-request ids/counters the upstream puts in each chunk
@@ -105,11 +123,15 @@ async def test_streams_relayed_chunk_by_chunk(http: aiohttp.ClientSession, kind:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_response_body_exact_and_request_id_echoed(http: aiohttp.ClientSession, stream: bool) -> None:
+async def test_response_body_exact_and_request_id_echoed(
+    http: aiohttp.ClientSession, stream: bool
+) -> None:
     # non-streamed: the whole body arrives at once and goes out as one response (relay.py)
     async with FakeUpstream(slots=1) as fake, run_proxy(fake.url) as px:
         body = {"prompt": "x", "stream": stream}
-        async with http.post(px.url + "/completion", json=body, headers={"X-Request-Id": "rid-7"}) as r:
+        async with http.post(
+            px.url + "/completion", json=body, headers={"X-Request-Id": "rid-7"}
+        ) as r:
             got = await r.read()
             assert r.status == 200 and r.headers["X-Request-Id"] == "rid-7"
             if not stream:
@@ -133,11 +155,16 @@ async def test_error_after_stream_start_is_an_event(http: aiohttp.ClientSession)
         await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
 
 
-async def test_error_after_ndjson_stream_start_is_an_ollama_error_line(http: aiohttp.ClientSession) -> None:
+async def test_error_after_ndjson_stream_start_is_an_ollama_error_line(
+    http: aiohttp.ClientSession,
+) -> None:
     """Ollama's own in-stream error is ``{"error": "<message>"}``; its clients throw
     ``Error(line.error)``, so the message must be the string there."""
     script = lambda _p, _b: Script(tokens=10, token_delay_s=0.01, fail="reset_mid_stream")  # noqa: E731
-    async with FakeUpstream(kind="ollama", slots=1, script=script) as fake, run_proxy(fake.url) as px:
+    async with (
+        FakeUpstream(kind="ollama", slots=1, script=script) as fake,
+        run_proxy(fake.url) as px,
+    ):
         async with http.post(px.url + "/api/generate", json={"model": "m", "prompt": "x"}) as r:
             assert r.status == 200 and r.headers["Content-Type"].startswith("application/x-ndjson")
             lines = (await r.read()).decode().splitlines()
@@ -151,26 +178,56 @@ async def test_error_after_ndjson_stream_start_is_an_ollama_error_line(http: aio
 def test_stream_error_bytes_formats() -> None:
     err = Superseded("superseded")
     sse = stream_error_bytes("text/event-stream; charset=utf-8", err)
-    assert sse is not None and sse.startswith(b"data: ") and sse.endswith(b"\n\n") and sse.count(b"\n") == 2
+    assert (
+        sse is not None
+        and sse.startswith(b"data: ")
+        and sse.endswith(b"\n\n")
+        and sse.count(b"\n") == 2
+    )
     assert json.loads(sse[6:]) == err.envelope()
     for ctype, rs in [("application/x-ndjson", b""), ("application/json-seq", b"\x1e")]:
         line = stream_error_bytes(ctype, err)
-        assert line is not None and line.startswith(rs) and line.endswith(b"\n") and line.count(b"\n") == 1
-        assert json.loads(line[len(rs):]) == {"error": "superseded", "type": "superseded", "code": 499, "src": "llmproxy"}
-    assert stream_error_bytes("application/json", err) is None  # no event format: the relay closes instead
+        assert (
+            line is not None
+            and line.startswith(rs)
+            and line.endswith(b"\n")
+            and line.count(b"\n") == 1
+        )
+        assert json.loads(line[len(rs) :]) == {
+            "error": "superseded",
+            "type": "superseded",
+            "code": 499,
+            "src": "llmproxy",
+        }
+    assert (
+        stream_error_bytes("application/json", err) is None
+    )  # no event format: the relay closes instead
     # after bytes that left an event or line open, it is ended first
-    for tail, prefix in [(b"", b""), (b'"}\n\n', b""), (b"\r\n\r\n", b""), (b'"a"}\n', b"\n"), (b'"a', b"\n\n"),
-                         (b'"a"}\r', b"\n\n")]:  # "\r" + "\n" is one line end: two more are needed
+    for tail, prefix in [
+        (b"", b""),
+        (b'"}\n\n', b""),
+        (b"\r\n\r\n", b""),
+        (b'"a"}\n', b"\n"),
+        (b'"a', b"\n\n"),
+        (b'"a"}\r', b"\n\n"),
+    ]:  # "\r" + "\n" is one line end: two more are needed
         assert stream_error_bytes("text/event-stream", err, tail) == prefix + sse, tail
     for tail, prefix in [(b"", b""), (b"}\n", b""), (b'{"a', b"\n")]:
-        assert stream_error_bytes("application/x-ndjson", err, tail) == prefix + line.removeprefix(b"\x1e"), tail
+        assert stream_error_bytes("application/x-ndjson", err, tail) == prefix + line.removeprefix(
+            b"\x1e"
+        ), tail
 
 
 @pytest.mark.parametrize(
     ("ctype", "sent"),
-    [("text/event-stream", [b'data: {"content":"a"}\n\n', b'data: {"content":"b']),
-     ("text/event-stream", [b'data: {"content":"a"}\n', b"data: {"]),  # cut after a line, inside the event
-     ("application/x-ndjson", [b'{"response":"a","done":false}\n', b'{"response":"b'])],
+    [
+        ("text/event-stream", [b'data: {"content":"a"}\n\n', b'data: {"content":"b']),
+        (
+            "text/event-stream",
+            [b'data: {"content":"a"}\n', b"data: {"],
+        ),  # cut after a line, inside the event
+        ("application/x-ndjson", [b'{"response":"a","done":false}\n', b'{"response":"b']),
+    ],
     ids=["sse-mid-line", "sse-mid-event", "ndjson-mid-line"],
 )
 async def test_stream_cut_inside_an_event_ends_with_an_error_event_that_parses(
@@ -198,7 +255,9 @@ async def test_stream_cut_inside_an_event_ends_with_an_error_event_that_parses(
     assert body.startswith(relayed)
     if ctype == "text/event-stream":
         events = body.split(b"\n\n")  # as a client splits the stream into events
-        assert events[-1] == b"" and events[-2].startswith(b"data: {"), body  # its own event, the last
+        assert events[-1] == b"" and events[-2].startswith(b"data: {"), (
+            body
+        )  # its own event, the last
         error = json.loads(events[-2].removeprefix(b"data: "))["error"]
     else:
         error = json.loads(body.splitlines()[-1])
@@ -228,8 +287,14 @@ async def test_id_slot_injected_per_permit(http: aiohttp.ClientSession) -> None:
     script = lambda _p, _b: Script(tokens=20, token_delay_s=0.01)  # noqa: E731
     async with FakeUpstream(slots=2, script=script) as fake, run_proxy(fake.url) as px:
         assert px.state.gate.capacity == 2  # from /props total_slots
-        reqs = [http.post(px.url + "/infill", json={"id_slot": 0, "input_prefix": "x", "seq": i},
-                          headers={"X-LLMProxy-Session": f"s{i}"}) for i in range(4)]
+        reqs = [
+            http.post(
+                px.url + "/infill",
+                json={"id_slot": 0, "input_prefix": "x", "seq": i},
+                headers={"X-LLMProxy-Session": f"s{i}"},
+            )
+            for i in range(4)
+        ]
         for r in await asyncio.gather(*reqs):
             assert r.status == 200
             r.release()
@@ -237,10 +302,17 @@ async def test_id_slot_injected_per_permit(http: aiohttp.ClientSession) -> None:
         assert {r.body["id_slot"] for r in fake.generations} == {0, 1}
 
 
-async def test_hop_by_hop_headers_not_forwarded(fake: FakeUpstream, http: aiohttp.ClientSession) -> None:
+async def test_hop_by_hop_headers_not_forwarded(
+    fake: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
     async with run_proxy(fake.url) as px:
-        headers = {"Connection": "keep-alive, X-Secret-Hop", "X-Secret-Hop": "1", "Keep-Alive": "timeout=5",
-                   "X-End-To-End": "yes", "Proxy-Authorization": "Basic abc"}
+        headers = {
+            "Connection": "keep-alive, X-Secret-Hop",
+            "X-Secret-Hop": "1",
+            "Keep-Alive": "timeout=5",
+            "X-End-To-End": "yes",
+            "Proxy-Authorization": "Basic abc",
+        }
         async with http.post(px.url + "/completion", json={"prompt": "x"}, headers=headers) as r:
             assert r.status == 200
         got = {k.lower() for k in fake.generations[-1].headers}
@@ -250,15 +322,26 @@ async def test_hop_by_hop_headers_not_forwarded(fake: FakeUpstream, http: aiohtt
 
 async def test_api_key(fake: FakeUpstream, http: aiohttp.ClientSession) -> None:
     async with run_proxy(fake.url, api_key="s3cret") as px:
-        for hdr in ({}, {"Authorization": "Bearer undefined"}, {"Authorization": ""}, {"api-key": ""},
-                    {"Authorization": "Bearer s3cre"}):
+        for hdr in (
+            {},
+            {"Authorization": "Bearer undefined"},
+            {"Authorization": ""},
+            {"api-key": ""},
+            {"Authorization": "Bearer s3cre"},
+        ):
             async with http.post(px.url + "/completion", json={"prompt": "x"}, headers=hdr) as r:
                 assert r.status == 401, hdr
                 assert_envelope(await r.json(), 401, "authentication_error")
-        for hdr in ({"Authorization": "Bearer s3cret"}, {"api-key": "s3cret"}, {"x-api-key": "s3cret"}):
+        for hdr in (
+            {"Authorization": "Bearer s3cret"},
+            {"api-key": "s3cret"},
+            {"x-api-key": "s3cret"},
+        ):
             async with http.post(px.url + "/completion", json={"prompt": "x"}, headers=hdr) as r:
                 assert r.status == 200, hdr
-        assert not any("s3cret" in json.dumps(list(g.headers.items())) for g in fake.received)  # key not forwarded
+        assert not any(
+            "s3cret" in json.dumps(list(g.headers.items())) for g in fake.received
+        )  # key not forwarded
         async with http.get(px.url + "/llmproxy/health") as r:
             assert r.status == 200
 
@@ -274,13 +357,16 @@ async def _raw(port: int, request: bytes) -> bytes:
 
 
 @pytest.mark.parametrize(
-    "target", [b"http://example.com/completion", b"/../etc/passwd", b"/v1/%2e%2e/secret", b"//evil.com/x"]
+    "target",
+    [b"http://example.com/completion", b"/../etc/passwd", b"/v1/%2e%2e/secret", b"//evil.com/x"],
 )
 async def test_path_tricks_rejected(fake: FakeUpstream, target: bytes) -> None:
     async with run_proxy(fake.url) as px:
         port = int(px.url.rsplit(":", 1)[1])
         before = len(fake.received)  # start-up detection probes
-        resp = await _raw(port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        resp = await _raw(
+            port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
         assert resp.startswith(b"HTTP/1.1 400"), resp[:80]
         assert b'"src":"llmproxy"' in resp
         assert len(fake.received) == before
@@ -299,20 +385,32 @@ async def test_status_and_metrics(fake: FakeUpstream, http: aiohttp.ClientSessio
         assert st["queue"]["depth"] == 0 and st["upstream"]["kind"] == "llamacpp"
         async with http.get(px.url + "/llmproxy/metrics") as r:
             text = await r.text()
-        for name in ("llmproxy_queue_depth", "llmproxy_inflight", "llmproxy_permits_free",
-                     "llmproxy_upstream_latency_seconds_bucket", "llmproxy_upstream_ttfb_seconds_bucket",
-                     "llmproxy_permit_hold_seconds_bucket", "llmproxy_confirm_wait_seconds_bucket"):
+        for name in (
+            "llmproxy_queue_depth",
+            "llmproxy_inflight",
+            "llmproxy_permits_free",
+            "llmproxy_upstream_latency_seconds_bucket",
+            "llmproxy_upstream_ttfb_seconds_bucket",
+            "llmproxy_permit_hold_seconds_bucket",
+            "llmproxy_confirm_wait_seconds_bucket",
+        ):
             assert name in text, name
         assert 'llmproxy_requests_total{outcome="completed",route="/completion"} 1.0' in text
         assert 'llmproxy_requests_total{outcome="rejected",route="/completion"} 1.0' in text
 
 
-async def test_llmproxy_prefix_is_never_forwarded(fake: FakeUpstream, http: aiohttp.ClientSession) -> None:
+async def test_llmproxy_prefix_is_never_forwarded(
+    fake: FakeUpstream, http: aiohttp.ClientSession
+) -> None:
     """/llmproxy/ is the proxy's own: another method on its endpoints is a 405 (with Allow),
     an unknown path under it a 404, both in the envelope, and none reaches the upstream."""
     async with run_proxy(fake.url) as px:
         before = len(fake.received)
-        for method, path in (("POST", "/llmproxy/status"), ("DELETE", "/llmproxy/metrics"), ("PUT", "/llmproxy/health")):
+        for method, path in (
+            ("POST", "/llmproxy/status"),
+            ("DELETE", "/llmproxy/metrics"),
+            ("PUT", "/llmproxy/health"),
+        ):
             async with http.request(method, px.url + path, json={"x": 1}) as r:
                 assert r.status == 405 and r.headers["Allow"] == "GET, HEAD", (method, path)
                 assert_envelope(await r.json(), 405, "invalid_request_error")
@@ -325,8 +423,10 @@ async def test_llmproxy_prefix_is_never_forwarded(fake: FakeUpstream, http: aioh
         assert len(fake.received) == before
 
 
-@pytest.mark.parametrize(("kind", "expected", "capacity"), [("llamacpp", "llamacpp", 3), ("ollama", "ollama", 1),
-                                                             ("openai", "openai", 1)])
+@pytest.mark.parametrize(
+    ("kind", "expected", "capacity"),
+    [("llamacpp", "llamacpp", 3), ("ollama", "ollama", 1), ("openai", "openai", 1)],
+)
 async def test_adapter_detection(kind: str, expected: str, capacity: int) -> None:
     async with FakeUpstream(kind=kind, slots=3) as fake, run_proxy(fake.url) as px:
         assert px.state.adapter.kind == expected
@@ -335,7 +435,9 @@ async def test_adapter_detection(kind: str, expected: str, capacity: int) -> Non
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_our_request_id_replaces_an_upstreams(http: aiohttp.ClientSession, stream: bool) -> None:
+async def test_our_request_id_replaces_an_upstreams(
+    http: aiohttp.ClientSession, stream: bool
+) -> None:
     """The client gets the id of our log line, even when the upstream sends its own."""
 
     async def completions(request: web.Request) -> web.StreamResponse:
@@ -352,8 +454,11 @@ async def test_our_request_id_replaces_an_upstreams(http: aiohttp.ClientSession,
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     async with serve_app(app) as upstream, run_proxy(upstream, upstream_kind="openai") as px:
-        async with http.post(px.url + "/v1/completions", json={"prompt": "a", "stream": stream},
-                             headers={"X-Request-Id": "rid-9"}) as r:
+        async with http.post(
+            px.url + "/v1/completions",
+            json={"prompt": "a", "stream": stream},
+            headers={"X-Request-Id": "rid-9"},
+        ) as r:
             assert r.status == 200 and b"x" in await r.read()
             assert r.headers.getall("X-Request-Id") == ["rid-9"]
 
@@ -371,7 +476,9 @@ _SELF = "{self}/elsewhere?a=1"  # the upstream's own absolute URL (filled in by 
     ],
     ids=["relative", "into-upstream", "scheme-relative", "malformed"],
 )
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/completions/"], ids=["gated", "passthrough"])
+@pytest.mark.parametrize(
+    "path", ["/v1/completions", "/v1/completions/"], ids=["gated", "passthrough"]
+)
 async def test_upstream_redirect_goes_to_the_client_unfollowed(
     http: aiohttp.ClientSession, path: str, sent: str, expected: str
 ) -> None:
@@ -403,7 +510,11 @@ async def test_upstream_redirect_goes_to_the_client_unfollowed(
     [
         ("http://127.0.0.1:8080", "http://127.0.0.1:8080", "/"),
         ("http://127.0.0.1:8080", "HTTP://127.0.0.1:8080/y#f", "/y#f"),
-        ("http://localhost:80/llama", "http://LocalHost/llama/v1/models/", "/v1/models/"),  # prefix, default port
+        (
+            "http://localhost:80/llama",
+            "http://LocalHost/llama/v1/models/",
+            "/v1/models/",
+        ),  # prefix, default port
         ("http://localhost/llama", "http://localhost/llama", "/"),
         ("http://[::1]:8080", "http://[::1]:8080/z?q=%20", "/z?q=%20"),
         ("http://localhost/llama", "http://localhost/other", None),  # outside the base path
@@ -428,16 +539,24 @@ async def test_upstream_cookies_are_not_kept_between_clients(http: aiohttp.Clien
 
     async def completions(request: web.Request) -> web.Response:
         cookies.append(request.headers.get("Cookie"))
-        return web.json_response({"choices": []}, headers={"Set-Cookie": "sess=client-a-secret; Path=/"})
+        return web.json_response(
+            {"choices": []}, headers={"Set-Cookie": "sess=client-a-secret; Path=/"}
+        )
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     async with serve_app(app) as upstream:
-        async with run_proxy(upstream.replace("127.0.0.1", "localhost"), upstream_kind="openai") as px:
+        async with run_proxy(
+            upstream.replace("127.0.0.1", "localhost"), upstream_kind="openai"
+        ) as px:
             for _ in range(2):
-                async with aiohttp.ClientSession() as client:  # a new client each time, no cookies of its own
+                async with (
+                    aiohttp.ClientSession() as client
+                ):  # a new client each time, no cookies of its own
                     async with client.post(px.url + "/v1/completions", json={"prompt": "a"}) as r:
-                        assert r.status == 200 and r.headers["Set-Cookie"].startswith("sess=client-a-secret")
+                        assert r.status == 200 and r.headers["Set-Cookie"].startswith(
+                            "sess=client-a-secret"
+                        )
     assert cookies == [None, None]
 
 

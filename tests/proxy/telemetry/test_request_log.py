@@ -15,8 +15,8 @@ import structlog
 
 from llmproxy.bench.fake.upstream import FakeUpstream
 from llmproxy.proxy.telemetry.request_log import RequestLog
-from tests.helpers.proxy import run_proxy
 from tests.helpers.net import wait_until
+from tests.helpers.proxy import run_proxy
 
 
 def _lines(logs: list[dict[str, Any]]) -> list[str]:
@@ -50,8 +50,11 @@ async def test_the_timer_flush_takes_a_few_per_loop_turn() -> None:
     def entry(rid: str) -> Callable[[RequestLog], None]:
         def account(_log: RequestLog) -> None:
             turns.append(rid)
-            if rid == "a":  # queued while the first slice runs: behind the second slice, ahead of the third
+            if (
+                rid == "a"
+            ):  # queued while the first slice runs: behind the second slice, ahead of the third
                 loop.call_soon(turns.append, "other")
+
         return account
 
     for rid in "abcde":
@@ -109,7 +112,9 @@ async def test_an_entry_is_accounted_for_only_at_the_flush() -> None:
     rl.close()
 
 
-async def test_metrics_wait_in_the_batch_until_they_are_read(http: aiohttp.ClientSession, fake: FakeUpstream) -> None:
+async def test_metrics_wait_in_the_batch_until_they_are_read(
+    http: aiohttp.ClientSession, fake: FakeUpstream
+) -> None:
     """A finished request is counted at the flush, and reading /llmproxy/metrics flushes first."""
     async with run_proxy(fake.url, log_flush_s=3600) as px:
         async with http.post(px.url + "/completion", json={"prompt": "x", "n_predict": 2}) as r:
@@ -121,14 +126,22 @@ async def test_metrics_wait_in_the_batch_until_they_are_read(http: aiohttp.Clien
         async with http.get(px.url + "/llmproxy/metrics") as r:
             text = await r.text()
         assert 'llmproxy_requests_total{outcome="completed",route="/completion"} 1.0' in text
-        assert "llmproxy_permit_hold_seconds_count 1.0" in text and "llmproxy_upstream_ttfb_seconds_count 1.0" in text
+        assert (
+            "llmproxy_permit_hold_seconds_count 1.0" in text
+            and "llmproxy_upstream_ttfb_seconds_count 1.0" in text
+        )
 
 
-async def test_the_proxy_flushes_waiting_lines_when_it_stops(http: aiohttp.ClientSession, fake: FakeUpstream) -> None:
+async def test_the_proxy_flushes_waiting_lines_when_it_stops(
+    http: aiohttp.ClientSession, fake: FakeUpstream
+) -> None:
     with structlog.testing.capture_logs() as logs:
         async with run_proxy(fake.url, log_flush_s=3600) as px:
-            async with http.post(px.url + "/completion", json={"prompt": "x", "n_predict": 2},
-                                 headers={"X-Request-Id": "r1"}) as r:
+            async with http.post(
+                px.url + "/completion",
+                json={"prompt": "x", "n_predict": 2},
+                headers={"X-Request-Id": "r1"},
+            ) as r:
                 assert r.status == 200
                 await r.read()
             await px.state.gate.wait_quiescent()
@@ -159,9 +172,13 @@ asyncio.run(main())
 
 def test_a_written_line_keeps_the_time_its_request_ended() -> None:
     # a fresh process: logging configuration is process-wide
-    out = subprocess.run([sys.executable, "-c", _SNIPPET], capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _SNIPPET], capture_output=True, text=True, timeout=60, check=True
+    )
     before, after = json.loads(out.stdout)
     (entry,) = [json.loads(ln) for ln in out.stderr.splitlines()]
     assert entry["event"] == "request" and entry["level"] == "info" and entry["request_id"] == "a"
     stamped = datetime.datetime.fromisoformat(entry["timestamp"].replace("Z", "+00:00")).timestamp()
-    assert entry["timestamp"].endswith("Z") and before <= stamped <= after  # not the flush's time, 0.2 s later
+    assert (
+        entry["timestamp"].endswith("Z") and before <= stamped <= after
+    )  # not the flush's time, 0.2 s later

@@ -15,29 +15,50 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmproxy.proxy.upstream.adapters.llamacpp import LlamaCppAdapter
-from llmproxy.proxy.upstream.assemble import Assembler, assembles
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.proxy.errors import UpstreamFailed
 from llmproxy.proxy.settings import ProxySettings
-from tests.helpers.proxy import run_proxy
+from llmproxy.proxy.upstream.adapters.llamacpp import LlamaCppAdapter
+from llmproxy.proxy.upstream.assemble import Assembler, assembles
 from tests.helpers.net import wait_until
+from tests.helpers.proxy import run_proxy
 
 
 def sse(*objs: Any) -> bytes:
-    return b"".join(b"data: " + json.dumps(o, separators=(",", ":")).encode() + b"\n\n" for o in objs)
+    return b"".join(
+        b"data: " + json.dumps(o, separators=(",", ":")).encode() + b"\n\n" for o in objs
+    )
 
 
 def native_partial(text: str, index: int = 0) -> dict[str, Any]:
-    return {"index": index, "content": text, "tokens": [7], "stop": False, "id_slot": 0,
-            "tokens_predicted": 1, "tokens_evaluated": 3}
+    return {
+        "index": index,
+        "content": text,
+        "tokens": [7],
+        "stop": False,
+        "id_slot": 0,
+        "tokens_predicted": 1,
+        "tokens_evaluated": 3,
+    }
 
 
 def native_final(index: int = 0, **extra: Any) -> dict[str, Any]:
-    return {"index": index, "content": "", "tokens": [], "id_slot": 0, "stop": True, "model": "m",
-            "tokens_predicted": 2, "tokens_evaluated": 3,
-            "generation_settings": {"n_predict": 2, "stream": True, "temperature": 0.800000011920929},
-            "prompt": "é ", "truncated": False, "stop_type": "limit", "timings": {"prompt_n": 3}, **extra}
+    return {
+        "index": index,
+        "content": "",
+        "tokens": [],
+        "id_slot": 0,
+        "stop": True,
+        "model": "m",
+        "tokens_predicted": 2,
+        "tokens_evaluated": 3,
+        "generation_settings": {"n_predict": 2, "stream": True, "temperature": 0.800000011920929},
+        "prompt": "é ",
+        "truncated": False,
+        "stop_type": "limit",
+        "timings": {"prompt_n": 3},
+        **extra,
+    }
 
 
 def render(path: str, raw: bytes, cut: list[int] | None = None) -> tuple[int, Any, bytes]:
@@ -58,39 +79,79 @@ def test_native_body_is_the_final_event_with_the_streamed_text() -> None:
     want["generation_settings"]["stream"] = False
     assert status == 200 and body == want
     assert list(body) == list(want)  # llama-server's key order
-    assert b'"content":"h\xc3\xa9llo w\xc3\xb6rld"' in wire  # compact, UTF-8 as it is (llama.vim's match)
+    assert (
+        b'"content":"h\xc3\xa9llo w\xc3\xb6rld"' in wire
+    )  # compact, UTF-8 as it is (llama.vim's match)
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(min_value=0, max_value=400), max_size=8))
 def test_any_split_of_the_stream_renders_the_same(cuts: list[int]) -> None:
-    raw = sse(native_partial("a\nb"), {"index": 0, "content": "", "stop": False, "prompt_progress": {}},
-              native_partial("ç"), native_final()) + b":\n\n"
+    raw = (
+        sse(
+            native_partial("a\nb"),
+            {"index": 0, "content": "", "stop": False, "prompt_progress": {}},
+            native_partial("ç"),
+            native_final(),
+        )
+        + b":\n\n"
+    )
     assert render("/completion", raw, cuts)[1]["content"] == "a\nbç"
 
 
 def test_response_fields_final_gets_the_text_under_its_flat_keys() -> None:
-    final = {"content": "", "timings/prompt_n": 3, "generation_settings/stream": True, "truncated": False}
+    final = {
+        "content": "",
+        "timings/prompt_n": 3,
+        "generation_settings/stream": True,
+        "truncated": False,
+    }
     _, body, _ = render("/infill", sse(native_partial("x = 1"), final))
-    assert body == {"content": "x = 1", "timings/prompt_n": 3, "generation_settings/stream": False, "truncated": False}
+    assert body == {
+        "content": "x = 1",
+        "timings/prompt_n": 3,
+        "generation_settings/stream": False,
+        "truncated": False,
+    }
 
 
 def test_several_completions_are_an_array_in_index_order() -> None:
-    raw = sse(native_partial("b0", 1), native_partial("a0", 0), native_partial("b1", 1),
-              native_final(1), native_partial("a1", 0), native_final(0))
+    raw = sse(
+        native_partial("b0", 1),
+        native_partial("a0", 0),
+        native_partial("b1", 1),
+        native_final(1),
+        native_partial("a1", 0),
+        native_final(0),
+    )
     _, body, _ = render("/completion", raw)
     assert [b["index"] for b in body] == [0, 1] and [b["content"] for b in body] == ["a0a1", "b0b1"]
 
 
 def oai_chunk(text: str, index: int = 0, finish: str | None = None, **extra: Any) -> dict[str, Any]:
-    return {"choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": finish}],
-            "created": 1, "model": "m", "system_fingerprint": "b1", "object": "text_completion", "id": "c1", **extra}
+    return {
+        "choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": finish}],
+        "created": 1,
+        "model": "m",
+        "system_fingerprint": "b1",
+        "object": "text_completion",
+        "id": "c1",
+        **extra,
+    }
 
 
 def test_openai_completion_merges_choices_like_llama_server() -> None:
     usage = {"completion_tokens": 2, "prompt_tokens": 3, "total_tokens": 5}
-    raw = sse(oai_chunk("x", 0), oai_chunk("y", 1), oai_chunk("", 1, "length", usage=usage),
-              oai_chunk("z", 0), oai_chunk("", 0, "stop", usage=usage)) + b"data: [DONE]\n\n"
+    raw = (
+        sse(
+            oai_chunk("x", 0),
+            oai_chunk("y", 1),
+            oai_chunk("", 1, "length", usage=usage),
+            oai_chunk("z", 0),
+            oai_chunk("", 0, "stop", usage=usage),
+        )
+        + b"data: [DONE]\n\n"
+    )
     _, body, _ = render("/v1/completions", raw)
     assert [c["text"] for c in body["choices"]] == ["xz", "y"]
     assert [c["finish_reason"] for c in body["choices"]] == ["stop", "length"]
@@ -98,7 +159,11 @@ def test_openai_completion_merges_choices_like_llama_server() -> None:
 
 
 def test_an_error_event_becomes_the_status_llama_server_would_answer() -> None:
-    err = {"code": 400, "message": "the request exceeds the available context size", "type": "exceed_context_size_error"}
+    err = {
+        "code": 400,
+        "message": "the request exceeds the available context size",
+        "type": "exceed_context_size_error",
+    }
     status, body, _ = render("/completion", sse(native_partial("a"), {"error": err}))
     assert status == 400 and body == {"error": err}
 
@@ -134,24 +199,38 @@ def test_which_requests_are_sent_as_streams(path: str, body: Any, expected: bool
 
 async def test_own_backend_and_the_off_switch_are_not_streamed() -> None:
     async with aiohttp.ClientSession() as session:
-        for setting, build_info, expected in [("auto", "b4000-abc", True), ("auto", "llmproxy-backend", False),
-                                              ("on", "llmproxy-backend", True), ("off", "b4000-abc", False)]:
-            adapter = LlamaCppAdapter("http://127.0.0.1:9", session, ProxySettings(upstream_stream=setting))
+        for setting, build_info, expected in [
+            ("auto", "b4000-abc", True),
+            ("auto", "llmproxy-backend", False),
+            ("on", "llmproxy-backend", True),
+            ("off", "b4000-abc", False),
+        ]:
+            adapter = LlamaCppAdapter(
+                "http://127.0.0.1:9", session, ProxySettings(upstream_stream=setting)
+            )
             adapter.learn_props({"total_slots": 1, "build_info": build_info})
             assert adapter.assembles("/infill", {"prompt": "x"}) is expected, (setting, build_info)
 
 
-async def test_superseded_non_streaming_request_is_cut_at_the_next_token(http: aiohttp.ClientSession) -> None:
+async def test_superseded_non_streaming_request_is_cut_at_the_next_token(
+    http: aiohttp.ClientSession,
+) -> None:
     """The upstream sees a stream, so it can stop the superseded generation between tokens; the
     client that waits gets one JSON body, identical to the upstream's own non-streaming one."""
+
     def script(path: str, body: dict[str, Any]) -> Script:
         return Script(tokens=400 if body.get("prompt") == "first" else 3, token_delay_s=0.01)
 
-    async with FakeUpstream(kind="llamacpp", slots=1, script=script) as fake, run_proxy(fake.url) as px:
+    async with (
+        FakeUpstream(kind="llamacpp", slots=1, script=script) as fake,
+        run_proxy(fake.url) as px,
+    ):
         headers = {"X-LLMProxy-Session": "editor"}
 
         async def post(prompt: str) -> tuple[int, bytes]:
-            async with http.post(px.url + "/completion", json={"prompt": prompt}, headers=headers) as r:
+            async with http.post(
+                px.url + "/completion", json={"prompt": prompt}, headers=headers
+            ) as r:
                 return r.status, await r.read()
 
         async with asyncio.TaskGroup() as tg:

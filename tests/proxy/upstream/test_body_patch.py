@@ -10,13 +10,21 @@ from hypothesis import strategies as st
 from llmproxy.proxy.upstream.adapters.body import set_top_level
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3)
+    ),
     max_leaves=10,
 )
 
 
-@given(st.dictionaries(st.text(max_size=8), json_values, max_size=6), st.integers(0, 64), st.booleans())
+@given(
+    st.dictionaries(st.text(max_size=8), json_values, max_size=6), st.integers(0, 64), st.booleans()
+)
 def test_set_id_slot_changes_only_that_field(obj: dict, slot: int, spaced: bool) -> None:
     raw = json.dumps(obj, indent=1 if spaced else None).encode()
     out = set_top_level(raw, "id_slot", slot)

@@ -25,8 +25,8 @@ from yarl import URL
 
 from llmproxy.proxy.errors import UpstreamFailed, UpstreamUnreachable, map_client_errors
 from llmproxy.proxy.upstream.client import UpstreamClient
-from tests.helpers.proxy import run_proxy
 from tests.helpers.net import closed_port, wait_until
+from tests.helpers.proxy import run_proxy
 
 
 class Recorder:
@@ -41,13 +41,21 @@ class Recorder:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        self.seen.append({
-            "line": f"{request.method} {request.raw_path}", "headers": request.headers.copy(), "body": body,
-            "conn": request.transport.get_extra_info("peername")[1] if request.transport else None,  # client port
-        })
+        self.seen.append(
+            {
+                "line": f"{request.method} {request.raw_path}",
+                "headers": request.headers.copy(),
+                "body": body,
+                "conn": request.transport.get_extra_info("peername")[1]
+                if request.transport
+                else None,  # client port
+            }
+        )
         if request.path == "/close":
             return web.Response(text="bye", headers={"Connection": "close"})
-        if request.path == "/slow":  # a stream that waits for the test; a client that leaves aborts it
+        if (
+            request.path == "/slow"
+        ):  # a stream that waits for the test; a client that leaves aborts it
             resp = web.StreamResponse()
             await resp.prepare(request)
             await resp.write(b"first ")
@@ -109,11 +117,18 @@ def raw_server(answer: bytes) -> contextlib.AbstractAsyncContextManager[str]:
 
 
 def client(url: str, **kw: float) -> UpstreamClient:
-    return UpstreamClient(URL(url), connect_timeout_s=kw.pop("connect", 2.0), read_timeout_s=kw.pop("read", 5.0), **kw)
+    return UpstreamClient(
+        URL(url), connect_timeout_s=kw.pop("connect", 2.0), read_timeout_s=kw.pop("read", 5.0), **kw
+    )
 
 
-async def fetch(c: UpstreamClient, method: str, target: str, body: bytes | None = None,
-                headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+async def fetch(
+    c: UpstreamClient,
+    method: str,
+    target: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, bytes]:
     async with c.exchange(method, target, headers or {}, body) as resp:
         return resp.status, await resp.content.read()
 
@@ -122,17 +137,28 @@ async def test_keep_alive_reuses_one_connection_and_sends_the_request_as_given()
     async with recorder() as (rec, url):
         c = client(url)
         for i in range(3):
-            status, body = await fetch(c, "POST", f"/completion?i={i}", b'{"a":1}', {"User-Agent": "curl/8", "X-Y": "z"})
+            status, body = await fetch(
+                c, "POST", f"/completion?i={i}", b'{"a":1}', {"User-Agent": "curl/8", "X-Y": "z"}
+            )
             assert (status, body) == (200, b'echo:{"a":1}')
         assert await fetch(c, "GET", "/health") == (200, b"echo:")
         c.close()
-    assert [s["line"] for s in rec.seen] == [*(f"POST /completion?i={i}" for i in range(3)), "GET /health"]
-    assert len({s["conn"] for s in rec.seen}) == 1, "sequential requests must share one kept-alive connection"
+    assert [s["line"] for s in rec.seen] == [
+        *(f"POST /completion?i={i}" for i in range(3)),
+        "GET /health",
+    ]
+    assert len({s["conn"] for s in rec.seen}) == 1, (
+        "sequential requests must share one kept-alive connection"
+    )
     first, get = rec.seen[0]["headers"], rec.seen[3]["headers"]
     host = URL(url).host_port_subcomponent
-    assert first["Host"] == host and first["Content-Length"] == "7" and first["User-Agent"] == "curl/8"
+    assert (
+        first["Host"] == host and first["Content-Length"] == "7" and first["User-Agent"] == "curl/8"
+    )
     assert first["X-Y"] == "z" and "Accept-Encoding" not in first and "Content-Type" not in first
-    assert get["Host"] == host and "Content-Length" not in get  # a bodiless GET says nothing about a body
+    assert (
+        get["Host"] == host and "Content-Length" not in get
+    )  # a bodiless GET says nothing about a body
     assert rec.seen[0]["body"] == b'{"a":1}'
 
 
@@ -175,7 +201,9 @@ async def test_leaving_early_closes_the_connection_and_the_upstream_sees_the_abo
         c = client(url)
         async with c.exchange("POST", "/slow", {}, b"{}") as resp:
             assert await resp.content.readany() == b"first "
-        await asyncio.wait_for(rec.aborted.wait(), 5)  # closing the connection is how a generation is cancelled
+        await asyncio.wait_for(
+            rec.aborted.wait(), 5
+        )  # closing the connection is how a generation is cancelled
         assert c.idle == 0
 
 
@@ -202,8 +230,11 @@ async def test_cancelling_the_reader_closes_the_connection() -> None:
 async def test_idle_pool_is_bounded_and_expires() -> None:
     async with recorder() as (rec, url):
         c = client(url, max_idle=2, keepalive_s=0.2)
-        async with c.exchange("GET", "/1", {}, None) as r1, c.exchange("GET", "/2", {}, None) as r2, \
-                c.exchange("GET", "/3", {}, None) as r3:
+        async with (
+            c.exchange("GET", "/1", {}, None) as r1,
+            c.exchange("GET", "/2", {}, None) as r2,
+            c.exchange("GET", "/3", {}, None) as r3,
+        ):
             for r in (r1, r2, r3):
                 await r.content.read()
         assert c.idle == 2  # the third release closed the oldest idle one
@@ -212,14 +243,18 @@ async def test_idle_pool_is_bounded_and_expires() -> None:
         await wait_until(lambda: loop.time() > deadline, what="keep-alive expiry")
         assert await fetch(c, "GET", "/4") == (200, b"echo:")
         c.close()
-    assert rec.seen[-1]["conn"] not in {s["conn"] for s in rec.seen[:3]}, "an expired connection was reused"
+    assert rec.seen[-1]["conn"] not in {s["conn"] for s in rec.seen[:3]}, (
+        "an expired connection was reused"
+    )
 
 
 async def test_head_response_has_no_body_and_keeps_the_connection() -> None:
     async with recorder() as (rec, url):
         c = client(url)
         async with c.exchange("HEAD", "/x", {}, None) as resp:
-            assert resp.status == 200 and resp.content_length == 5 and await resp.content.read() == b""
+            assert (
+                resp.status == 200 and resp.content_length == 5 and await resp.content.read() == b""
+            )
         assert await fetch(c, "GET", "/y") == (200, b"echo:")
         c.close()
     assert rec.seen[0]["conn"] == rec.seen[1]["conn"]
@@ -235,7 +270,14 @@ async def test_body_delimited_by_close_is_read_to_the_end() -> None:
 async def read_request(reader: asyncio.StreamReader) -> bytes:
     """One request (head + Content-Length body) off a raw connection; its request line."""
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next((int(ln.split(b":")[1]) for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length:")), 0)
+    length = next(
+        (
+            int(ln.split(b":")[1])
+            for ln in head.split(b"\r\n")
+            if ln.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
     await reader.readexactly(length)
     return head.split(b"\r\n", 1)[0]
 
@@ -270,7 +312,9 @@ async def test_an_answer_in_the_same_packet_as_its_1xx_leaves_no_read_timer_behi
         conns.append(writer.get_extra_info("peername")[1])
         while True:
             await read_request(reader)
-            writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            writer.write(
+                b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+            )
             await writer.drain()
 
     async with scripted_server(handle) as url:
@@ -304,7 +348,10 @@ async def test_a_reused_connection_closed_under_a_request_is_retried_only_when_i
         c.close()
         lines.clear()
         c = client(url)
-        assert await fetch(c, "POST", "/completion", b"{}") == (200, b"ok")  # a new connection, kept alive
+        assert await fetch(c, "POST", "/completion", b"{}") == (
+            200,
+            b"ok",
+        )  # a new connection, kept alive
         with pytest.raises(UpstreamFailed, match="ServerDisconnectedError"), map_client_errors():
             await fetch(c, "POST", "/completion", b"{}")
         assert lines == [b"POST /completion HTTP/1.1"] * 2  # sent once, never again
@@ -349,7 +396,9 @@ async def test_an_answer_before_the_whole_body_is_read_is_not_blocked_by_it() ->
     async with scripted_server(handle) as url:
         c = client(url)
         try:
-            status, body = await asyncio.wait_for(fetch(c, "POST", "/completion", b"x" * (16 << 20)), 5)
+            status, body = await asyncio.wait_for(
+                fetch(c, "POST", "/completion", b"x" * (16 << 20)), 5
+            )
             assert (status, body) == (413, b"big!") and c.idle == 0
         finally:
             done.set()
@@ -426,7 +475,9 @@ async def test_on_send_comes_before_the_bytes_leave_and_not_for_a_cancelled_conn
     async with recorder() as (rec, url):
         c = client(url)
         seen_at_send: list[int] = []
-        async with c.exchange("POST", "/x", {}, b"{}", on_send=lambda: seen_at_send.append(len(rec.seen))) as resp:
+        async with c.exchange(
+            "POST", "/x", {}, b"{}", on_send=lambda: seen_at_send.append(len(rec.seen))
+        ) as resp:
             await resp.content.read()
         assert seen_at_send == [0]
         c.close()
@@ -471,9 +522,26 @@ def test_only_http_urls_with_a_host() -> None:
 def tls_cert(tmp_path: Path) -> tuple[Path, Path]:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
     )
     return cert, key
 
@@ -502,7 +570,10 @@ async def test_an_early_error_answer_over_tls_does_not_pool_the_connection(
     server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=ctx)
     c = client(f"https://localhost:{server.sockets[0].getsockname()[1]}")
     try:
-        assert await asyncio.wait_for(fetch(c, "POST", "/completion", b"x" * (16 << 20)), 10) == (413, b"")
+        assert await asyncio.wait_for(fetch(c, "POST", "/completion", b"x" * (16 << 20)), 10) == (
+            413,
+            b"",
+        )
         assert c.idle == 0
     finally:
         done.set()
@@ -511,7 +582,9 @@ async def test_an_early_error_answer_over_tls_does_not_pool_the_connection(
         await server.wait_closed()
 
 
-async def test_https_upstream_is_verified(tls_cert: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_https_upstream_is_verified(
+    tls_cert: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     cert, key = tls_cert
 
     async def health(_request: web.Request) -> web.Response:
@@ -546,8 +619,13 @@ async def test_proxy_relays_through_one_kept_alive_connection(http: aiohttp.Clie
     assert len(relayed) == 4 and len({s["conn"] for s in relayed}) == 1
 
 
-async def test_proxy_answers_502_for_a_malformed_upstream_response(http: aiohttp.ClientSession) -> None:
-    async with raw_server(b"HTTP/1.1 abc\r\n\r\n") as url, run_proxy(url, upstream_kind="openai") as px:
+async def test_proxy_answers_502_for_a_malformed_upstream_response(
+    http: aiohttp.ClientSession,
+) -> None:
+    async with (
+        raw_server(b"HTTP/1.1 abc\r\n\r\n") as url,
+        run_proxy(url, upstream_kind="openai") as px,
+    ):
         async with http.post(px.url + "/v1/completions", json={"prompt": "x"}) as r:
             body = await r.json()
         assert r.status == 502 and body["error"]["type"] == "upstream_error"

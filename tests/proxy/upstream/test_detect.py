@@ -19,11 +19,17 @@ from pydantic import ValidationError
 from llmproxy.bench.fake.shapes import json_response
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.proxy.settings import ProxySettings
-from tests.helpers.proxy import run_proxy
 from tests.helpers.net import closed_port, wait_until
+from tests.helpers.proxy import run_proxy
 
 _LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
-_PUBLIC = ("/health", "/v1/health", "/models", "/v1/models", "/api/tags")  # llama-server's, with --api-key
+_PUBLIC = (
+    "/health",
+    "/v1/health",
+    "/models",
+    "/v1/models",
+    "/api/tags",
+)  # llama-server's, with --api-key
 
 
 class LoadingFake(FakeUpstream):
@@ -52,8 +58,16 @@ class KeyedFake(FakeUpstream):
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         if request.path not in _PUBLIC and request.headers.get("Authorization") != "Bearer K":
             await request.read()
-            return json_response({"error": {"code": 401, "message": "Invalid API Key",
-                                            "type": "authentication_error"}}, 401)
+            return json_response(
+                {
+                    "error": {
+                        "code": 401,
+                        "message": "Invalid API Key",
+                        "type": "authentication_error",
+                    }
+                },
+                401,
+            )
         return await super()._dispatch(request)
 
 
@@ -74,7 +88,9 @@ class SlotsLaterFake(FakeUpstream):
             if self.first is None:
                 await self.ready.wait()
             else:
-                return json_response({"error": {"code": self.first, "message": "not now", "type": "x"}}, self.first)
+                return json_response(
+                    {"error": {"code": self.first, "message": "not now", "type": "x"}}, self.first
+                )
         return await super()._dispatch(request)
 
 
@@ -86,7 +102,9 @@ async def test_detection_waits_while_llama_server_loads(http: aiohttp.ClientSess
             assert (adapter.kind, adapter.slots, adapter.can_confirm) == ("llamacpp", 2, True)
             assert adapter.known.is_set() and not adapter.pending()
             assert px.state.gate.capacity == 2
-            async with http.post(px.url + "/infill", json={"input_prefix": "def f(", "n_predict": 2}) as r:
+            async with http.post(
+                px.url + "/infill", json={"input_prefix": "def f(", "n_predict": 2}
+            ) as r:
                 assert r.status == 200
             assert fake.generations[-1].body["id_slot"] == 0
             assert px.state.policy("auto", "/infill") == "cancel"
@@ -100,12 +118,22 @@ async def test_slot_count_and_slots_learnt_after_detection_gave_up(
     runs there while it loads), then the watcher reads /props and /slots once the model is
     loaded, and the gate grows to what it would have had at start: the slot count, or
     ``capacity`` clamped to it (a warning), so no permit ever names a slot it lacks."""
-    async with LoadingFake(kind="llamacpp", slots=2) as fake, run_proxy(fake.url, capacity=capacity) as px:
+    async with (
+        LoadingFake(kind="llamacpp", slots=2) as fake,
+        run_proxy(fake.url, capacity=capacity) as px,
+    ):
         adapter, gate = px.state.adapter, px.state.gate
-        assert (adapter.kind, adapter.slots, adapter.can_confirm, gate.capacity) == ("llamacpp", None, False, 1)
+        assert (adapter.kind, adapter.slots, adapter.can_confirm, gate.capacity) == (
+            "llamacpp",
+            None,
+            False,
+            1,
+        )
         assert adapter.pending() and not adapter.known.is_set()
         assert px.state.policy("auto", "/infill") == "finish"  # no /slots yet: cannot confirm
-        async with http.post(px.url + "/completion", json={"prompt": "x", "n_cmpl": 2}) as r:  # 2 slots: unknown yet
+        async with http.post(
+            px.url + "/completion", json={"prompt": "x", "n_cmpl": 2}
+        ) as r:  # 2 slots: unknown yet
             assert r.status == 400 and "not known yet" in (await r.json())["error"]["message"]
         with structlog.testing.capture_logs() as logs:
             fake.ready.set()
@@ -113,7 +141,9 @@ async def test_slot_count_and_slots_learnt_after_detection_gave_up(
         assert (adapter.slots, adapter.can_confirm) == (2, True)
         assert px.state.policy("auto", "/infill") == "cancel"
         over = [e for e in logs if e["event"].startswith("capacity exceeds the upstream's slots")]
-        assert [(e["capacity"], e["slots"], e["log_level"]) for e in over] == ([(4, 2, "warning")] if capacity == 4 else [])
+        assert [(e["capacity"], e["slots"], e["log_level"]) for e in over] == (
+            [(4, 2, "warning")] if capacity == 4 else []
+        )
         assert gate.capacity == gate.free == min(capacity or 2, 2)
         expected = min(2, gate.capacity)  # generations at once
         async with http.get(px.url + "/llmproxy/metrics") as r:
@@ -122,8 +152,11 @@ async def test_slot_count_and_slots_learnt_after_detection_gave_up(
         fake.script = lambda _p, _b: Script(tokens=2, hold=hold)
 
         async def post(session: str) -> int:
-            async with http.post(px.url + "/completion", json={"prompt": "x"},
-                                 headers={"X-LLMProxy-Session": session}) as r:
+            async with http.post(
+                px.url + "/completion",
+                json={"prompt": "x"},
+                headers={"X-LLMProxy-Session": session},
+            ) as r:
                 await r.read()
                 return r.status
 
@@ -135,7 +168,9 @@ async def test_slot_count_and_slots_learnt_after_detection_gave_up(
         assert gate.queued == 2 - expected
         hold.set()
         assert await asyncio.gather(*posts) == [200, 200]
-        assert sorted(g.body["id_slot"] for g in fake.generations) == ([0, 1] if expected == 2 else [0, 0])
+        assert sorted(g.body["id_slot"] for g in fake.generations) == (
+            [0, 1] if expected == 2 else [0, 0]
+        )
         assert gate.free == gate.capacity
         assert fake.max_concurrent == expected and fake.deferred == []
 
@@ -154,7 +189,12 @@ async def test_upstream_that_listens_only_later_is_detected_then(
     port = closed_port()
     async with run_proxy(f"http://127.0.0.1:{port}", capacity=capacity) as px:
         first, gate = px.state.adapter, px.state.gate
-        assert (first.kind, first.undetected, first.pending(), gate.capacity) == ("openai", True, True, 1)
+        assert (first.kind, first.undetected, first.pending(), gate.capacity) == (
+            "openai",
+            True,
+            True,
+            1,
+        )
         assert not first.known.is_set() and px.state.policy("auto", "/completion") == "finish"
         async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:
             assert r.status == 502
@@ -169,14 +209,24 @@ async def test_upstream_that_listens_only_later_is_detected_then(
                 async with http.get(px.url + "/llmproxy/status") as r:
                     assert (await r.json())["upstream"]["detected"] is True
                 route = "/completion" if kind == "llamacpp" else "/api/generate"
-                async with http.post(px.url + route, json={"model": "m", "prompt": "x", "stream": False}) as r:
+                async with http.post(
+                    px.url + route, json={"model": "m", "prompt": "x", "stream": False}
+                ) as r:
                     assert r.status == 200
                 if kind == "llamacpp":  # never more permits than slots: permit i is slot i
-                    assert (adapter.slots, adapter.can_confirm, gate.capacity, gate.free) == (2, True, 2, 2)
+                    assert (adapter.slots, adapter.can_confirm, gate.capacity, gate.free) == (
+                        2,
+                        True,
+                        2,
+                        2,
+                    )
                     assert fake.generations[-1].body["id_slot"] == 0
                     assert px.state.policy("auto", "/completion") == "cancel"
                 else:
-                    assert gate.capacity == (capacity or 1) and "id_slot" not in fake.generations[-1].body
+                    assert (
+                        gate.capacity == (capacity or 1)
+                        and "id_slot" not in fake.generations[-1].body
+                    )
         assert [e["kind"] for e in logs if e["event"] == "upstream detected"] == [kind]
     async with run_proxy(f"http://127.0.0.1:{closed_port()}", upstream_kind="openai") as px:
         assert not px.state.adapter.undetected and px.state.adapter.known.is_set()
@@ -186,6 +236,7 @@ async def test_a_gateway_answering_502_until_its_server_is_up_is_detected_later(
     """502 (or 504) on /props is a gateway whose server is not up yet, not an answer: the
     proxy stays undetected and finds the llama-server once it is behind that address."""
     port = closed_port()
+
     async def bad_gateway(_request: web.Request) -> web.Response:
         return web.Response(status=502, text="Bad Gateway")
 
@@ -201,7 +252,11 @@ async def test_a_gateway_answering_502_until_its_server_is_up_is_detected_later(
             await runner.cleanup()
             async with FakeUpstream(kind="llamacpp", slots=2, port=port):
                 await asyncio.wait_for(first.known.wait(), 15)
-                assert (px.state.adapter.kind, px.state.adapter.slots, px.state.gate.capacity) == ("llamacpp", 2, 2)
+                assert (px.state.adapter.kind, px.state.adapter.slots, px.state.gate.capacity) == (
+                    "llamacpp",
+                    2,
+                    2,
+                )
     finally:
         await runner.cleanup()
 
@@ -213,10 +268,18 @@ async def test_configured_llamacpp_without_props_gets_its_capacity_once_it_answe
     port = closed_port()
     async with run_proxy(f"http://127.0.0.1:{port}", upstream_kind="llamacpp", capacity=3) as px:
         adapter = px.state.adapter
-        assert (adapter.kind, adapter.capacity_pending(), px.state.gate.capacity) == ("llamacpp", True, 1)
+        assert (adapter.kind, adapter.capacity_pending(), px.state.gate.capacity) == (
+            "llamacpp",
+            True,
+            1,
+        )
         async with FakeUpstream(kind="openai", slots=3, port=port):
             await asyncio.wait_for(adapter.known.wait(), 15)
-        assert (adapter.slots, adapter.capacity_pending(), px.state.gate.capacity) == (None, False, 3)
+        assert (adapter.slots, adapter.capacity_pending(), px.state.gate.capacity) == (
+            None,
+            False,
+            3,
+        )
 
 
 async def test_a_request_queued_across_the_swap_runs_with_the_adapter_in_use_at_its_grant(
@@ -231,25 +294,46 @@ async def test_a_request_queued_across_the_swap_runs_with_the_adapter_in_use_at_
     hold = asyncio.Event()
     async with run_proxy(f"http://127.0.0.1:{port}") as px:
         first, gate = px.state.adapter, px.state.gate
-        fake = FakeUpstream(kind="llamacpp", slots=2, port=port,
-                            script=lambda _p, body: Script(tokens=2, hold=hold if body.get("prompt") == "a" else None))
+        fake = FakeUpstream(
+            kind="llamacpp",
+            slots=2,
+            port=port,
+            script=lambda _p, body: Script(
+                tokens=2, hold=hold if body.get("prompt") == "a" else None
+            ),
+        )
         async with fake:
             assert px.state.adapter is first  # the watcher's first look is 0.5 s away
-            a = asyncio.ensure_future(http.post(px.url + "/completion", json={"prompt": "a"},
-                                                headers={"X-LLMProxy-Session": "a"}))
+            a = asyncio.ensure_future(
+                http.post(
+                    px.url + "/completion",
+                    json={"prompt": "a"},
+                    headers={"X-LLMProxy-Session": "a"},
+                )
+            )
             await fake.wait_for(lambda f: f.concurrent == 1)
-            b = asyncio.ensure_future(http.post(px.url + "/completion", json={"prompt": "b", "n_cmpl": 2},
-                                                headers={"X-LLMProxy-Session": "b"}))
+            b = asyncio.ensure_future(
+                http.post(
+                    px.url + "/completion",
+                    json={"prompt": "b", "n_cmpl": 2},
+                    headers={"X-LLMProxy-Session": "b"},
+                )
+            )
             await wait_until(lambda: gate.queued == 1, 5)
             await asyncio.wait_for(first.known.wait(), 15)  # swapped; the gate grew to 2
             assert px.state.adapter is not first and px.state.adapter.kind == "llamacpp"
-            assert gate.capacity == 2 and gate.queued == 1 and gate.free == 1  # b needs both slots now
+            assert (
+                gate.capacity == 2 and gate.queued == 1 and gate.free == 1
+            )  # b needs both slots now
             assert len(fake.generations) == 1
             hold.set()
             for task in (a, b):
                 async with await task as r:
                     assert r.status == 200
-        assert [(g.body.get("id_slot"), g.body.get("n_cmpl")) for g in fake.generations] == [(None, None), (0, 2)]
+        assert [(g.body.get("id_slot"), g.body.get("n_cmpl")) for g in fake.generations] == [
+            (None, None),
+            (0, 2),
+        ]
         assert fake.deferred == [] and fake.max_concurrent == 2
         assert gate.free == gate.capacity == 2
 
@@ -270,12 +354,18 @@ async def test_gate_grow_hands_new_permits_to_waiters_in_order() -> None:
     assert gate.free == 0 and gate.held == 3
 
 
-@pytest.mark.parametrize(("first", "retried"), [(503, True), (None, True), (501, False)],
-                         ids=["503", "no-answer-in-time", "501"])
+@pytest.mark.parametrize(
+    ("first", "retried"),
+    [(503, True), (None, True), (501, False)],
+    ids=["503", "no-answer-in-time", "501"],
+)
 async def test_slots_failing_at_start(first: int | None, retried: bool) -> None:
     """A 503 or no answer in time may pass: /slots is asked again and confirmation turns on.
     A 501 (llama-server --no-slots) is final: nothing to watch, the policies stay ``finish``."""
-    async with SlotsLaterFake(kind="llamacpp", slots=2, first=first) as fake, run_proxy(fake.url) as px:
+    async with (
+        SlotsLaterFake(kind="llamacpp", slots=2, first=first) as fake,
+        run_proxy(fake.url) as px,
+    ):
         adapter = px.state.adapter
         assert adapter.slots == 2 and not adapter.can_confirm and px.state.gate.capacity == 2
         assert adapter.pending() is retried and adapter.known.is_set() is not retried
@@ -287,7 +377,9 @@ async def test_slots_failing_at_start(first: int | None, retried: bool) -> None:
             assert px.state.policy("auto", "/completion") == "finish"
 
 
-async def test_clamp_warning_is_said_once_not_at_every_poll(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_clamp_warning_is_said_once_not_at_every_poll(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``--capacity 4`` before a 2-slot llama-server whose /slots fails for a while: clamped
     to 2 at start, with one warning; the watcher's polls for /slots do not repeat it."""
     from llmproxy.proxy.upstream.forward import watch
@@ -295,8 +387,13 @@ async def test_clamp_warning_is_said_once_not_at_every_poll(monkeypatch: pytest.
     monkeypatch.setattr(watch, "WATCH_FIRST_S", 0.01)
     monkeypatch.setattr(watch, "WATCH_MAX_S", 0.02)
     with structlog.testing.capture_logs() as logs:
-        async with SlotsLaterFake(kind="llamacpp", slots=2, first=503) as fake, run_proxy(fake.url, capacity=4) as px:
-            await wait_until(lambda: fake.slots_asked >= 5, 10)  # detection's, then the watcher's polls
+        async with (
+            SlotsLaterFake(kind="llamacpp", slots=2, first=503) as fake,
+            run_proxy(fake.url, capacity=4) as px,
+        ):
+            await wait_until(
+                lambda: fake.slots_asked >= 5, 10
+            )  # detection's, then the watcher's polls
             fake.ready.set()
             await asyncio.wait_for(px.state.adapter.known.wait(), 10)
             assert px.state.gate.capacity == 2
@@ -304,11 +401,19 @@ async def test_clamp_warning_is_said_once_not_at_every_poll(monkeypatch: pytest.
 
 
 async def test_upstream_api_key_drives_a_keyed_llama_server(http: aiohttp.ClientSession) -> None:
-    async with KeyedFake(kind="llamacpp", slots=2) as fake, run_proxy(fake.url, upstream_api_key="K") as px:
+    async with (
+        KeyedFake(kind="llamacpp", slots=2) as fake,
+        run_proxy(fake.url, upstream_api_key="K") as px,
+    ):
         adapter = px.state.adapter
         assert (adapter.kind, adapter.slots, adapter.can_confirm) == ("llamacpp", 2, True)
-        for headers in ({}, {"Authorization": "Bearer editors-own"}):  # the configured key replaces a client's
-            async with http.post(px.url + "/completion", json={"prompt": "x", "n_predict": 1}, headers=headers) as r:
+        for headers in (
+            {},
+            {"Authorization": "Bearer editors-own"},
+        ):  # the configured key replaces a client's
+            async with http.post(
+                px.url + "/completion", json={"prompt": "x", "n_predict": 1}, headers=headers
+            ) as r:
                 assert r.status == 200
             assert fake.received[-1].headers.getall("Authorization") == ["Bearer K"]
         async with http.get(px.url + "/slots") as r:  # passthrough too
@@ -320,12 +425,19 @@ async def test_a_keyed_llama_server_without_the_key_is_named_in_the_log() -> Non
     async with KeyedFake(kind="llamacpp", slots=2) as fake:
         with structlog.testing.capture_logs() as logs:
             async with run_proxy(fake.url) as px:
-                assert px.state.adapter.kind == "openai"  # cannot tell without the key: the safe default
+                assert (
+                    px.state.adapter.kind == "openai"
+                )  # cannot tell without the key: the safe default
         refused = [e for e in logs if e["event"].startswith("upstream refused /props")]
-        assert refused and refused[0]["status"] == 401 and refused[0]["hint"] == "set upstream_api_key"
+        assert (
+            refused and refused[0]["status"] == 401 and refused[0]["hint"] == "set upstream_api_key"
+        )
 
 
 def test_upstream_key_and_url_credentials_are_exclusive() -> None:
     with pytest.raises(ValidationError, match="not both"):
         ProxySettings(upstream="http://u:p@127.0.0.1:1", upstream_api_key="K")
-    assert ProxySettings(upstream="http://127.0.0.1:1", upstream_api_key="K").upstream_api_key is not None
+    assert (
+        ProxySettings(upstream="http://127.0.0.1:1", upstream_api_key="K").upstream_api_key
+        is not None
+    )

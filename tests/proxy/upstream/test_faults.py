@@ -42,9 +42,10 @@ def outcome_count(px: Any, outcome: str, route: str = "/completion") -> float:
 async def hung_mid_body(http: aiohttp.ClientSession) -> dict[str, Any]:
     """One streamed request whose upstream hangs after the first token (read_timeout_s 0.4)."""
     script = lambda _p, _b: Script(tokens=10, token_delay_s=0.001, fail="hang_mid_body")  # noqa: E731
-    async with FakeUpstream(slots=1, script=script, abort_linger_s=0.05) as fake, run_proxy(
-        fake.url, read_timeout_s=0.4
-    ) as px:
+    async with (
+        FakeUpstream(slots=1, script=script, abort_linger_s=0.05) as fake,
+        run_proxy(fake.url, read_timeout_s=0.4) as px,
+    ):
         with structlog.testing.capture_logs() as logs:
             t0 = time.monotonic()
             async with http.post(px.url + "/completion", json={"prompt": "x", "stream": True}) as r:
@@ -52,8 +53,13 @@ async def hung_mid_body(http: aiohttp.ClientSession) -> dict[str, Any]:
                 text = (await r.read()).decode()
             elapsed = time.monotonic() - t0
             await quiet(px)
-        return {"text": text, "elapsed": elapsed, "logs": logs, "errors": outcome_count(px, "error"),
-                "cut": fake.aborted == [g.id for g in fake.generations]}
+        return {
+            "text": text,
+            "elapsed": elapsed,
+            "logs": logs,
+            "errors": outcome_count(px, "error"),
+            "cut": fake.aborted == [g.id for g in fake.generations],
+        }
 
 
 async def test_hang_mid_body_ends_with_error_event(http: aiohttp.ClientSession) -> None:
@@ -66,7 +72,9 @@ async def test_hang_mid_body_ends_with_error_event(http: aiohttp.ClientSession) 
     assert run["cut"]  # the proxy closed the hung connection
     (line,) = canonical(run["logs"])
     assert line["outcome"] == "error" and line["status"] == 200 and line["upstream_status"] == 200
-    assert any(e["event"] == "upstream request failed" and "timed out" in e["error"] for e in run["logs"])
+    assert any(
+        e["event"] == "upstream request failed" and "timed out" in e["error"] for e in run["logs"]
+    )
     assert run["errors"] == 1
 
 
@@ -78,7 +86,10 @@ async def test_canonical_line_names_a_mid_stream_error(http: aiohttp.ClientSessi
 
 async def test_malformed_upstream_bytes_pass_through(http: aiohttp.ClientSession) -> None:
     script = lambda _p, _b: Script(tokens=4, token_delay_s=0.001, fail="malformed")  # noqa: E731
-    async with FakeUpstream(slots=1, script=script) as fake, run_proxy(fake.url, upstream_stream="off") as px:
+    async with (
+        FakeUpstream(slots=1, script=script) as fake,
+        run_proxy(fake.url, upstream_stream="off") as px,
+    ):
         with structlog.testing.capture_logs() as logs:
             for stream in (True, False):
                 body = {"prompt": "x", "stream": stream}
@@ -91,7 +102,9 @@ async def test_malformed_upstream_bytes_pass_through(http: aiohttp.ClientSession
                 if stream:
                     assert b'data: {"content":"t1 ",\n\n' in relayed  # the broken event got through
                 else:
-                    assert relayed.startswith(b"{") and not relayed.endswith(b"}")  # half a JSON body
+                    assert relayed.startswith(b"{") and not relayed.endswith(
+                        b"}"
+                    )  # half a JSON body
             await quiet(px)
             async with http.get(px.url + "/llmproxy/health") as h:
                 assert h.status == 200
@@ -100,7 +113,9 @@ async def test_malformed_upstream_bytes_pass_through(http: aiohttp.ClientSession
         assert px.state.breaker.state == "closed"
 
 
-async def test_malformed_stream_under_a_non_streaming_answer_is_a_502(http: aiohttp.ClientSession) -> None:
+async def test_malformed_stream_under_a_non_streaming_answer_is_a_502(
+    http: aiohttp.ClientSession,
+) -> None:
     """A non-streaming request the proxy sent as a stream (assemble.py) cannot pass a broken
     event through: nothing went out yet, so the client gets the envelope."""
     script = lambda _p, _b: Script(tokens=4, token_delay_s=0.001, fail="malformed")  # noqa: E731
@@ -109,7 +124,9 @@ async def test_malformed_stream_under_a_non_streaming_answer_is_a_502(http: aioh
             async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:
                 assert r.status == 502
                 error = (await r.json())["error"]
-            assert error["type"] == "upstream_error" and "malformed stream event" in error["message"]
+            assert (
+                error["type"] == "upstream_error" and "malformed stream event" in error["message"]
+            )
             await quiet(px)
         (line,) = canonical(logs)
         assert line["outcome"] == "error" and line["assembled"] is True
@@ -118,21 +135,34 @@ async def test_malformed_stream_under_a_non_streaming_answer_is_a_502(http: aioh
 
 async def test_upstream_5xx_relayed_counted_and_trips_breaker(http: aiohttp.ClientSession) -> None:
     script = lambda _p, _b: Script(status=500)  # noqa: E731
-    async with FakeUpstream(slots=1, script=script) as fake, run_proxy(
-        fake.url, breaker_threshold=2, breaker_cooldown_s=30
-    ) as px:
+    async with (
+        FakeUpstream(slots=1, script=script) as fake,
+        run_proxy(fake.url, breaker_threshold=2, breaker_cooldown_s=30) as px,
+    ):
         with structlog.testing.capture_logs() as logs:
             for _ in range(2):
                 async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:
                     assert r.status == 500
-                    assert await r.json() == {"error": {"message": "scripted error 500", "type": "server_error", "code": 500}}
+                    assert await r.json() == {
+                        "error": {
+                            "message": "scripted error 500",
+                            "type": "server_error",
+                            "code": 500,
+                        }
+                    }
             async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:
-                assert r.status == 503 and (await r.json())["error"]["type"] == "upstream_unavailable"
+                assert (
+                    r.status == 503 and (await r.json())["error"]["type"] == "upstream_unavailable"
+                )
             await quiet(px)
         assert len(fake.generations) == 2  # the third failed fast
         assert px.state.breaker.state == "open"
         lines = canonical(logs)
-        assert [(ln["status"], ln["outcome"]) for ln in lines] == [(500, "error"), (500, "error"), (503, "rejected")]
+        assert [(ln["status"], ln["outcome"]) for ln in lines] == [
+            (500, "error"),
+            (500, "error"),
+            (503, "rejected"),
+        ]
         assert lines[0]["upstream_status"] == 500
         assert outcome_count(px, "error") == 2 and outcome_count(px, "rejected") == 1
 
@@ -149,8 +179,11 @@ async def test_upstream_restarted_while_requests_queued(http: aiohttp.ClientSess
             with structlog.testing.capture_logs() as logs:
 
                 async def one(i: int) -> tuple[int, bytes]:
-                    async with http.post(px.url + "/completion", json={"prompt": str(i), "stream": True},
-                                         headers={"X-LLMProxy-Session": f"s{i}"}) as r:
+                    async with http.post(
+                        px.url + "/completion",
+                        json={"prompt": str(i), "stream": True},
+                        headers={"X-LLMProxy-Session": f"s{i}"},
+                    ) as r:
                         return r.status, await r.read()
 
                 tasks = [asyncio.create_task(one(0))]
@@ -202,9 +235,10 @@ class HangingSlots(FakeUpstream):
 
 async def test_slots_never_answering_hits_confirm_timeout(http: aiohttp.ClientSession) -> None:
     script = lambda _p, _b: Script(tokens=500, token_delay_s=0.01)  # noqa: E731
-    async with HangingSlots(slots=1, script=script, abort_linger_s=0) as fake, run_proxy(
-        fake.url, confirm_timeout_s=0.5
-    ) as px:
+    async with (
+        HangingSlots(slots=1, script=script, abort_linger_s=0) as fake,
+        run_proxy(fake.url, confirm_timeout_s=0.5) as px,
+    ):
         assert px.state.adapter.can_confirm
         with structlog.testing.capture_logs() as logs:
             fake.hang.set()
@@ -221,7 +255,9 @@ async def test_slots_never_answering_hits_confirm_timeout(http: aiohttp.ClientSe
         assert fake.slot_polls >= 1
         assert 0.5 <= waited < 3
         assert px.state.metrics.confirm_timeouts._value.get() == 1
-        assert any(e["log_level"] == "error" and "confirmation timed out" in e["event"] for e in logs)
+        assert any(
+            e["log_level"] == "error" and "confirmation timed out" in e["event"] for e in logs
+        )
         first = canonical(logs)[0]
         assert first["outcome"] == "cancelled_inflight" and first["confirm_timed_out"] is True
         assert first["confirm_wait_ms"] >= 500

@@ -98,7 +98,10 @@ async def test_whole_body_goes_out_with_its_headers() -> None:
     async with responder_server(script) as (url, _), aiohttp.ClientSession() as http:
         async with http.post(url) as r:
             assert r.status == 200 and await r.read() == b'{"content":"x"}'
-            assert r.headers["Content-Length"] == "15" and r.headers["Content-Type"] == "application/json"
+            assert (
+                r.headers["Content-Length"] == "15"
+                and r.headers["Content-Type"] == "application/json"
+            )
             assert r.headers["X-Upstream"] == "1" and r.headers["X-Request-Id"] == "rid-1"
 
 
@@ -214,7 +217,9 @@ async def test_detach_ends_it_and_later_writes_do_nothing() -> None:
             assert seen["out"].gone and seen["out"].ended
             detached.set()
             await done.wait()
-            assert await r.read() == b""  # aiohttp ends what the handler returned; nothing written after
+            assert (
+                await r.read() == b""
+            )  # aiohttp ends what the handler returned; nothing written after
 
 
 async def test_error_after_an_interrupted_last_write_closes_instead_of_an_event() -> None:
@@ -227,8 +232,10 @@ async def test_error_after_an_interrupted_last_write_closes_instead_of_an_event(
         transport = small_send_buffer(request)
         await out.head(200, sse_head(), None)
         last = asyncio.create_task(out.end(big))
-        await wait_until(lambda: transport.get_write_buffer_size() > 0 and not last.done(),
-                         what="the last write to wait on the client")
+        await wait_until(
+            lambda: transport.get_write_buffer_size() > 0 and not last.done(),
+            what="the last write to wait on the client",
+        )
         last.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await last
@@ -256,9 +263,14 @@ async def test_a_writer_stopped_while_the_client_lags_leaves_an_event_that_parse
         transport = small_send_buffer(request)
         await out.head(200, sse_head(), None)
         await out.piece(b'data: {"content":"a"}\n\n')  # a whole event: the tail at a boundary
-        write = asyncio.create_task(out.piece(b'data: {"content":"' + b"x" * (8 << 20)))  # one cut mid-event
-        await wait_until(lambda: transport.get_write_buffer_size() > 0 and not write.done(), timeout=20,
-                         what="the piece to wait on the client")
+        write = asyncio.create_task(
+            out.piece(b'data: {"content":"' + b"x" * (8 << 20))
+        )  # one cut mid-event
+        await wait_until(
+            lambda: transport.get_write_buffer_size() > 0 and not write.done(),
+            timeout=20,
+            what="the piece to wait on the client",
+        )
         write.cancel()  # what stop() does to the job task
         with contextlib.suppress(asyncio.CancelledError):
             await write
@@ -276,7 +288,11 @@ async def test_a_writer_stopped_while_the_client_lags_leaves_an_event_that_parse
         writer.close()
         await wait_until(lambda: bool(handler_ends), what="the handler to end")
     assert handler_ends == ["returned"]  # no stray CancelledError in the handler
-    body = dechunk(bytes(got[got.index(b"\r\n\r\n") + 4:]))
+    body = dechunk(bytes(got[got.index(b"\r\n\r\n") + 4 :]))
     events = body.split(b"\n\n")
-    assert events[-1] == b"" and events[-2].startswith(b"data: {") and events[0] == b'data: {"content":"a"}'
+    assert (
+        events[-1] == b""
+        and events[-2].startswith(b"data: {")
+        and events[0] == b'data: {"content":"a"}'
+    )
     assert json.loads(events[-2].removeprefix(b"data: "))["error"]["type"] == "superseded"

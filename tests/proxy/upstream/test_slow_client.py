@@ -15,10 +15,13 @@ import aiohttp
 import structlog
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
-from tests.helpers.proxy import run_proxy
 from tests.helpers.net import wait_until
+from tests.helpers.proxy import run_proxy
 
-TOKENS, PADDING = 512, 16384  # 8 MiB of stream: more than a loopback connection's kernel buffers hold (4 MiB)
+TOKENS, PADDING = (
+    512,
+    16384,
+)  # 8 MiB of stream: more than a loopback connection's kernel buffers hold (4 MiB)
 
 
 @contextlib.asynccontextmanager
@@ -32,8 +35,11 @@ async def stalled(url: str, path: str, body: dict[str, Any]) -> AsyncIterator[as
     await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
     reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
     payload = json.dumps(body).encode()
-    writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(payload)}\r\nX-Request-Id: stalled\r\n\r\n".encode() + payload)
+    writer.write(
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\nX-Request-Id: stalled\r\n\r\n".encode()
+        + payload
+    )
     await writer.drain()
     try:
         assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
@@ -50,19 +56,33 @@ async def dropped(reader: asyncio.StreamReader) -> bool:
     return True
 
 
-async def test_a_client_that_stops_reading_does_not_keep_the_permit(http: aiohttp.ClientSession) -> None:
-    script = lambda _p, b: Script(tokens=TOKENS, token_delay_s=0, padding=PADDING if b["prompt"] == "a" else 0)  # noqa: E731
-    async with FakeUpstream(slots=1, script=script) as fake, run_proxy(
-        fake.url, client_buffer_bytes=16 << 20, client_write_timeout_s=0.5
-    ) as px:
+async def test_a_client_that_stops_reading_does_not_keep_the_permit(
+    http: aiohttp.ClientSession,
+) -> None:
+    script = lambda _p, b: Script(
+        tokens=TOKENS, token_delay_s=0, padding=PADDING if b["prompt"] == "a" else 0
+    )  # noqa: E731
+    async with (
+        FakeUpstream(slots=1, script=script) as fake,
+        run_proxy(fake.url, client_buffer_bytes=16 << 20, client_write_timeout_s=0.5) as px,
+    ):
         gate = px.state.gate
         with structlog.testing.capture_logs() as logs:
             async with stalled(px.url, "/completion", {"prompt": "a", "stream": True}) as reader:
-                await fake.wait_for(lambda f: len(f.completed) == 1, timeout=10)  # the backend is done...
-                await wait_until(lambda: gate.free == 1, what="the permit back while the client still stalls")
-                async with http.post(px.url + "/completion", json={"prompt": "b", "n_predict": 2}) as r:
+                await fake.wait_for(
+                    lambda f: len(f.completed) == 1, timeout=10
+                )  # the backend is done...
+                await wait_until(
+                    lambda: gate.free == 1, what="the permit back while the client still stalls"
+                )
+                async with http.post(
+                    px.url + "/completion", json={"prompt": "b", "n_predict": 2}
+                ) as r:
                     assert r.status == 200  # ...and the next request runs meanwhile
-                await wait_until(lambda: len(px.state.jobs) == 0, what="the client dropped: it took nothing for 0.5 s")
+                await wait_until(
+                    lambda: len(px.state.jobs) == 0,
+                    what="the client dropped: it took nothing for 0.5 s",
+                )
                 assert await asyncio.wait_for(dropped(reader), 5)
             px.flush_log()
         line = next(e for e in logs if e.get("event") == "request" and e["request_id"] == "stalled")
@@ -75,9 +95,10 @@ async def test_a_client_stalled_mid_stream_is_dropped_and_its_generation_stopped
     ``client_write_timeout_s`` at most; then the client is dropped, and ``on_disconnect``
     (auto: cancel, confirmed by /slots) stops the generation and returns the permit."""
     script = lambda _p, _b: Script(tokens=TOKENS * 4, token_delay_s=0, padding=PADDING)  # noqa: E731
-    async with FakeUpstream(slots=1, script=script, abort_linger_s=0.05) as fake, run_proxy(
-        fake.url, client_buffer_bytes=65536, client_write_timeout_s=0.5
-    ) as px:
+    async with (
+        FakeUpstream(slots=1, script=script, abort_linger_s=0.05) as fake,
+        run_proxy(fake.url, client_buffer_bytes=65536, client_write_timeout_s=0.5) as px,
+    ):
         async with stalled(px.url, "/completion", {"prompt": "a", "stream": True}) as reader:
             await fake.wait_for(lambda f: len(f.aborted) == 1, timeout=10)
             assert await asyncio.wait_for(dropped(reader), 5)

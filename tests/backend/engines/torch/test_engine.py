@@ -21,18 +21,30 @@ from llmproxy.backend.protocol import Done, Failed, Prompt, SamplingParams, Subm
 HAVE_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers", "gguf"))
 pytestmark = [
     pytest.mark.torch,
-    pytest.mark.skipif(not HAVE_TORCH, reason="torch/transformers not installed (pip install 'llmproxy[torch]')"),
+    pytest.mark.skipif(
+        not HAVE_TORCH, reason="torch/transformers not installed (pip install 'llmproxy[torch]')"
+    ),
 ]
 
 GREEDY = SamplingParams(n_predict=10, temperature=0)
-PROMPTS = ["def fibonacci(n):", "The capital of France is", "import numpy as np\n", "Once upon a time"]
+PROMPTS = [
+    "def fibonacci(n):",
+    "The capital of France is",
+    "import numpy as np\n",
+    "Once upon a time",
+]
 
 
 def settings(cache_dir: Path, **kw: Any) -> Any:
     from llmproxy.backend.settings import BackendSettings
 
     base: dict[str, Any] = dict(
-        engine="torch", cache_dir=cache_dir, n_ctx=512, max_batch_size=4, prefill_chunk=64, n_threads=1
+        engine="torch",
+        cache_dir=cache_dir,
+        n_ctx=512,
+        max_batch_size=4,
+        prefill_chunk=64,
+        n_threads=1,
     )
     return BackendSettings(**{**base, **kw})
 
@@ -124,8 +136,12 @@ def test_join_mid_batch_next_step(eng: Any) -> None:
         r.step(eng)
     r.admit(eng, "b", PROMPTS[1])
     r.step(eng)
-    assert r.first_step["b"] == r.steps, "a new request must produce its first token at the next step"
-    assert r.tokens_per_step[r.steps].get("a") == 1, "the running request kept decoding in that step"
+    assert r.first_step["b"] == r.steps, (
+        "a new request must produce its first token at the next step"
+    )
+    assert r.tokens_per_step[r.steps].get("a") == 1, (
+        "the running request kept decoding in that step"
+    )
     r.finish(eng)
     assert r.text["b"] == solo_b
     assert r.done_step["b"] < r.done_step["a"]
@@ -145,7 +161,9 @@ def test_long_prompt_prefill_is_chunked_and_stall_free(eng: Any) -> None:
     chunks = r.first_step["b"] - start
     assert chunks == -(-n_prompt // eng.chunk)  # one chunk per step
     # "a" kept decoding one token per step while "b" was being prefilled
-    assert all(r.tokens_per_step[i].get("a", 0) == 1 for i in range(start + 1, r.first_step["b"] + 1))
+    assert all(
+        r.tokens_per_step[i].get("a", 0) == 1 for i in range(start + 1, r.first_step["b"] + 1)
+    )
     r.finish(eng)
 
 
@@ -187,7 +205,9 @@ def test_slot_shuffles_keep_every_sequence_exact(eng: Any) -> None:
         before = {s.rid: (s.slot, s.pos) for s in eng.prefilling}
         r.step(eng)
         row_of_l1 = next((i for i, s in enumerate(eng.batch.rows) if s.rid == "l1"), None)
-        swapped_with_data = row_of_l1 is not None and before["l2"][0] == row_of_l1 and eng.prefilling[0].pos > 0
+        swapped_with_data = (
+            row_of_l1 is not None and before["l2"][0] == row_of_l1 and eng.prefilling[0].pos > 0
+        )
     assert swapped_with_data, "l1 joined into the slot of l2, which already held prompt tokens"
     while not {"l1", "l2", "a"} <= r.done.keys():
         r.step(eng)
@@ -213,15 +233,24 @@ def test_cancel_waiting_and_unknown(eng: Any) -> None:
 
 
 def test_sampling_seeded_reproducible_alone_and_batched(eng: Any) -> None:
-    hot = SamplingParams(n_predict=12, temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=7, ignore_eos=True)
+    hot = SamplingParams(
+        n_predict=12, temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=7, ignore_eos=True
+    )
     first = alone(eng, PROMPTS[3], hot)
     assert alone(eng, PROMPTS[3], hot) == first
     r = Run()
-    r.admit(eng, "x", PROMPTS[0], SamplingParams(n_predict=12, temperature=1.5, seed=99, ignore_eos=True))
+    r.admit(
+        eng,
+        "x",
+        PROMPTS[0],
+        SamplingParams(n_predict=12, temperature=1.5, seed=99, ignore_eos=True),
+    )
     r.admit(eng, "s", PROMPTS[3], hot)
     r.finish(eng)
     assert r.text["s"] == first
-    seeds = {alone(eng, PROMPTS[3], SamplingParams(**{**_fields(hot), "seed": s})) for s in range(4)}
+    seeds = {
+        alone(eng, PROMPTS[3], SamplingParams(**{**_fields(hot), "seed": s})) for s in range(4)
+    }
     assert len(seeds) > 1, "different seeds at temperature 1.5 should not all agree"
 
 
@@ -241,7 +270,9 @@ def test_seeded_text_does_not_depend_on_prompt_chunking(eng: Any) -> None:
                        if n_tokens(p) > c and n_tokens(p) % c + k > c)  # fmt: skip
     n = n_tokens(long_prompt)
     assert 1 + -(-(n - (c - k)) // c) == -(-n // c) + 1  # batched: one prompt chunk more than alone
-    hot = SamplingParams(n_predict=8, temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=11, ignore_eos=True)
+    hot = SamplingParams(
+        n_predict=8, temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=11, ignore_eos=True
+    )
     first = alone(eng, long_prompt, hot)
     r = Run()
     r.admit(eng, "x", other, SamplingParams(n_predict=4, temperature=0))
@@ -261,7 +292,9 @@ def test_stop_word_cuts_and_reports(eng: Any) -> None:
     word = "return"
     assert word in full
     r = Run()
-    r.admit(eng, "s", PROMPTS[0], SamplingParams(n_predict=24, temperature=0, stop=(word, "never-seen")))
+    r.admit(
+        eng, "s", PROMPTS[0], SamplingParams(n_predict=24, temperature=0, stop=(word, "never-seen"))
+    )
     r.finish(eng)
     assert r.text.get("s", "") == full[: full.index(word)]
     assert r.done["s"].stop_reason == "word" and r.done["s"].stopping_word == word
@@ -303,7 +336,9 @@ def test_chat_and_infill_prompts(eng: Any) -> None:
     assert r.text["c"].strip() and r.done["c"].n_prompt_tokens > 10
     # SmolLM2 has no FIM tokens: infill falls back to continuing extra + prefix + prompt
     assert eng.prompts.fim is None
-    infill = P(kind="infill", prefix="def add(a, b):\n", text="    return", suffix="\n\nprint(add(1, 2))\n")
+    infill = P(
+        kind="infill", prefix="def add(a, b):\n", text="    return", suffix="\n\nprint(add(1, 2))\n"
+    )
     r.feed(eng.admit(Submit("i", 0, infill, GREEDY)))
     r.finish(eng)
     assert r.text["i"] == alone(eng, "def add(a, b):\n    return")
@@ -323,7 +358,9 @@ def test_detokenizer_never_splits_characters(eng: Any) -> None:
 def test_static_batching_groups_and_blocks_late_requests(eng: Any, cache_dir: Path) -> None:
     static = make_engine(cache_dir, batching="static", max_batch_wait_ms=20)
     try:
-        assert static.last_load["converted"] is False, "second load must reuse the converted weights"
+        assert static.last_load["converted"] is False, (
+            "second load must reuse the converted weights"
+        )
         assert dict(static.info.extra)["weights_from_cache"] == "true"
         long = SamplingParams(n_predict=12, temperature=0, ignore_eos=True)
         r = Run()
@@ -331,10 +368,14 @@ def test_static_batching_groups_and_blocks_late_requests(eng: Any, cache_dir: Pa
         r.admit(static, "b", PROMPTS[1], long)
         while "a" not in r.first_step:
             r.step(static)
-        assert r.first_step["a"] == r.first_step["b"], "requests within the wait window run as one batch"
+        assert r.first_step["a"] == r.first_step["b"], (
+            "requests within the wait window run as one batch"
+        )
         r.admit(static, "late", PROMPTS[2], SamplingParams(n_predict=4, temperature=0))
         r.finish(static)
-        assert r.first_step["late"] > max(r.done_step["a"], r.done_step["b"]), "static: late request waits"
+        assert r.first_step["late"] > max(r.done_step["a"], r.done_step["b"]), (
+            "static: late request waits"
+        )
         assert r.text["late"] == alone(eng, PROMPTS[2], SamplingParams(n_predict=4, temperature=0))
     finally:
         static.close()
@@ -345,7 +386,11 @@ def test_static_batching_groups_and_blocks_late_requests(eng: Any, cache_dir: Pa
     r.step(eng)
     r.admit(eng, "late", PROMPTS[2], SamplingParams(n_predict=4, temperature=0))
     r.step(eng)
-    assert r.first_step["late"] == r.steps < min(r.done_step.get("a", 10**9), r.done_step.get("b", 10**9))
+    assert (
+        r.first_step["late"]
+        == r.steps
+        < min(r.done_step.get("a", 10**9), r.done_step.get("b", 10**9))
+    )
     r.finish(eng)
 
 

@@ -14,7 +14,9 @@ import pytest
 HAVE_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 pytestmark = [
     pytest.mark.torch,
-    pytest.mark.skipif(not HAVE_TORCH, reason="torch/transformers not installed (pip install 'llmproxy[torch]')"),
+    pytest.mark.skipif(
+        not HAVE_TORCH, reason="torch/transformers not installed (pip install 'llmproxy[torch]')"
+    ),
 ]
 
 

@@ -23,5 +23,7 @@ def test_missing_torch_names_the_extra(tmp_path: Path) -> None:
         "except TorchUnavailable as e:\n"
         "    print(e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
     assert "pip install 'llmproxy[torch]'" in out.stdout, out.stderr

@@ -9,12 +9,15 @@ from typing import Any
 
 import aiohttp
 import pytest
+
 from tests.helpers.backend import parallel_flags
 
 HAVE_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers", "gguf"))
 pytestmark = [
     pytest.mark.torch,
-    pytest.mark.skipif(not HAVE_TORCH, reason="torch/transformers not installed (pip install 'llmproxy[torch]')"),
+    pytest.mark.skipif(
+        not HAVE_TORCH, reason="torch/transformers not installed (pip install 'llmproxy[torch]')"
+    ),
 ]
 GREEDY = {"prompt": "def add(a, b):", "n_predict": 6, "temperature": 0}
 
