@@ -12,7 +12,7 @@ PIPC   := $(PIP) install -q -c constraints.txt
 # rm .venv/.llama && make LLAMA_CMAKE_ARGS=-DGGML_NATIVE=ON ...
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF
 
-.PHONY: serve test interop gpu-check-prep gpu-check-cpu install install-dev bench clean
+.PHONY: serve test lint interop gpu-check-prep gpu-check-cpu install install-dev bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -50,7 +50,13 @@ $(VENV)/.systemd:
 	  echo "warning: systemd-analyze not found and not installable here; unit verification tests will skip"
 	touch $@
 
-test: $(VENV)/.dev $(VENV)/.systemd
+# ruff (lint and format check) and mypy (settings in pyproject.toml); `make test` runs it first.
+lint: $(VENV)/.dev
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	PY=$(PY) bash scripts/typecheck.sh
+
+test: lint $(VENV)/.systemd
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The interop suite against real backends: llama-server, built once from the PyPI sdist
