@@ -3,31 +3,31 @@
 Pure asyncio logic, no sockets (tested directly). Concurrency contract:
 
 - ``submit`` never blocks: it enqueues a ``Ticket`` (or grants a free permit at once),
-  supersedes an older queued ticket of the same session (its waiter gets ``Superseded``
-  and the newcomer takes its queue position), asks in-flight tickets of the same session
-  to stop (``Ticket.on_supersede``; the job decides by policy), and raises ``QueueFull``
-  or ``ShuttingDown``.
+  supersedes an older queued ticket of the same session (its waiter gets ``Superseded`` and
+  the newcomer takes its queue position), asks in-flight tickets of the same session to stop
+  (``Ticket.on_supersede``; the job decides by policy), and raises ``QueueFull`` or
+  ``ShuttingDown``.
 - ``Ticket.wait`` blocks until a permit (slot id) is granted. The waiter's task may be
-  cancelled (client disconnect, queue timeout): it must then call ``abandon``, which
-  removes a queued ticket or returns a permit that was granted but never taken.
-- Once a permit is taken, the ticket belongs to an upstream job task; only that job
-  calls ``release``, and only after the upstream is known idle. No client-side event
-  releases a permit.
+  cancelled (client disconnect, queue timeout): it must then call ``abandon``, which removes
+  a queued ticket or returns a permit that was granted but never taken.
+- Once a permit is taken, the ticket belongs to an upstream job task; only that job calls
+  ``release``, and only after the upstream is known idle. No client-side event releases a
+  permit.
 - Permits are slot ids 0..N-1. A grant prefers the slot the session used last when it is
   free (prompt-cache affinity); FIFO order between waiters is never changed by that.
 - A ticket may need several permits at once (``permits``: llama-server's ``n_cmpl``, which
   runs one request on that many slots). It is granted all of them together or waits; the
-  queue stays strictly FIFO, so a smaller request behind it waits too (no overtaking, so
-  a wide request cannot starve). Its first slot is the affinity choice; the others are the
-  lowest free ids, the ones llama-server gives a request's extra completions. Until its
-  job has sent it, ``settle_extras`` may trade those for lower slots freed meanwhile (the
-  job's adapter owns that wait; ``settled`` ends it).
+  queue stays strictly FIFO, so a smaller request behind it waits too (no overtaking, so a
+  wide request cannot starve). Its first slot is the affinity choice; the others are the
+  lowest free ids, the ones llama-server gives a request's extra completions. Until its job
+  has sent it, ``settle_extras`` may trade those for lower slots freed meanwhile (the job's
+  adapter owns that wait; ``settled`` ends it).
 - A queued ticket's permit count is decided when it is granted: its ``sizer`` (if any) is
-  called then, with the capacity at that moment, and its answer is the count granted (what
-  the request needs may change while it waits: the upstream's adapter is replaced once it
-  is detected, see watch.py). A sizer that raises a ProxyError fails the ticket with it:
-  its waiter raises that error. Sizers run synchronously inside the gate's calls and must
-  not call back into the gate.
+  called then, with the slot count (``total``) at that moment, and its answer is the count
+  granted (what the request needs may change while it waits: the upstream's adapter is
+  replaced once it is detected, see upstream/watch.py). A sizer that raises a ProxyError
+  fails the ticket with it: its waiter raises that error. Sizers run synchronously inside
+  the gate's calls and must not call back into the gate.
 - A slot whose stop could not be confirmed in time may still run its request: the job
   ``quarantine``s it instead of releasing it. It is then in no one's hands and out of the
   grants, and ``capacity`` (the permits there are) counts it down, until the job sees it
@@ -40,55 +40,23 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Literal
 
 from llmproxy.proxy.errors import ProxyError, QueueFull, ShuttingDown, Superseded
-
-State = Literal["queued", "granted", "running", "stopping", "done"]
-_AFFINITY_MAX = 4096
-
-
-@dataclass(eq=False)
-class Ticket:
-    """One gated request's claim on a permit."""
-
-    id: int
-    session: str
-    supersedable: bool
-    route: str
-    future: asyncio.Future[int]
-    permits: int = 1
-    sizer: Callable[[int], int] | None = None  # the permit count at grant time (capacity -> count)
-    created: float = field(default_factory=time.monotonic)
-    state: State = "queued"
-    slot: int | None = None  # the first granted slot (the one ``id_slot`` names)
-    slots: tuple[int, ...] = ()  # every granted slot, ``slot`` first
-    granted_at: float | None = None
-    on_supersede: Callable[[], None] | None = None
-    superseded: bool = False  # set if superseded after the grant but before the job took it
-
-    async def wait(self) -> int:
-        """Block until granted; returns the (first) slot id. Raises Superseded/ShuttingDown."""
-        return await self.future
+from llmproxy.proxy.gating.slots import Slots
+from llmproxy.proxy.gating.ticket import Ticket as Ticket  # upstream/ imports it from here
 
 
 class Gate:
     def __init__(self, capacity: int, max_queue: int, *, retry_after_s: int = 1) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
-        self.total = capacity  # slot ids 0..total-1, quarantined ones included
         self.max_queue = max_queue
         self.retry_after_s = retry_after_s
-        self._free: list[int] = list(range(capacity))
-        self._quarantined: set[int] = set()
+        self._slots = Slots(capacity)
         self.closing = asyncio.Event()  # set by close()
         self._queue: list[Ticket] = []
         self._inflight: dict[int, Ticket] = {}  # ticket id -> ticket (granted/running/stopping)
-        self._settling: dict[int, Ticket] = {}  # wide tickets about to be sent (settle_extras)
-        self._affinity: OrderedDict[str, int] = OrderedDict()
         self._ids = itertools.count(1)
         self._closed = False
         self._idle = asyncio.Event()
@@ -96,23 +64,28 @@ class Gate:
 
     # -- observation --------------------------------------------------------------
     @property
+    def total(self) -> int:
+        """Slot ids are 0..total - 1, quarantined ones included."""
+        return self._slots.total
+
+    @property
     def capacity(self) -> int:
         """Permits there are: the slots, less those quarantined."""
-        return self.total - len(self._quarantined)
+        return self._slots.capacity
 
     @property
     def quarantined(self) -> list[int]:
         """Slots kept out of the grants until they are seen idle (see the module's contract)."""
-        return sorted(self._quarantined)
+        return sorted(self._slots.quarantined)
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        return len(self._slots.free)
 
     @property
     def held(self) -> int:
         """Permits held (a request on several slots holds several)."""
-        return self.capacity - len(self._free)
+        return self.capacity - len(self._slots.free)
 
     @property
     def queued(self) -> int:
@@ -155,33 +128,19 @@ class Gate:
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
         replaced = self._queued_index(session) if supersedable else None
-        grant_now = replaced is None and len(self._free) >= permits and not self._queue
+        grant_now = replaced is None and self.free >= permits and not self._queue
         if replaced is None and not grant_now and len(self._queue) >= self.max_queue:
-            raise QueueFull(
-                f"queue full ({self.max_queue} waiting)",
-                headers={"Retry-After": str(self.retry_after_s)},
-            )
-        ticket = Ticket(
-            next(self._ids),
-            session,
-            supersedable,
-            route,
-            asyncio.get_running_loop().create_future(),
-            permits,
-            sizer,
-        )
+            retry = {"Retry-After": str(self.retry_after_s)}
+            raise QueueFull(f"queue full ({self.max_queue} waiting)", headers=retry)
+        future = asyncio.get_running_loop().create_future()
+        ticket = Ticket(next(self._ids), session, supersedable, route, future, permits, sizer)
         self._idle.clear()
         if supersedable:
             self._supersede_inflight(session)
         if replaced is not None:
             old = self._queue[replaced]
             self._queue[replaced] = ticket  # the newcomer takes the old one's position
-            old.state = "done"
-            if not old.future.done():  # done = its waiter was cancelled meanwhile
-                old.future.set_exception(
-                    Superseded("superseded by a newer request from the same session")
-                )
-                old.future.exception()  # retrieved: the waiter may already be gone
+            old.end(Superseded("superseded by a newer request from the same session"))
             self._grant_waiters()  # the newcomer may need fewer permits than the one it replaced
         elif grant_now:
             self._grant(ticket)
@@ -204,7 +163,8 @@ class Gate:
                     old.on_supersede()
 
     def take(self, ticket: Ticket, on_supersede: Callable[[], None] | None = None) -> int:
-        """The upstream job takes ownership of a granted permit (Superseded if replaced meanwhile)."""
+        """The upstream job takes ownership of a granted permit (Superseded if replaced
+        meanwhile)."""
         assert ticket.state == "granted" and ticket.slot is not None, ticket.state
         if ticket.superseded:
             self.release(ticket)
@@ -223,10 +183,9 @@ class Gate:
         on their own slot) hold: each must be busy at the server before the send, or the
         server, seeing it idle, would put an extra completion there."""
         if len(ticket.slots) < 2 or ticket.state != "running":
-            self._settling.pop(ticket.id, None)
+            self._slots.settled(ticket)
             return set()
-        self._settling[ticket.id] = ticket
-        self._take_lower_free(ticket)
+        self._slots.settle(ticket)
         top = max(ticket.slots[1:])
         mine = set(ticket.slots)
         return {
@@ -239,12 +198,7 @@ class Gate:
 
     def settled(self, ticket: Ticket) -> None:
         """The settling ticket's request was sent (or given up): its slots are fixed now."""
-        self._settling.pop(ticket.id, None)
-
-    def _take_lower_free(self, ticket: Ticket) -> None:
-        pool = sorted([*self._free, *ticket.slots[1:]])
-        extras, self._free = pool[: len(ticket.slots) - 1], pool[len(ticket.slots) - 1 :]
-        ticket.slots = (ticket.slots[0], *extras)
+        self._slots.settled(ticket)
 
     def mark_stopping(self, ticket: Ticket) -> None:
         if ticket.state == "running":
@@ -257,8 +211,7 @@ class Gate:
             ticket.state = "done"
             if not ticket.future.done():
                 ticket.future.cancel()
-            self._grant_waiters()  # a wide head leaving may let the next waiters through
-            self._check_idle()
+            self._advance()  # a wide head leaving may let the next waiters through
         elif ticket.state == "granted":
             self.release(ticket)
 
@@ -273,35 +226,30 @@ class Gate:
             return
         assert ticket.slots
         del self._inflight[ticket.id]
-        self._settling.pop(ticket.id, None)
+        self._slots.settled(ticket)
         ticket.state = "done"
         ticket.on_supersede = None
         kept = set(slots) & set(ticket.slots)
-        self._quarantined |= kept
-        self._give_back([s for s in ticket.slots if s not in kept])
+        self._slots.quarantine(kept)
+        self._slots.put([s for s in ticket.slots if s not in kept])
+        self._advance()
 
     def unquarantine(self, slot: int) -> None:
         """A quarantined slot was seen idle: a permit again."""
-        if slot in self._quarantined:
-            self._quarantined.discard(slot)
-            self._give_back([slot])
+        if self._slots.unquarantine(slot):
+            self._advance()
 
-    def _give_back(self, slots: list[int]) -> None:
-        self._free.extend(slots)
-        for settling in self._settling.values():  # oldest first: see settle_extras
-            self._take_lower_free(settling)
+    def _advance(self) -> None:
+        """Grant what the waiters can get now (after slots were put back, settling tickets
+        picked first: see ``Slots.put``)."""
         self._grant_waiters()
         self._check_idle()
 
     def grow(self, capacity: int) -> None:
         """More slots (ids up to ``capacity`` - 1): the upstream's slot count became known
         after start (see watch.py). Waiters get them at once, in FIFO order; never shrinks."""
-        if capacity <= self.total:
-            return
-        self._free.extend(range(self.total, capacity))
-        self.total = capacity
-        self._grant_waiters()
-        self._check_idle()
+        if self._slots.grow(capacity):
+            self._advance()
 
     def close(self) -> None:
         """Shutdown: refuse new tickets and answer every queued one with ShuttingDown."""
@@ -309,10 +257,7 @@ class Gate:
         self.closing.set()
         queued, self._queue = self._queue, []
         for t in queued:
-            t.state = "done"
-            if not t.future.done():
-                t.future.set_exception(ShuttingDown("llmproxy is shutting down"))
-                t.future.exception()
+            t.end(ShuttingDown("llmproxy is shutting down"))
         self._check_idle()
 
     # -- internals ----------------------------------------------------------------------
@@ -333,37 +278,18 @@ class Gate:
             if ticket.sizer is not None:
                 try:
                     ticket.permits = ticket.sizer(self.total)
-                except (
-                    ProxyError
-                ) as exc:  # it cannot run here any more (too wide for the upstream found)
+                except ProxyError as exc:  # cannot run here any more (too wide for this upstream)
                     self._queue.pop(0)
-                    ticket.state = "done"
-                    ticket.future.set_exception(exc)
-                    ticket.future.exception()  # retrieved: the waiter may already be gone
+                    ticket.end(exc)
                     continue
-            if len(self._free) < ticket.permits:
+            if self.free < ticket.permits:
                 return  # strict FIFO: nobody overtakes a waiter that needs more permits
             self._queue.pop(0)
             self._grant(ticket)
 
     def _grant(self, ticket: Ticket) -> None:
-        preferred = self._affinity.get(ticket.session)
-        self._free.sort()
-        if preferred is not None and preferred in self._free:
-            self._free.remove(preferred)
-            slot = preferred
-        else:
-            slot = self._free.pop(0)
-        extra = self._free[
-            : ticket.permits - 1
-        ]  # lowest ids: where llama-server puts extra completions
-        del self._free[: ticket.permits - 1]
-        self._affinity[ticket.session] = slot
-        self._affinity.move_to_end(ticket.session)
-        if len(self._affinity) > _AFFINITY_MAX:
-            self._affinity.popitem(last=False)
-        ticket.slot = slot
-        ticket.slots = (slot, *extra)
+        ticket.slots = self._slots.take(ticket.session, ticket.permits)
+        ticket.slot = slot = ticket.slots[0]
         ticket.state = "granted"
         ticket.granted_at = time.monotonic()
         self._inflight[ticket.id] = ticket

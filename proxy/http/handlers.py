@@ -21,8 +21,8 @@ import time
 from aiohttp import web
 
 from llmproxy.proxy.errors import ProxyError, QueueTimeout
-from llmproxy.proxy.gating.gate import Ticket
 from llmproxy.proxy.gating.sessions import is_warmup, session_key
+from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.http.bodies import parse_json_object, read_body
 from llmproxy.proxy.http.security import auth_headers_to_strip
 from llmproxy.proxy.state import RECORD, STATE, ProxyState

@@ -1,0 +1,93 @@
+"""The gate's slot pool: which slot ids are free or quarantined, and which slots a grant gets.
+
+Bookkeeping only: no waiting, no order between requests (the gate owns both), no locks
+(the event loop's thread only). Slot ids are 0..``total`` - 1; at any time each one is
+free, quarantined, or held by exactly one ticket (the pool tracks the first two). A wide
+ticket being settled (``settle`` .. ``settled``, see ``Gate.settle_extras``) gets the first
+pick of slots put back meanwhile: its extras become the lowest of its own and the free ones.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from llmproxy.proxy.gating.ticket import Ticket
+
+_AFFINITY_MAX = 4096  # sessions whose last slot is remembered (least recently granted dropped)
+
+
+class Slots:
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.free: list[int] = list(range(total))
+        self.quarantined: set[int] = set()
+        self._affinity: OrderedDict[str, int] = OrderedDict()
+        self._settling: dict[int, Ticket] = {}  # ticket id -> wide ticket about to be sent
+
+    @property
+    def capacity(self) -> int:
+        """Permits there are: the slots, less those quarantined."""
+        return self.total - len(self.quarantined)
+
+    def take(self, session: str, permits: int) -> tuple[int, ...]:
+        """Take ``permits`` free slots (the caller checked there are that many), first slot
+        first: the one ``session`` was granted last if it is free (prompt-cache affinity),
+        else the lowest; the others are the lowest free ids, where llama-server puts a
+        request's extra completions."""
+        preferred = self._affinity.get(session)
+        self.free.sort()
+        if preferred is not None and preferred in self.free:
+            self.free.remove(preferred)
+            slot = preferred
+        else:
+            slot = self.free.pop(0)
+        extra = self.free[: permits - 1]
+        del self.free[: permits - 1]
+        self._affinity[session] = slot
+        self._affinity.move_to_end(session)
+        if len(self._affinity) > _AFFINITY_MAX:
+            self._affinity.popitem(last=False)
+        return (slot, *extra)
+
+    def settle(self, ticket: Ticket) -> None:
+        """``ticket`` (holding several slots) lowers its extras now and whenever slots are
+        put back, until ``settled``."""
+        self._settling[ticket.id] = ticket
+        self._lower_extras(ticket)
+
+    def settled(self, ticket: Ticket) -> None:
+        self._settling.pop(ticket.id, None)
+
+    def _lower_extras(self, ticket: Ticket) -> None:
+        """Trade the ticket's extras (all slots but the first) for the lowest ids among them
+        and the free slots; the ones given up are free again."""
+        pool = sorted([*self.free, *ticket.slots[1:]])
+        extras, self.free = pool[: len(ticket.slots) - 1], pool[len(ticket.slots) - 1 :]
+        ticket.slots = (ticket.slots[0], *extras)
+
+    def put(self, slots: Iterable[int]) -> None:
+        """Held slots are free again (settling tickets pick first, oldest first)."""
+        self.free.extend(slots)
+        for ticket in self._settling.values():
+            self._lower_extras(ticket)
+
+    def quarantine(self, slots: Iterable[int]) -> None:
+        """Held slots leave the pool until ``unquarantine``."""
+        self.quarantined |= set(slots)
+
+    def unquarantine(self, slot: int) -> bool:
+        """A quarantined slot is free again (as ``put``); False if it was not quarantined."""
+        if slot not in self.quarantined:
+            return False
+        self.quarantined.discard(slot)
+        self.put([slot])
+        return True
+
+    def grow(self, total: int) -> bool:
+        """New free slots up to ``total`` - 1; False (and nothing changes) if not more."""
+        if total <= self.total:
+            return False
+        self.free.extend(range(self.total, total))
+        self.total = total
+        return True

@@ -1,0 +1,42 @@
+"""Ticket: one gated request's claim on permits, from admission to release (see gate.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+State = Literal["queued", "granted", "running", "stopping", "done"]
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One gated request's claim on a permit."""
+
+    id: int
+    session: str
+    supersedable: bool
+    route: str
+    future: asyncio.Future[int]
+    permits: int = 1
+    sizer: Callable[[int], int] | None = None  # the permit count at grant time (capacity -> count)
+    created: float = field(default_factory=time.monotonic)
+    state: State = "queued"
+    slot: int | None = None  # the first granted slot (the one ``id_slot`` names)
+    slots: tuple[int, ...] = ()  # every granted slot, ``slot`` first
+    granted_at: float | None = None
+    on_supersede: Callable[[], None] | None = None
+    superseded: bool = False  # set if superseded after the grant but before the job took it
+
+    async def wait(self) -> int:
+        """Block until granted; returns the (first) slot id. Raises Superseded/ShuttingDown."""
+        return await self.future
+
+    def end(self, error: Exception) -> None:
+        """Done without a grant: its waiter, unless it was cancelled already, raises ``error``."""
+        self.state = "done"
+        if not self.future.done():  # done: its waiter was cancelled meanwhile
+            self.future.set_exception(error)
+            self.future.exception()  # retrieved: the waiter may already be gone
