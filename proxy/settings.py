@@ -35,40 +35,46 @@ class ProxySettings(LayeredSettings):
     # upstream
     upstream: str | None = Field(
         None,
-        description="Backend base URL (e.g. http://127.0.0.1:8012); unset = start the embedded backend",
+        description="Backend base URL (e.g. http://127.0.0.1:8012); unset = start the embedded "
+        "backend",
     )
     upstream_stream: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="llamacpp: send non-streaming completions upstream as streams and answer them whole, so that "
-        "a cancelled one stops at its next token (llama-server does not notice a dropped non-streaming client); "
-        "auto = on except for llmproxy's own backend",
+        description="llamacpp: send non-streaming completions upstream as streams and answer them "
+        "whole, so that a cancelled one stops at its next token (llama-server does not notice a "
+        "dropped non-streaming client); auto = on except for llmproxy's own backend",
     )
     upstream_kind: Literal["auto", "llamacpp", "openai", "ollama"] = Field(
         "auto",
-        description="Upstream adapter; auto detects (/props -> llamacpp, /api/version -> ollama, else openai)",
+        description="Upstream adapter; auto detects (/props -> llamacpp, /api/version -> ollama, "
+        "else openai)",
     )
     connect_timeout_s: float = Field(3.0, gt=0, description="Upstream TCP connect timeout")
     read_timeout_s: float = Field(
         300.0,
         gt=0,
-        description="Upstream inactivity timeout between bytes (no total timeout: generations may be long)",
+        description="Upstream inactivity timeout between bytes (no total timeout: generations may "
+        "be long)",
     )
     upstream_api_key: SecretStr | None = Field(
         None,
-        description="Sent upstream as 'Authorization: Bearer KEY' on every request, the proxy's own probes included, "
-        "in place of a client's (llama-server, vLLM or LM Studio started with an API key)",
+        description="Sent upstream as 'Authorization: Bearer KEY' on every request, the proxy's "
+        "own probes included, in place of a client's (llama-server, vLLM or LM Studio started "
+        "with an API key)",
     )
     detect_timeout_s: float = Field(
         10.0,
         ge=0,
-        description="How long to retry upstream detection at start (unreachable, or a model still loading)",
+        description="How long to retry upstream detection at start (unreachable, or a model still "
+        "loading)",
     )
 
     # gate
     capacity: int | None = Field(
         None,
         ge=1,
-        description="Concurrent generations at the upstream (permits); default: its slot count, else 1",
+        description="Concurrent generations at the upstream (permits); default: its slot count, "
+        "else 1",
     )
     max_queue: int = Field(
         64, ge=0, description="Requests allowed to wait for a permit; more get 429"
@@ -102,9 +108,9 @@ class ProxySettings(LayeredSettings):
     )
     supersede_inflight: Policy = Field(
         "auto",
-        description="In-flight request superseded: cancel at the backend, or let it finish; "
-        "auto = cancel where the adapter can confirm the stop (llamacpp) or where a stream stops at its next "
-        "token (openai: held about one token), else finish",
+        description="In-flight request superseded: cancel at the backend, or let it finish; auto = "
+        "cancel where the adapter can confirm the stop (llamacpp) or where a stream stops at its "
+        "next token (openai: held about one token), else finish",
     )
     on_disconnect: Policy = Field(
         "auto", description="Client disconnects while in flight: cancel or finish (auto as above)"
@@ -114,8 +120,8 @@ class ProxySettings(LayeredSettings):
     confirm_timeout_s: float = Field(
         30.0,
         gt=0,
-        description="Longest wait for /slots to show a cancelled slot idle (then logged as an error, and the slot kept "
-        "out of the gate until /slots shows it idle)",
+        description="Longest wait for /slots to show a cancelled slot idle (then logged as an "
+        "error, and the slot kept out of the gate until /slots shows it idle)",
     )
     confirm_poll_min_s: float = Field(
         0.005, gt=0, description="First /slots poll interval after a cancel"
@@ -126,27 +132,30 @@ class ProxySettings(LayeredSettings):
     settle_timeout_s: float = Field(
         1.0,
         ge=0,
-        description="Longest wait before sending an n_cmpl request until the lower slots other requests hold are busy (llamacpp)",
+        description="Longest wait before sending an n_cmpl request until the lower slots other "
+        "requests hold are busy (llamacpp)",
     )
     unconfirmed_cancel_hold_s: float = Field(
         1.0,
         ge=0,
-        description="Where a stop cannot be confirmed (policy 'cancel' without /slots, or a request that failed "
-        "mid-way: read timeout, body cut short), hold the permit this long (a cancelled stream: about one token)",
+        description="Where a stop cannot be confirmed (policy 'cancel' without /slots, or a "
+        "request that failed mid-way: read timeout, body cut short), hold the permit this long (a "
+        "cancelled stream: about one token)",
     )
 
     # slow clients
     client_buffer_bytes: int = Field(
         1024 * 1024,
         ge=65536,
-        description="Per response: bytes of the upstream's answer kept for a client that reads slower than the upstream "
-        "sends, so that the upstream is read to its end and its permit comes back without waiting for the client",
+        description="Per response: bytes of the upstream's answer kept for a client that reads "
+        "slower than the upstream sends, so that the upstream is read to its end and its permit "
+        "comes back without waiting for the client",
     )
     client_write_timeout_s: float = Field(
         30.0,
         gt=0,
-        description="Drop a client that takes no byte of its response for this long once client_buffer_bytes wait "
-        "for it (then on_disconnect applies)",
+        description="Drop a client that takes no byte of its response for this long once "
+        "client_buffer_bytes wait for it (then on_disconnect applies)",
     )
 
     # limits, shutdown, logging
@@ -171,15 +180,18 @@ class ProxySettings(LayeredSettings):
     log_flush_s: float = Field(
         0.05,
         ge=0,
-        description="Per-request log lines are written in batches, at most this long after the request ended (0: each at once)",
+        description="Per-request log lines are written in batches, at most this long after the "
+        "request ended (0: each at once)",
     )
     port_file: Path | None = Field(
         None,
-        description="Write the bound port to this file once listening (cleared at start, removed at exit)",
+        description="Write the bound port to this file once listening (cleared at start, removed "
+        "at exit)",
     )
     loop: LoopChoice = Field(
         "auto",
-        description="Event loop: uvloop (the 'speedups' extra), asyncio, or auto = uvloop when installed",
+        description="Event loop: uvloop (the 'speedups' extra), asyncio, or auto = uvloop when "
+        "installed",
     )
 
     # embedded backend (only when no upstream is set)
@@ -192,7 +204,8 @@ class ProxySettings(LayeredSettings):
     parallel: int | None = Field(
         None,
         ge=1,
-        description="Embedded backend slots (llama-cpp: worker processes, default 1; torch: batch size, default 16)",
+        description="Embedded backend slots (llama-cpp: worker processes, default 1; torch: batch "
+        "size, default 16)",
     )
     n_threads: int | None = Field(
         None, ge=1, description="Embedded backend CPU threads per worker (default: cores / slots)"
@@ -210,7 +223,8 @@ class ProxySettings(LayeredSettings):
         unknown = [p for p in parts if p not in SESSION_PARTS]
         if unknown:
             raise ValueError(
-                f"unknown session part(s) {', '.join(unknown)}; choose from {', '.join(SESSION_PARTS)}"
+                f"unknown session part(s) {', '.join(unknown)}; "
+                f"choose from {', '.join(SESSION_PARTS)}"
             )
         return parts
 
