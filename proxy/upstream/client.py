@@ -95,7 +95,8 @@ class UpstreamClient:
         keepalive_s: float = KEEPALIVE_S,
         authorization: str | None = None,
     ) -> None:
-        if base_url.scheme not in ("http", "https") or not base_url.host:
+        host, port = base_url.host, base_url.port  # yarl gives a scheme's default port
+        if base_url.scheme not in ("http", "https") or not host or port is None:
             raise ValueError(
                 f"upstream URL must be http:// or https:// with a host, not {str(base_url)!r}"
             )
@@ -104,8 +105,8 @@ class UpstreamClient:
         self.read_timeout_s = read_timeout_s
         self.max_idle = max_idle
         self.keepalive_s = keepalive_s
-        self._host = base_url.host
-        self._port = base_url.port
+        self._host = host
+        self._port = port
         self._ssl = ssl.create_default_context() if base_url.scheme == "https" else None
         self._host_header = (
             base_url.host_port_subcomponent or self._host

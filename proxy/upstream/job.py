@@ -46,7 +46,8 @@ from multidict import CIMultiDict
 
 from llmproxy.proxy.errors import ProxyError, ShuttingDown, Superseded
 from llmproxy.proxy.gating.breaker import CircuitBreaker
-from llmproxy.proxy.gating.gate import Gate, Ticket
+from llmproxy.proxy.gating.gate import Gate
+from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.telemetry.metrics import Metrics
 from llmproxy.proxy.telemetry.record import RequestRecord
 from llmproxy.proxy.upstream.adapters.base import Adapter

@@ -20,8 +20,9 @@ import aiohttp
 import structlog
 from yarl import URL
 
-from llmproxy.proxy.gating.gate import Gate, Ticket
+from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.routes import GATED_ROUTES
+from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.client import UpstreamClient
 

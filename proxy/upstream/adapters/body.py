@@ -9,13 +9,21 @@ spans and splices only the one value.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
+
+# The stdlib decoder's own whitespace pattern and string scanner (typeshed leaves them out).
 from json.decoder import WHITESPACE, scanstring  # type: ignore[attr-defined]
 
 _DECODER = json.JSONDecoder()
+_WHITESPACE: re.Pattern[str] = WHITESPACE
+_scanstring: Callable[[str, int], tuple[str, int]] = scanstring
 
 
 def _ws(text: str, i: int) -> int:
-    return WHITESPACE.match(text, i).end()
+    """The index of the first non-whitespace character from ``i`` on."""
+    match = _WHITESPACE.match(text, i)  # always matches (the pattern accepts "")
+    return match.end() if match is not None else i
 
 
 def top_level_spans(text: str) -> dict[str, tuple[int, int]] | None:
@@ -30,7 +38,7 @@ def top_level_spans(text: str) -> dict[str, tuple[int, int]] | None:
     while True:
         if i >= len(text) or text[i] != '"':
             return None
-        key, i = scanstring(text, i + 1)
+        key, i = _scanstring(text, i + 1)
         i = _ws(text, i)
         if i >= len(text) or text[i] != ":":
             return None
@@ -70,7 +78,7 @@ def set_top_level(raw: bytes, key: str, value: object, *, present: bool | None =
         start, end = spans[key]
         return (text[:start] + encoded + text[end:]).encode("utf-8")
     brace = text.index("{")
-    sep = "," if spans else ""
-    return (text[: brace + 1] + json.dumps(key) + ":" + encoded + sep + text[brace + 1 :]).encode(
+    comma = "," if spans else ""
+    return (text[: brace + 1] + json.dumps(key) + ":" + encoded + comma + text[brace + 1 :]).encode(
         "utf-8"
     )

@@ -36,7 +36,7 @@ from typing import Any
 import aiohttp
 
 from llmproxy.proxy.errors import BadRequest
-from llmproxy.proxy.gating.gate import Gate, Ticket
+from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.routes import (
     EMBEDDING_ROUTES,
     GATED_ROUTES,
@@ -44,6 +44,7 @@ from llmproxy.proxy.gating.routes import (
     RERANK_ROUTES,
     SLOT_ROUTES,
 )
+from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.upstream.adapters.base import Adapter, get_json, log
 from llmproxy.proxy.upstream.adapters.body import set_top_level
 from llmproxy.proxy.upstream.assemble import assembles
