@@ -73,9 +73,17 @@ def backend_command(s: ProxySettings, port_file: Path) -> list[str]:
     return cmd
 
 
-async def _wait_ready(proc: asyncio.subprocess.Process, port_file: Path, timeout: float) -> str:
+def _read_port(port_file: Path) -> int | None:
+    """The port the backend wrote to ``port_file``, once it has."""
+    text = port_file.read_text().strip() if port_file.exists() else ""
+    return int(text) if text else None
+
+
+async def _wait_ready(proc: asyncio.subprocess.Process, port_file: Path, limit_s: float) -> str:
+    """The backend's URL once ``/health`` answers 200; ``BackendMistake`` or RuntimeError if
+    it exits first or is not ready within ``limit_s``."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    deadline = loop.time() + limit_s
     url: str | None = None
     last_note = 0.0
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
@@ -88,8 +96,9 @@ async def _wait_ready(proc: asyncio.subprocess.Process, port_file: Path, timeout
                 raise RuntimeError(
                     f"embedded backend exited during start-up (code {proc.returncode})"
                 )
-            if url is None and port_file.exists() and (text := port_file.read_text().strip()):
-                url = f"http://127.0.0.1:{int(text)}"
+            port = None if url is not None else await asyncio.to_thread(_read_port, port_file)
+            if port is not None:
+                url = f"http://127.0.0.1:{port}"
             if url is not None:
                 try:
                     async with http.get(url + "/health") as resp:
@@ -102,7 +111,7 @@ async def _wait_ready(proc: asyncio.subprocess.Process, port_file: Path, timeout
                     last_note = time.monotonic()
                     log.info("embedded backend loading", url=url, state=info)
             await asyncio.sleep(0.1)
-    raise RuntimeError(f"embedded backend not ready within {timeout:g}s")
+    raise RuntimeError(f"embedded backend not ready within {limit_s:g}s")
 
 
 async def _stop(proc: asyncio.subprocess.Process, grace: float) -> None:
