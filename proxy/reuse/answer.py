@@ -1,0 +1,74 @@
+"""Answering a request from a generation it continues, in the form it asked for.
+
+A stream gets the generation's events from the first one after the typed text (the event
+the typed text ends in is cut, see ``Generation.stream_from``), then each new one as it
+arrives, and ends when the generation ends; a generation cut short ends it with an error
+event in the stream's own format. A non-streaming request waits for the generation's end
+and gets the body the upstream's final event gives (``Assembler``) with the typed text
+taken off the front of ``content`` (``choices[0].text`` on ``/v1/completions``), written
+compactly as the upstream writes it.
+
+Concurrency contract: runs in the request's handler task; it blocks on the generation
+(``Generation.changed``) and on the client's writes. A client that leaves cancels it; the
+caller then tells the registry the reader left.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from llmproxy.proxy.errors import ProxyError
+from llmproxy.proxy.reuse.generation import Generation
+from llmproxy.proxy.upstream.assemble import CONTENT_TYPE, Assembler
+from llmproxy.proxy.upstream.responder import stream_error_bytes
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def whole(generation: Generation, skip: int) -> tuple[int, bytes]:
+    """(status, body) of the non-streaming answer of a request that typed ``skip``
+    characters of the generation's text; the generation has ended."""
+    if generation.error is not None:
+        raise generation.error
+    assembler = Assembler(generation.route)
+    for event in generation.events:
+        assembler.feed(event.raw)
+    status, payload = assembler.render()
+    if status != 200:
+        return status, payload
+    obj: Any = json.loads(payload)
+    if generation.oai:
+        obj["choices"][0]["text"] = obj["choices"][0]["text"][skip:]
+    else:
+        obj["content"] = obj["content"][skip:]
+    return status, json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+async def answer(request: web.Request, generation: Generation, skip: int) -> web.StreamResponse:
+    """Write the answer; returns the response (aiohttp's handler result)."""
+    if not generation.stream:
+        while not generation.done:
+            await generation.changed()
+        status, body = whole(generation, skip)  # or the ProxyError the generation ended with
+        return web.Response(status=status, body=body, headers={"Content-Type": CONTENT_TYPE})
+    resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    await resp.prepare(request)
+    sent = 0
+    while True:
+        data, sent = generation.stream_from(sent, skip)
+        if data:
+            await resp.write(data)
+        if generation.done and sent == len(generation.events):
+            break
+        await generation.changed()
+    if generation.error is not None:
+        await resp.write(_error_event(generation.error))
+    await resp.write_eof()
+    return resp
+
+
+def _error_event(error: ProxyError) -> bytes:
+    return stream_error_bytes("text/event-stream", error) or b""

@@ -1,0 +1,157 @@
+"""A generation that later requests of its session may be answered from (type-through).
+
+A ``Generation`` is the record of one upstream event stream: its events as they arrived
+(``events``), the text of its first completion so far (``text``), and how it ended. The
+upstream job that owns the request feeds it (``feed``, then ``end``); requests that
+continue it read it (``follow``), each from its own offset, and wait for more with
+``changed``.
+
+Concurrency contract: used on the event loop's thread only. ``feed`` and ``end`` never
+block; ``changed()`` blocks until the next ``feed`` or ``end`` and is cancelled by its
+caller (a reader whose client left). A generation holds no permit and no task: the job
+that feeds it owns both, and ends it (``end``) on every path, so no reader waits forever.
+
+Events are the upstream's SSE events (``data: {...}``), llama-server's native form (a
+piece is ``content`` of an event with ``"stop": false``) or OpenAI's (``choices[0].text``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from llmproxy.proxy.errors import ProxyError
+
+
+class Event:
+    """One SSE event: its bytes as the upstream sent them, and the text piece it carries."""
+
+    __slots__ = ("raw", "obj", "piece")
+
+    def __init__(self, raw: bytes, obj: dict[str, Any] | None, piece: str) -> None:
+        self.raw, self.obj, self.piece = raw, obj, piece
+
+
+def _piece(obj: dict[str, Any], oai: bool) -> str:
+    """The text an event adds to the first completion ("" for any other event)."""
+    if oai:
+        choices = obj.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            choice = choices[0]
+            if choice.get("index", 0) == 0 and isinstance(choice.get("text"), str):
+                return str(choice["text"])
+        return ""
+    if obj.get("stop") is False and obj.get("index", 0) == 0:
+        content = obj.get("content")
+        return content if isinstance(content, str) else ""
+    return ""
+
+
+class Generation:
+    """One upstream generation of ``route`` for ``body`` (the client's parsed body)."""
+
+    def __init__(self, route: str, body: dict[str, Any], *, oai: bool, stream: bool) -> None:
+        self.route, self.body, self.oai, self.stream = route, body, oai, stream
+        self.events: list[Event] = []
+        self.text = ""
+        self.done = False
+        self.error: ProxyError | None = None  # the upstream failed, or the generation was cut
+        self.ended_at: float | None = None
+        self.readers = 0  # requests answered from it so far (followers)
+        self.reused_tokens = 0
+        self._pending = b""
+        self._changed = asyncio.Event()
+
+    @property
+    def ok(self) -> bool:
+        """Ended complete: every reader can be given its whole answer."""
+        return self.done and self.error is None
+
+    def feed(self, data: bytes) -> None:
+        """Bytes of the upstream's event stream, as they arrive."""
+        blocks = (self._pending + data).split(b"\n\n")
+        self._pending = blocks.pop()
+        for block in blocks:
+            self._add(block + b"\n\n")
+        self._wake()
+
+    def _add(self, raw: bytes) -> None:
+        obj: dict[str, Any] | None = None
+        for line in raw.split(b"\n"):
+            if line.startswith(b"data:"):
+                payload = line[5:].strip()
+                if payload and payload != b"[DONE]":
+                    try:
+                        parsed = json.loads(payload)
+                    except ValueError:
+                        parsed = None
+                    obj = parsed if isinstance(parsed, dict) else None
+        piece = _piece(obj, self.oai) if obj is not None else ""
+        self.events.append(Event(raw, obj, piece))
+        self.text += piece
+
+    def end(self, error: ProxyError | None = None) -> None:
+        """The upstream's body ended (``error`` None), or the generation failed or was cut."""
+        if self.done:
+            return
+        if self._pending.strip():
+            self._add(self._pending)
+            self._pending = b""
+        self.done, self.error = True, error
+        self.ended_at = time.monotonic()
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def changed(self) -> None:
+        """Wait for the next ``feed`` or ``end`` (returns at once once ended)."""
+        if not self.done:
+            await self._changed.wait()
+
+    def expired(self, ttl_s: float, now: float) -> bool:
+        return self.ended_at is not None and now - self.ended_at > ttl_s
+
+    def stream_from(self, start: int, skip: int) -> tuple[bytes, int]:
+        """Events ``start`` onwards as bytes for a stream reader whose first ``skip``
+        characters of text were typed already; returns them and the next event index.
+
+        Events whose whole piece lies within the typed text are left out; the event the
+        typed text ends in is written again with the rest of its piece (compact JSON, as
+        the upstream writes it); every other event goes out as it came."""
+        out = []
+        pos = sum(len(e.piece) for e in self.events[:start])
+        for event in self.events[start:]:
+            end = pos + len(event.piece)
+            if not event.piece or pos >= skip:
+                out.append(event.raw)
+            elif end > skip:
+                out.append(self._trimmed(event, skip - pos))
+            pos = end
+        return b"".join(out), len(self.events)
+
+    def _trimmed(self, event: Event, cut: int) -> bytes:
+        assert event.obj is not None
+        obj = json.loads(json.dumps(event.obj))  # a copy: the event stays as it came
+        if self.oai:
+            obj["choices"][0]["text"] = event.piece[cut:]
+        else:
+            obj["content"] = event.piece[cut:]
+        return b"data: " + _dumps(obj) + b"\n\n"
+
+    def tokens_after(self, skip: int) -> int:
+        """Pieces (about one token each) of the text after its first ``skip`` characters."""
+        pos, count = 0, 0
+        for event in self.events:
+            if event.piece:
+                if pos + len(event.piece) > skip:
+                    count += 1
+                pos += len(event.piece)
+        return count
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()

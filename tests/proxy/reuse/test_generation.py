@@ -1,0 +1,139 @@
+"""A generation's record, and what a request that typed part of its text gets from it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from llmproxy.proxy.errors import Superseded
+from llmproxy.proxy.reuse.answer import whole
+from llmproxy.proxy.reuse.generation import Generation
+from llmproxy.proxy.reuse.registry import Generations
+
+PIECES = ["Hel", "lo", ", ", "wor", "ld"]
+
+
+def native(piece: str) -> bytes:
+    return b'data: {"index":0,"content":"' + piece.encode() + b'","stop":false}\n\n'
+
+
+FINAL = b'data: {"index":0,"content":"","stop":true,"tokens_predicted":5}\n\n'
+
+
+def oai(piece: str, finish: str | None = None) -> bytes:
+    choice = {"text": piece, "index": 0, "finish_reason": finish}
+    return b"data: " + json.dumps({"choices": [choice]}, separators=(",", ":")).encode() + b"\n\n"
+
+
+def events(data: bytes) -> list[dict[str, object]]:
+    return [json.loads(block[6:]) for block in data.split(b"\n\n") if block]
+
+
+def test_text_accumulates_across_split_chunks() -> None:
+    gen = Generation("/completion", {}, oai=False, stream=True)
+    stream = b"".join(native(p) for p in PIECES) + FINAL
+    for i in range(0, len(stream), 7):  # chunks that cut events anywhere
+        gen.feed(stream[i : i + 7])
+    gen.end()
+    assert gen.text == "Hello, world" and gen.ok and len(gen.events) == 6
+
+
+@pytest.mark.parametrize("skip", [0, 1, 3, 4, 5, 11, 12])
+def test_a_stream_reader_gets_the_text_after_what_it_typed(skip: int) -> None:
+    gen = Generation("/completion", {}, oai=False, stream=True)
+    gen.feed(b"".join(native(p) for p in PIECES) + FINAL)
+    data, sent = gen.stream_from(0, skip)
+    assert sent == 6
+    got = events(data)
+    assert "".join(str(e["content"]) for e in got) == "Hello, world"[skip:]
+    assert got[-1]["stop"] is True
+    assert all(e["content"] for e in got[:-1])  # no event left empty by the cut
+    # events that start at or after the cut are the upstream's bytes as they came
+    starts = [sum(map(len, PIECES[:i])) for i in range(len(PIECES))]
+    untouched = b"".join(native(p) for p, s in zip(PIECES, starts, strict=True) if s >= skip)
+    assert data.endswith(untouched + FINAL)
+
+
+def test_openai_stream_is_cut_in_choices_text() -> None:
+    gen = Generation("/v1/completions", {}, oai=True, stream=True)
+    gen.feed(b"".join(oai(p) for p in PIECES) + oai("", "length") + b"data: [DONE]\n\n")
+    data, _ = gen.stream_from(0, 4)
+    assert b"data: [DONE]" in data
+    texts = [e["choices"][0]["text"] for e in events(data.replace(b"data: [DONE]\n\n", b""))]
+    assert "".join(texts) == "o, world"
+    assert gen.tokens_after(4) == 4
+
+
+def test_a_non_streaming_reader_gets_the_final_body_with_the_typed_text_removed() -> None:
+    gen = Generation("/infill", {}, oai=False, stream=False)
+    gen.feed(b"".join(native(p) for p in PIECES) + FINAL)
+    gen.end()
+    status, body = whole(gen, 5)
+    assert status == 200
+    assert body == b'{"index":0,"content":", world","stop":true,"tokens_predicted":5}'
+
+
+def test_a_cut_generation_raises_its_error_for_a_non_streaming_reader() -> None:
+    gen = Generation("/infill", {}, oai=False, stream=False)
+    gen.feed(native("Hel"))
+    gen.end(Superseded("superseded"))
+    with pytest.raises(Superseded):
+        whole(gen, 1)
+
+
+BODY = {"prompt": "x = ", "n_predict": 8}
+
+
+async def test_follow_waits_while_the_user_types_ahead_then_attaches() -> None:
+    reg = Generations(ttl_s=30, grace_s=0.05)
+    gen = Generation("/completion", BODY, oai=False, stream=True)
+    reg.begin("s", gen, on_orphaned=lambda: None)
+    gen.feed(native("4"))
+    follow = asyncio.ensure_future(reg.follow("s", "/completion", {**BODY, "prompt": "x = 42"}))
+    await asyncio.sleep(0)
+    assert not follow.done()  # "42" typed, "4" written: not decided yet
+    gen.feed(native("2 +"))
+    got = await follow
+    assert got is not None and got.generation is gen and got.skip == 2
+
+
+async def test_follow_gives_up_when_the_model_writes_something_else() -> None:
+    reg = Generations(ttl_s=30, grace_s=0.05)
+    gen = Generation("/completion", BODY, oai=False, stream=True)
+    reg.begin("s", gen, on_orphaned=lambda: None)
+    gen.feed(native("4"))
+    follow = asyncio.ensure_future(reg.follow("s", "/completion", {**BODY, "prompt": "x = 42"}))
+    await asyncio.sleep(0)
+    gen.feed(native("3"))
+    assert await follow is None
+    assert await reg.follow("s", "/completion", {**BODY, "prompt": "x = 5"}) is None
+    assert await reg.follow("other", "/completion", {**BODY, "prompt": "x = 4"}) is None
+
+
+async def test_an_orphaned_generation_is_reported_after_the_grace_unless_followed() -> None:
+    reg = Generations(ttl_s=30, grace_s=0.01)
+    orphaned = asyncio.Event()
+    gen = Generation("/completion", BODY, oai=False, stream=True)
+    reg.begin("s", gen, on_orphaned=orphaned.set)
+    gen.feed(native("42"))
+    reg.leave("s", gen)  # the client that started it left...
+    follow = await reg.follow("s", "/completion", {**BODY, "prompt": "x = 4"})
+    assert follow is not None  # ...and the next keystroke continued it within the grace
+    await asyncio.sleep(0.05)
+    assert not orphaned.is_set()
+    reg.leave("s", gen)
+    await asyncio.wait_for(orphaned.wait(), 5)
+
+
+async def test_a_finished_generation_is_kept_for_the_ttl_only() -> None:
+    reg = Generations(ttl_s=0.01, grace_s=0.01)
+    gen = Generation("/completion", BODY, oai=False, stream=True)
+    reg.begin("s", gen, on_orphaned=lambda: None)
+    gen.feed(native("42") + FINAL)
+    gen.end()
+    assert await reg.follow("s", "/completion", {**BODY, "prompt": "x = 4"}) is not None
+    await asyncio.sleep(0.02)
+    assert await reg.follow("s", "/completion", {**BODY, "prompt": "x = 4"}) is None
+    assert len(reg) == 0
