@@ -7,9 +7,9 @@ so the writer can read its upstream to the end without waiting for a slower clie
 body that arrived whole with the upstream's head goes out with the status line and
 headers in one write; a stream's last piece goes out with its terminator. Once the
 response has started its status cannot change, so a later error ends the stream with an
-error event in the stream's own format (SSE ``data:`` line or NDJSON line); for other
-bodies, and for any body of fixed length (Content-Length), the connection is closed so
-the client sees a truncated response rather than a silently short one.
+error event in the stream's own format (SSE ``data:`` line or NDJSON line: error_event.py);
+for other bodies, and for any body of fixed length (Content-Length), the connection is
+closed so the client sees a truncated response rather than a silently short one.
 
 Concurrency contract (``Responder``):
 - One writer task at a time calls ``whole``/``head``/``piece``/``end``: a gated request's
@@ -19,7 +19,7 @@ Concurrency contract (``Responder``):
   with the connection closed; ``stalled``), and the write returns. ``whole`` and ``end``
   then wait, the same way, until the client took what is still buffered (after the
   outcome is resolved: the handler does not wait for it). The timer is a loop callback
-  (``_Stall``), not a task.
+  (stall.py), not a task.
 - Client-side failures never raise: a write that finds the client's connection closed, or
   ``detach()`` (the handler was cancelled: the client left), turns every later write into
   a no-op that returns at once, so a job that drains a generation never waits on a reader
@@ -41,44 +41,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 
 from aiohttp import web
 from multidict import CIMultiDict
 
 from llmproxy.proxy.errors import ProxyError
-
-
-def stream_error_bytes(content_type: str, error: ProxyError, tail: bytes = b"") -> bytes | None:
-    """The event that ends a started stream with ``error``, in the stream's own format.
-
-    SSE (llama.cpp, OpenAI): a ``data:`` line holding the error envelope, the shape those
-    servers use for their own in-stream errors. NDJSON (Ollama): Ollama's own error line,
-    whose ``error`` is the message string (its clients raise ``Error(line.error)``: an object
-    there reads "[object Object]"), with the envelope's other fields beside it. None for any
-    other body: it has no error event.
-
-    ``tail``: the last bytes relayed before. An upstream cut inside an event or line leaves
-    it unfinished; it is ended first (line feeds), so the error event stands on its own and
-    parses, instead of being glued onto the broken one.
-    """
-    if content_type.startswith("text/event-stream"):
-        payload = json.dumps(error.envelope(), separators=(",", ":"))
-        return _end_event(tail) + f"data: {payload}\n\n".encode()
-    if content_type in ("application/x-ndjson", "application/jsonl", "application/json-seq"):
-        fields = error.envelope()["error"]
-        line = {"error": fields["message"]} | {k: v for k, v in fields.items() if k != "message"}
-        rs = "\x1e" if content_type == "application/json-seq" else ""  # RFC 7464 record separator
-        newline = b"" if not tail or tail.endswith(b"\n") else b"\n"
-        return newline + (rs + json.dumps(line, separators=(",", ":")) + "\n").encode()
-    return None
-
-
-def _end_event(tail: bytes) -> bytes:
-    """Line feeds that end an SSE event left open by ``tail`` (nothing at an event boundary)."""
-    if not tail or tail.endswith((b"\n\n", b"\r\r", b"\r\n\r\n")):
-        return b""
-    return b"\n" if tail.endswith(b"\n") else b"\n\n"  # after a lone "\r", a "\n" would join it
+from llmproxy.proxy.upstream.error_event import stream_error_bytes
+from llmproxy.proxy.upstream.stall import NO_GUARD, Stall
 
 
 class Responder:
@@ -218,30 +187,26 @@ class Responder:
     def _guard(self, size: int = 0) -> contextlib.AbstractAsyncContextManager[None]:
         """The stall timer around a write of ``size`` bytes; none where that write cannot
         wait (it stays under the buffer's high-water mark: the common case, no timers)."""
-        if self._write_timeout_s is None:
-            return _NO_GUARD
+        timeout_s = self._write_timeout_s
+        if timeout_s is None:
+            return NO_GUARD
         transport = self._request.transport
         if self._buffer_bytes is not None and transport is not None:
-            if (
-                transport.get_write_buffer_size() + size + 64 <= self._buffer_bytes
-            ):  # 64: chunk framing
-                return _NO_GUARD
-        return _Stall(self)
+            # 64: chunk framing
+            if transport.get_write_buffer_size() + size + 64 <= self._buffer_bytes:
+                return NO_GUARD
+        return Stall(self._request, timeout_s, self._drop)
 
     async def _flush(self) -> None:
         """After the end: wait until the client took what is still buffered for it, so that
         one that takes nothing for ``write_timeout_s`` is dropped rather than left holding
         its buffer (the handler may have returned already: this is the writer's wait)."""
-        transport = self._request.transport
-        if (
-            self._write_timeout_s is None
-            or transport is None
-            or not transport.get_write_buffer_size()
-        ):
+        transport, timeout_s = self._request.transport, self._write_timeout_s
+        if timeout_s is None or transport is None or not transport.get_write_buffer_size():
             return
         transport.set_write_buffer_limits(high=0)  # paused until everything is out
         try:
-            async with _Stall(self):
+            async with Stall(self._request, timeout_s, self._drop):
                 await self._request.writer.drain()
         except ConnectionError:
             self.gone = True
@@ -304,58 +269,3 @@ class Responder:
         self._resp.force_close()
         if self._request.transport is not None:
             self._request.transport.close()
-
-
-_NO_GUARD: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
-
-
-class _Stall:
-    """``async with``: a write to a client that must not wait more than the Responder's
-    ``write_timeout_s`` without the client taking a byte. A loop timer looks at the
-    transport's send buffer every quarter of the timeout: if it shrank, the deadline moves
-    on. At the deadline the write is cancelled (``asyncio.timeout``) and the client dropped
-    (``Responder._drop``); the block then ends normally. A cancellation from elsewhere
-    (a stop, the shutdown cut) propagates as it is."""
-
-    __slots__ = ("_out", "_scope", "_timer", "_left")
-
-    def __init__(self, out: Responder) -> None:
-        self._out = out
-        self._scope: asyncio.Timeout | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._left = 0
-
-    def _unsent(self) -> int:
-        transport = self._out._request.transport
-        return transport.get_write_buffer_size() if transport is not None else 0
-
-    def _check(self) -> None:
-        loop = asyncio.get_running_loop()
-        timeout = self._out._write_timeout_s
-        assert timeout is not None and self._scope is not None
-        left = self._unsent()
-        if left < self._left and not self._scope.expired():  # the client took some: a new deadline
-            self._scope.reschedule(loop.time() + timeout)
-        self._left = left
-        self._timer = loop.call_later(timeout / 4, self._check)
-
-    async def __aenter__(self) -> None:
-        timeout = self._out._write_timeout_s
-        assert timeout is not None
-        self._scope = asyncio.timeout(timeout)
-        await self._scope.__aenter__()
-        self._left = self._unsent()
-        self._timer = asyncio.get_running_loop().call_later(timeout / 4, self._check)
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
-    ) -> bool:
-        if self._timer is not None:
-            self._timer.cancel()
-        assert self._scope is not None
-        try:
-            await self._scope.__aexit__(exc_type, exc, tb)  # type: ignore[arg-type]
-        except TimeoutError:
-            self._out._drop()
-            return True
-        return False
