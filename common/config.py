@@ -138,7 +138,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettin
     env_prefix = cls.model_config.get("env_prefix", "")
     for name, field in cls.model_fields.items():
         tp = _unwrap_optional(field.annotation)
-        default = field.default if field.default_factory is None else field.default_factory()
+        default = field.get_default(call_default_factory=True)
         if isinstance(default, SecretStr):
             default = "***"
         env = f"{env_prefix}{name}".upper()
@@ -191,9 +191,10 @@ def settings_from_args(cls: type[S], ns: argparse.Namespace) -> S:
     except SourceError as exc:  # an env value of a list setting that is not JSON
         m = re.search(r'field "(\w+)"', str(exc))
         name = m.group(1) if m else "?"
+        raw = os.environ.get(f"{env_prefix}{name}".upper())
         fail(
             [
-                f"env {env_prefix}{name.upper()}: cannot parse {os.environ.get(f'{env_prefix}{name}'.upper())!r} "
+                f"env {env_prefix}{name.upper()}: cannot parse {raw!r} "
                 f'({exc.__cause__ or exc}); a list from the environment is JSON, e.g. \'["a","b"]\''
             ]
         )

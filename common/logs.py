@@ -16,12 +16,13 @@ import sys
 from typing import Any
 
 import structlog
+from structlog.typing import EventDict, WrappedLogger
 
 _SECRET_KEYS = frozenset({"authorization", "api_key", "api-key", "x-api-key", "token", "hf_token"})
 _TIMESTAMPER = structlog.processors.TimeStamper(fmt="iso", utc=True)
 
 
-def stamp(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+def stamp(logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
     """Add the ISO UTC ``timestamp`` (structlog processor), keeping one the event already has.
 
     A line written later than it happened (request_log.py) is stamped when it happened.

@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "serve",
         help="Run the gating proxy (starts the embedded backend when no --upstream is given)",
-        description="Run the gating proxy. Every option can also be set as LLMPROXY_<NAME> or in --config TOML.",
+        description="Run the gating proxy. "
+        "Every option can also be set as LLMPROXY_<NAME> or in --config TOML.",
     )
     add_settings_arguments(parser, ProxySettings)
     parser.set_defaults(func=run)

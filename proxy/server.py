@@ -75,7 +75,8 @@ async def serve(settings: ProxySettings, app: web.Application) -> int:
     def on_listening(host: str, port: int) -> None:
         if sock is None and not _is_loopback(settings.host) and settings.api_key is None:
             log.warning(
-                "listening on a non-loopback address WITHOUT an API key: anyone on the network can use it",
+                "listening on a non-loopback address WITHOUT an API key: "
+                "anyone on the network can use it",
                 host=settings.host,
             )
         log.info(

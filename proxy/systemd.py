@@ -91,8 +91,14 @@ Service=llmproxy.service
 WantedBy=sockets.target
 """
 
-MDWE = "# llama.cpp does not JIT; the torch engine does (installed with --torch: omitted)\nMemoryDenyWriteExecute=yes\n"
-PRIVATE_DEVICES = "# no GPU device nodes needed by the llama-cpp engine (--torch: omitted, for CUDA)\nPrivateDevices=yes\n"
+MDWE = (
+    "# llama.cpp does not JIT; the torch engine does (installed with --torch: omitted)\n"
+    "MemoryDenyWriteExecute=yes\n"
+)
+PRIVATE_DEVICES = (
+    "# no GPU device nodes needed by the llama-cpp engine (--torch: omitted, for CUDA)\n"
+    "PrivateDevices=yes\n"
+)
 
 
 @dataclass(frozen=True)
@@ -219,7 +225,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--torch",
         action="store_true",
-        help="Torch engine: allow JIT (no MemoryDenyWriteExecute) and GPU devices (no PrivateDevices)",
+        help="Torch engine: allow JIT (no MemoryDenyWriteExecute) "
+        "and GPU devices (no PrivateDevices)",
     )
     p.set_defaults(func=install)
 

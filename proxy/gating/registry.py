@@ -48,7 +48,8 @@ class JobRegistry:
         """Upstream jobs still running (handlers are not counted)."""
         return len(self._jobs)
 
-    async def drain(self, timeout: float, grace: float = DRAIN_GRACE_S) -> None:
+    # ``timeout`` is the stop's API (see the module's contract), kept as a parameter
+    async def drain(self, timeout: float, grace: float = DRAIN_GRACE_S) -> None:  # noqa: ASYNC109
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while (running := self._jobs | self._handlers) and (left := deadline - loop.time()) > 0:

@@ -1,1 +1,2 @@
-"""The proxy's HTTP face: middleware, gated and passthrough handlers, admin endpoints, request bodies, API keys."""
+"""The proxy's HTTP face: middleware, gated and passthrough handlers, admin endpoints,
+request bodies, API keys."""

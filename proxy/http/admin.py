@@ -88,6 +88,6 @@ async def reserved(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    for path, handler in zip(_PATHS, (health, status, metrics)):
+    for path, handler in zip(_PATHS, (health, status, metrics), strict=True):
         app.router.add_get(path, handler)
     app.router.add_route("*", "/llmproxy/{tail:.*}", reserved)

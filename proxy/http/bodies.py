@@ -16,21 +16,22 @@ from aiohttp import web
 from llmproxy.proxy.errors import BadRequest, BodyTooLarge, RequestTimeout
 
 
-async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
+# ``timeout`` is the handlers' API (the body's deadline), kept as a parameter
+async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:  # noqa: ASYNC109
     """Read the whole body within ``timeout`` (slow-body clients get 408), at most ``limit``
     bytes (413, refused before reading when Content-Length already says too much)."""
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
         raise BadRequest(
-            f"compressed request bodies are not supported (Content-Encoding: {encoding}); send it uncompressed"
+            f"compressed request bodies are not supported (Content-Encoding: {encoding}); "
+            "send it uncompressed"
         )
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(
             f"request body of {request.content_length} bytes exceeds the limit of {limit}"
         )
-    if (
-        request.content_length is not None and request.content.is_eof()
-    ):  # already buffered: no timer
+    if request.content_length is not None and request.content.is_eof():
+        # already buffered: no timer
         body = request.content.read_nowait()
         if len(body) != request.content_length:
             raise BadRequest("request body shorter than its Content-Length")

@@ -13,6 +13,7 @@ from random import getrandbits  # an id for logs, not a secret: no syscall per r
 
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from llmproxy.proxy.errors import BadRequest, HTTPStatusError, NotAllowed, ProxyError
 from llmproxy.proxy.gating.routes import is_safe_path
@@ -35,7 +36,7 @@ def error_response(exc: ProxyError) -> web.Response:
 
 
 @web.middleware
-async def proxy_middleware(request: web.Request, handler: web.Handler) -> web.StreamResponse:
+async def proxy_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     app = request.app
     supplied = request.headers.get("X-Request-Id", "")
     request_id = supplied if supplied and _REQUEST_ID.match(supplied) else f"{getrandbits(64):016x}"
