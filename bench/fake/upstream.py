@@ -512,6 +512,6 @@ class FakeUpstream:
 
 
 if __name__ == "__main__":
-    from llmproxy.bench.fake import main
+    from llmproxy.bench.fake.cli import main
 
     raise SystemExit(main())

@@ -225,7 +225,7 @@ async def _profile(settings: OverheadSettings, delay_ms: float, workdir: Path) -
             return [
                 sys.executable,
                 "-m",
-                f"llmproxy.bench.{module}",
+                f"llmproxy.bench.overhead.{module}",
                 "--upstream",
                 fake_url,
                 "--loop",

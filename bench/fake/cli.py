@@ -1,7 +1,7 @@
 """Command-line entry of the fake LLM upstream: ``python -m llmproxy.bench.fake.upstream``.
 
 ``FakeUpstreamSettings`` (env ``LLMPROXY_FAKE_*``) configures one ``FakeUpstream``
-(fake_upstream.py) that serves every generation with the same ``Script``. ``main`` runs it
+(upstream.py) that serves every generation with the same ``Script``. ``main`` runs it
 until SIGINT/SIGTERM; the event loop owns the server, which ``FakeUpstream``'s context
 manager stops (cancelling its linger tasks) on the way out.
 """
