@@ -8,13 +8,14 @@ Concurrency contract:
   ``asyncio.timeout``): ``stop(reason)`` (supersede, or the client left, under policy
   ``cancel``; under any policy while the request was not sent yet: one that never left
   is stopped for free, so it never reaches the upstream) cancels the job task only while
-  it is in that scope; the scope absorbs that
-  one cancellation (``Task.uncancel``) after the upstream connection was closed, and the
-  job then waits for the adapter to confirm the stop (or, for adapters that cannot, holds
-  the permit ``unconfirmed_cancel_hold_s``). A request that failed after it was sent (a
-  read timeout, a body cut short) had its connection closed the same way, and is treated
-  as such a stop: confirmed where the adapter can, else held ``unconfirmed_cancel_hold_s``. Any other cancellation (shutdown) leaves
-  ``uncancel()`` above zero and propagates. No child task: one task per request.
+  it is in that scope; the scope absorbs that one cancellation (``Task.uncancel``) after
+  the upstream connection was closed, and the job then waits for the adapter to confirm
+  the stop (or, for adapters that cannot, holds the permit ``unconfirmed_cancel_hold_s``;
+  confirm.py). A request that failed after it was sent (a read timeout, a body cut short)
+  had its connection closed the same way, and is treated as such a stop: confirmed where
+  the adapter can, else held ``unconfirmed_cancel_hold_s``. Any other cancellation
+  (shutdown) leaves ``uncancel()`` above zero and propagates. No child task: one task per
+  request.
 - The permit is released once the upstream is idle for this request: as soon as its body
   was read to its end (``_upstream_ended``, before the last bytes go to the client, so a
   slow reader never holds it after that), else in the job's ``finally`` once the stop was
@@ -24,7 +25,7 @@ Concurrency contract:
   or stops watching when the gate closes. Only app shutdown cancels the job itself
   (``JobRegistry.drain``), and then the permit is released as the job unwinds.
 - The job writes the upstream's response to the client itself, through the request's
-  ``Responder`` (relay.py), as it arrives: no hand-over to the handler per piece. What a
+  ``Responder`` (responder.py), as it arrives: no hand-over to the handler per piece. What a
   slower client has not taken waits in its connection's buffer (``client_buffer_bytes``),
   so the job reads the upstream to its end, and releases the permit, without waiting for
   the client; only a fuller buffer holds the job back (backpressure), and a client that
@@ -39,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import structlog
 from multidict import CIMultiDict
@@ -52,6 +52,7 @@ from llmproxy.proxy.telemetry.metrics import Metrics
 from llmproxy.proxy.telemetry.record import RequestRecord
 from llmproxy.proxy.upstream.adapters.base import Adapter
 from llmproxy.proxy.upstream.assemble import Assembler
+from llmproxy.proxy.upstream.confirm import confirm_stop
 from llmproxy.proxy.upstream.forward import forward
 from llmproxy.proxy.upstream.responder import Responder
 
@@ -89,19 +90,14 @@ class UpstreamJob:
         disconnect_policy: str,
         unconfirmed_hold_s: float,
     ) -> None:
-        self.gate, self.ticket, self.adapter, self.request, self.out = (
-            gate,
-            ticket,
-            adapter,
-            request,
-            out,
-        )
+        self.gate, self.ticket, self.adapter = gate, ticket, adapter
+        self.request, self.out = request, out
         self.record, self.metrics = record, metrics
         self.breaker, self.breaker_probe = breaker, breaker_probe
         self.supersede_policy, self.disconnect_policy = supersede_policy, disconnect_policy
         self.unconfirmed_hold_s = unconfirmed_hold_s
         self.slot = gate.take(ticket, on_supersede=self._superseded)
-        self._task: asyncio.Task[Any] | None = None  # set while in the transfer scope
+        self._task: asyncio.Task[object] | None = None  # set while in the transfer scope
         self._stop_cancelled = False  # stop() cancelled the task in the transfer scope
         self._crashed = False  # our own code failed during the transfer
         self._stop_reason: str | None = None
@@ -160,7 +156,15 @@ class UpstreamJob:
                 rec.outcome = "superseded"
                 self.out.fail(Superseded("superseded by a newer request from the same session"))
             if self._needs_confirmation():
-                await self._confirm()
+                self._quarantine = not await confirm_stop(
+                    self.adapter,
+                    self.request.path,
+                    self.ticket.slots,
+                    rec,
+                    self.metrics,
+                    stopped=self._stop_reason is not None,
+                    hold_s=self.unconfirmed_hold_s,
+                )
         finally:
             task = asyncio.current_task()
             ended = self._finished or self._crashed or rec.upstream_error is not None
@@ -170,9 +174,8 @@ class UpstreamJob:
             self._report_health()
             if not self.out.ended:
                 self.out.fail(ProxyError("upstream job ended without a response"))
-            if (
-                self.out.stalled
-            ):  # dropped mid-way (the handler applied on_disconnect) or after the end
+            # dropped mid-way (the handler applied on_disconnect) or after the end
+            if self.out.stalled:
                 rec.client_gone = True
                 rec.error = rec.error or "client took nothing of its response in time: dropped"
             self._release()
@@ -250,35 +253,6 @@ class UpstreamJob:
             self.breaker.success(probe)
         else:  # never answered (cancelled before headers): no evidence either way
             self.breaker.neutral(probe)
-
-    async def _confirm(self) -> None:
-        start = time.monotonic()
-        if self.adapter.confirms(self.request.path):
-            answered = self.record.upstream_status is not None
-            if not await self.adapter.confirm_stopped(self.ticket.slots, answered=answered):
-                self.metrics.confirm_timeouts.inc()
-                self.record.confirm_timed_out = True
-                self._quarantine = True
-        elif self._stop_reason is not None:
-            await asyncio.sleep(
-                self._unconfirmed_hold()
-            )  # policy cancel without a view: best effort
-        else:  # failed mid-way (a read timeout, a cut body): the upstream may run on, unseen
-            await asyncio.sleep(self.unconfirmed_hold_s)
-        waited = time.monotonic() - start
-        self.record.confirm_wait_s = waited
-
-    def _unconfirmed_hold(self) -> float:
-        """How long a stop nothing can confirm holds the permit: a stream that has started
-        (its first piece came, so its prompt is done) stops at its next token, so twice the
-        mean gap between its pieces, or between those of the adapter's recent streams when
-        this one has only one yet (``Adapter.piece_gap_s``); at most
-        ``unconfirmed_cancel_hold_s``, which is also the hold before the first piece."""
-        rec = self.record
-        gap = rec.piece_gap_s if rec.piece_gap_s is not None else self.adapter.piece_gap_s
-        if rec.upstream_ttfb_s is None or gap is None:
-            return self.unconfirmed_hold_s
-        return min(self.unconfirmed_hold_s, 2 * gap)
 
     async def _transfer_body(self) -> None:
         rec, req = self.record, self.request
