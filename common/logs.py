@@ -25,7 +25,8 @@ _TIMESTAMPER = structlog.processors.TimeStamper(fmt="iso", utc=True)
 def stamp(logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
     """Add the ISO UTC ``timestamp`` (structlog processor), keeping one the event already has.
 
-    A line written later than it happened (request_log.py) is stamped when it happened.
+    A line written later than it happened (proxy/telemetry/request_log.py) is stamped when
+    it happened.
     """
     if "timestamp" in event:
         return event

@@ -119,7 +119,7 @@ async def serve(
         if on_ready is not None:
             on_ready(runner)
         # Startup objects (modules, app, settings) go to the permanent generation, so a full
-        # collection scans only what requests allocate: pauses stay well under 1 ms.
+        # collection scans only what requests allocate.
         gc.freeze()
         site: web.BaseSite
         if listen.sock is not None:

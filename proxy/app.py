@@ -30,9 +30,8 @@ log = structlog.get_logger("llmproxy.app")
 
 async def dispatch(request: web.Request) -> web.StreamResponse:
     """Everything the gated routes' own resources do not take: passed through."""
-    if is_gated(
-        request.method, request.path
-    ):  # the router sends these to dispatch_gated; kept as a guard
+    # the router sends these to dispatch_gated; kept as a guard
+    if is_gated(request.method, request.path):
         return await dispatch_gated(request)
     request.app[STATE].jobs.track_current()  # a graceful stop waits for this response too
     return await passthrough(request)
@@ -70,9 +69,8 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         auto_decompress=False,
         cookie_jar=aiohttp.DummyCookieJar(),  # one session serves every client: keep none of theirs
         skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
-        headers={"Authorization": auth}
-        if (auth := upstream_authorization(s))
-        else None,  # probes and polls
+        # the session's own requests: probes and polls
+        headers={"Authorization": auth} if (auth := upstream_authorization(s)) else None,
     ) as session:
         adapter = await create_adapter(session, s, app[UPSTREAM_URL])
         gate = Gate(gate_capacity(s, adapter), s.max_queue, retry_after_s=s.retry_after_s)

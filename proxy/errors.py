@@ -3,7 +3,7 @@
 Every error the proxy itself produces is a ``ProxyError`` carrying its HTTP status and
 envelope ``type``. aiohttp client exceptions are translated into these in exactly one
 place, ``map_client_errors`` (like httpx's ``map_httpcore_exceptions``); the middleware
-(middleware.py) turns them into HTTP responses.
+(http/middleware.py) turns them into HTTP responses.
 """
 
 from __future__ import annotations
@@ -153,9 +153,8 @@ def _translate(exc: Exception, what: str) -> ProxyError | None:
         return UpstreamTimeout(f"{what} timed out")
     if isinstance(exc, aiohttp.ClientResponseError):
         return UpstreamFailed(f"{what} error: {exc.status} {exc.message}")
-    if isinstance(
-        exc, HttpProcessingError
-    ):  # aiohttp's response parser: not HTTP/1.1 as it knows it
+    if isinstance(exc, HttpProcessingError):
+        # aiohttp's response parser: not HTTP/1.1 as it knows it
         return UpstreamFailed(f"{what} sent a malformed response: {exc.message}")
     if isinstance(exc, (aiohttp.ClientError, ConnectionError, OSError)):
         return UpstreamFailed(f"{what} failed: {exc.__class__.__name__}: {exc}")

@@ -92,12 +92,12 @@ async def serve(settings: ProxySettings, app: web.Application) -> int:
         port_file=settings.port_file,
         sock=sock,
         # A backlog that holds a full queue's worth of simultaneous connects (the default 128
-        # would drop SYNs and stall new clients, /llmproxy/status probes included, by >= 1 s);
-        # also for systemd's socket, which aiohttp listen()s on again with its own backlog.
+        # would drop SYNs, stalling new clients, /llmproxy/status probes included, until their
+        # SYN is retransmitted); also for systemd's socket, which aiohttp listen()s on again
+        # with its own backlog.
         backlog=max(1024, settings.max_queue + 64),
-        shutdown_timeout_s=max(
-            min(settings.shutdown_timeout_s, _WRITE_GRACE_S), 0.01
-        ),  # aiohttp: 0 = no limit
+        # aiohttp's: 0 would mean no limit
+        shutdown_timeout_s=max(min(settings.shutdown_timeout_s, _WRITE_GRACE_S), 0.01),
         keepalive_timeout_s=settings.idle_timeout_s,  # also bounds slow (slowloris) request headers
     )
     return await run(app, listen, stop, on_ready=parse_errors.install, on_listening=on_listening)

@@ -1,6 +1,6 @@
 """ProxySettings: every option of ``llmproxy serve`` (env ``LLMPROXY_*``, TOML, flags).
 
-Built once by the CLI (see config.py) and passed down explicitly; frozen.
+Built once by the CLI (see common/config.py) and passed down explicitly; frozen.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ only its own report (``success``/``failure``/``neutral`` with ``probe=True``) fr
 at most one probe is ever out. Any request's success closes the breaker and any failure
 counts (and re-opens an open or half-open breaker), but an older request's failure never
 lets a second probe through while the first is out. Callers report a success as soon as
-the upstream's response head says so (jobs.py), not after the body: a probe that streams
+the upstream's response head says so (upstream/job.py), not after the body: a probe that streams
 for minutes does not keep everyone else out meanwhile.
 """
 

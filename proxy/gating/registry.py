@@ -1,7 +1,7 @@
 """What a graceful stop waits for: every upstream job, and every request handler.
 
 Concurrency contract:
-- ``spawn`` starts a gated request's upstream job (jobs.py) as a tracked task and keeps a
+- ``spawn`` starts a gated request's upstream job (upstream/job.py) as a tracked task and keeps a
   strong reference until it is done: never a bare fire-and-forget task.
 - ``track_current`` registers the calling request handler (a task aiohttp owns) for as
   long as it runs, so that the stop also waits for responses still being written

@@ -2,15 +2,16 @@
 
 The adapter a request runs with, and so its permit count and its body (``id_slot``), is
 the one in use when it is granted (``_Sizing``, the ticket's sizer): the watcher may swap
-in the adapter detection found while it waited (watch.py).
+in the adapter detection found while it waited (upstream/watch.py).
 
 Concurrency contract: the handler task belongs to the client connection (aiohttp runs
 with ``handler_cancellation=True``, so a client disconnect cancels it). While queued, a
 cancellation abandons the ticket (the request never reaches the upstream). Once the
 permit is granted, an UpstreamJob owns it and writes the response through the request's
-``Responder`` (relay.py) while this handler waits for its outcome; a cancellation then only
-tells the job that the client left (policy ``on_disconnect``); the job, not this handler,
-releases the permit and reports the upstream's health to the circuit breaker.
+``Responder`` (upstream/responder.py) while this handler waits for its outcome; a
+cancellation then only tells the job that the client left (policy ``on_disconnect``); the
+job, not this handler, releases the permit and reports the upstream's health to the
+circuit breaker.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every ProxyError (and aiohttp's own HTTP exceptions) becomes a response in the error
 envelope here and nowhere else. The request's RequestRecord is ended in ``finally``; for a
-gated request whose job is still running, the job ends it later (see record.py).
+gated request whose job is still running, the job ends it later (see telemetry/record.py).
 """
 
 from __future__ import annotations

@@ -54,9 +54,8 @@ class _EnvelopeRequestHandler(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        super().handle_error(
-            request, status, exc, message
-        )  # logs; raises if output already started
+        # logs; raises if output already started
+        super().handle_error(request, status, exc, message)
         phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
         detail = (message or "").strip().splitlines()[0][:200] if status < 500 and message else ""
         err = HTTPStatusError(status, f"{phrase}: {detail}" if detail else phrase)

@@ -1,10 +1,10 @@
 """Ungated routes (/health, /props, /slots, /v1/models, /api/tags, ...): straight through.
 
 No permit, no queue: the request is forwarded to the configured upstream only, and the
-response written as it arrives, like a gated one (upstream.py, relay.py), by this handler
-itself. A client disconnect cancels the handler, which closes the upstream request. Errors,
-ours included, end the response through the Responder: the envelope if nothing was sent
-yet, else the stream's error event or a cut.
+response written as it arrives, like a gated one (upstream/forward.py,
+upstream/responder.py), by this handler itself. A client disconnect cancels the handler,
+which closes the upstream request. Errors, ours included, end the response through the
+Responder: the envelope if nothing was sent yet, else the stream's error event or a cut.
 """
 
 from __future__ import annotations

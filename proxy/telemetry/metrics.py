@@ -117,7 +117,6 @@ class Metrics:
         self.queue_depth.set_function(lambda: gate.queued)
         self.inflight.set_function(lambda: gate.inflight)
         self.permits_free.set_function(lambda: gate.free)
-        self.permits_total.set_function(
-            lambda: gate.capacity
-        )  # may grow (Gate.grow), or count quarantine down
+        # may grow (Gate.grow), or count quarantine down
+        self.permits_total.set_function(lambda: gate.capacity)
         self.permits_quarantined.set_function(lambda: len(gate.quarantined))

@@ -24,9 +24,8 @@ class RequestRecord:
     method: str
     path: str
     on_done: Any = None  # callable(record) -> None: observes metrics (Metrics.observe)
-    request_log: RequestLog = field(
-        default_factory=lambda: RequestLog(0)
-    )  # the app's (batched); default: at once
+    # the app's (batched); default: one that writes at once
+    request_log: RequestLog = field(default_factory=lambda: RequestLog(0))
     session: str | None = None
     gated: bool = False
     parsed_body: Any = None
@@ -37,7 +36,7 @@ class RequestRecord:
     slot: int | None = None
     permits: int = 1  # slots the request runs on at once (n_cmpl); ``slot`` is the first
     queue_wait_s: float | None = None
-    assembled: bool = False  # sent upstream as a stream, answered whole (assemble.py)
+    assembled: bool = False  # sent upstream as a stream, answered whole (upstream/assemble.py)
     upstream_sent: bool = False  # its bytes were handed to the upstream connection (mark_sent)
     upstream_s: float | None = None
     upstream_ttfb_s: float | None = None
