@@ -1,22 +1,17 @@
 """llama.cpp ``llama-server`` (and llmproxy's own backend).
 
 Permit i <-> slot i: ``id_slot`` is written into each gated body, so the proxy knows
-exactly which slot runs which request. After a cancel (connection closed), the stop is
-confirmed by polling ``GET /slots`` until slot i is idle, with an interval that backs off
-from ``confirm_poll_min_s`` to ``confirm_poll_max_s``. If that takes longer than
-``confirm_timeout_s`` the timeout is logged as an error and counted in metrics (never
-silently), and the job ends with its slots quarantined (gate.py): ``watch_idle`` keeps
-polling, backing off to ``QUARANTINE_POLL_MAX_S``, and gives each back once it shows idle,
-so a request pinned to it never waits inside the server. Without ``/slots`` (``--no-slots``), the adapter
-cannot confirm and the policies fall back to ``finish``; so do routes that carry no
+exactly which slot runs which request, and a stop is confirmed from ``GET /slots``
+(slots.py: confirmation, quarantine, settling). Without ``/slots`` (``--no-slots``), the
+adapter cannot confirm and the policies fall back to ``finish``; so do routes that carry no
 ``id_slot`` (embeddings, reranking), whose slot the proxy cannot know. An embeddings batch
 (a rerank) runs one task per input (document) on any idle slots, so it holds
 min(inputs, capacity) permits. Every route that runs on a slot is gated here
 (``gated_routes``), llama-server's own embeddings, rerank and ``/v1/messages`` included.
 
-``n_cmpl`` (alias ``n``; llama.vscode sends it) asks llama-server for that many completions
-of one prompt, run at once on that many slots: the one ``id_slot`` names and, for the
-others, the lowest idle ids (they cannot be pinned). Such a request holds that many
+``n_cmpl`` (alias ``n``, as llama.vscode sends it) asks llama-server for that many
+completions of one prompt, run at once on that many slots: the one ``id_slot`` names and,
+for the others, the lowest idle ids (they cannot be pinned). Such a request holds that many
 permits (``permits``), which the gate grants as ``id_slot``'s slot plus the lowest free
 ones: the slots the server picks, since a free permit is an idle slot. Before it is sent,
 ``settle`` waits until the lower slots other requests hold are busy at the server (one
@@ -28,15 +23,11 @@ generations still never exceeds the permits; only that other request waits in th
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
 
 from llmproxy.proxy.errors import BadRequest
-from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.routes import (
     EMBEDDING_ROUTES,
     GATED_ROUTES,
@@ -44,12 +35,11 @@ from llmproxy.proxy.gating.routes import (
     RERANK_ROUTES,
     SLOT_ROUTES,
 )
-from llmproxy.proxy.gating.ticket import Ticket
-from llmproxy.proxy.upstream.adapters.base import Adapter, get_json, log
+from llmproxy.proxy.settings import ProxySettings
+from llmproxy.proxy.upstream.adapters.base import get_json, log
 from llmproxy.proxy.upstream.adapters.body import set_top_level
+from llmproxy.proxy.upstream.adapters.slots import SlotPollingAdapter
 from llmproxy.proxy.upstream.assemble import assembles
-
-QUARANTINE_POLL_MAX_S = 1.0
 
 
 def _json_int(body: dict[str, Any], key: str, default: int) -> int:
@@ -80,24 +70,22 @@ def total_slots(props: Any) -> int | None:
 OWN_BACKEND = "llmproxy-backend"  # /props build_info of llmproxy's own backend
 
 
-def slot_busy(entry: dict[str, Any]) -> bool:
-    """Busy flag of one /slots entry (new builds: is_processing; old builds: state != 0)."""
-    if "is_processing" in entry:
-        return bool(entry["is_processing"])
-    return bool(entry.get("state", 0))
-
-
-class LlamaCppAdapter(Adapter):
+class LlamaCppAdapter(SlotPollingAdapter):
     kind = "llamacpp"
     gated_routes = GATED_ROUTES | LLAMACPP_GATED_ROUTES  # every route that runs on a slot
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        base_url: str,
+        session: aiohttp.ClientSession,
+        settings: ProxySettings,
+        *,
+        slots: int | None = None,
+    ) -> None:
+        super().__init__(base_url, session, settings, slots=slots)
         self.props_pending = False  # slot count still to be read from /props (detection gave up)
         self.slots_pending = False  # /slots failed in a way that may pass (timeout, refused, 5xx)
-        self.streams = (
-            self.settings.upstream_stream != "off"
-        )  # until /props says which server it is
+        self.streams = settings.upstream_stream != "off"  # until /props says which server it is
         self.own: bool | None = None  # llmproxy's own backend? (None: /props not read yet)
         self.client.reuse_after_stream = False
 
@@ -166,7 +154,10 @@ class LlamaCppAdapter(Adapter):
         if self.slots is not None and capacity < self.slots:
             hint = f"--capacity is below the upstream's {self.slots} slots"
         elif self.slots is None and self.props_pending:
-            hint = "the upstream's slot count is not known yet (it was still loading): try again shortly"
+            hint = (
+                "the upstream's slot count is not known yet (it was still loading): "
+                "try again shortly"
+            )
         else:
             hint = "the upstream has no more (llama-server: raise -np)"
         raise BadRequest(
@@ -196,7 +187,8 @@ class LlamaCppAdapter(Adapter):
         elif not ok and not was_pending:
             hint = "set upstream_api_key" if status in (401, 403) else None
             log.warning(
-                "upstream /slots unavailable: cannot confirm stops, in-flight policy falls back to finish",
+                "upstream /slots unavailable: "
+                "cannot confirm stops, in-flight policy falls back to finish",
                 status=status,
                 asking_again=self.slots_pending,
                 **({"hint": hint} if hint else {}),
@@ -218,151 +210,7 @@ class LlamaCppAdapter(Adapter):
             if status == 200 and isinstance(props, dict):
                 self.props_pending = False
                 self.learn_props(props)
-            elif (
-                status is not None and status < 500
-            ):  # an answer that will not change (404: no /props)
+            elif status is not None and status < 500:  # will not change (404: no /props)
                 self.props_pending = False
         if self.slots_pending and not self.can_confirm:
             await self.probe_slots()
-
-    async def _busy_map(self) -> dict[int, bool] | str:
-        """Slot id -> busy, from one GET /slots; else 'down' (connection refused: nothing
-        can run) or 'unknown' (any other failure: a name that does not resolve, no file
-        descriptors, a timeout say nothing about what runs there)."""
-        try:
-            status, data = await get_json(self.session, self.base_url / "slots")
-        except aiohttp.ClientConnectorError as exc:  # refused: nothing listens, nothing runs
-            return (
-                "down" if isinstance(exc.os_error, ConnectionRefusedError) else "unknown"
-            )  # DNS, EMFILE: unknown
-        except (aiohttp.ClientError, TimeoutError):
-            return "unknown"
-        if status != 200:
-            return "unknown"
-        return {
-            entry["id"]: slot_busy(entry)
-            for entry in (data if isinstance(data, list) else ())
-            if isinstance(entry, dict) and isinstance(entry.get("id"), int)
-        }
-
-    async def _slots_state(self, slots: Sequence[int]) -> str:
-        """'busy' (any of ``slots``) | 'idle' (all) | 'down' | 'unknown'."""
-        busy = await self._busy_map()
-        if isinstance(busy, str):
-            return busy
-        if any(busy.get(slot) for slot in slots):
-            return "busy"
-        return "idle" if all(slot in busy for slot in slots) else "unknown"
-
-    async def settle(self, gate: Gate, ticket: Ticket) -> None:
-        """Before a request on several slots is sent, make the server's choice of slots for
-        its extra completions (the lowest idle ones) the gate's: take lower free permits in
-        exchange (``Gate.settle_extras``) and wait, polling /slots for at most
-        ``settle_timeout_s``, until every lower slot another pinned request holds is busy
-        at the server. A request granted just before this one but not there yet (a large
-        body still on its way) would otherwise lose its slot to an extra completion and
-        wait in the server's queue. A poll that finds them busy is trusted only if nothing
-        changed in the gate meanwhile. Cancelled with the job (it runs in the job's
-        transfer scope); a refused connection (server down) ends the wait at once."""
-        s = self.settings
-
-        def pinned(t: Ticket) -> bool:
-            return t.route in SLOT_ROUTES
-
-        if not pinned(ticket):
-            return  # an embeddings batch: the server runs it on whichever slots are idle
-        try:
-            watch = gate.settle_extras(ticket, pinned)
-            if not watch or not self.can_confirm or s.settle_timeout_s <= 0:
-                return
-            interval = s.confirm_poll_min_s
-            async with asyncio.timeout(s.settle_timeout_s):
-                while True:
-                    before = (ticket.slots, watch)
-                    busy = await self._busy_map()
-                    if busy == "down":
-                        return
-                    watch = gate.settle_extras(ticket, pinned)
-                    if not watch:
-                        return
-                    if (
-                        isinstance(busy, dict)
-                        and all(busy.get(slot) for slot in watch)
-                        and (ticket.slots, watch) == before
-                    ):
-                        return
-                    await asyncio.sleep(interval)
-                    interval = min(interval * 2, s.confirm_poll_max_s)
-        except TimeoutError:
-            log.warning(
-                "sending a request on several slots before the lower slots held by others "
-                "were busy: an extra completion may take one of them",
-                slots=list(ticket.slots),
-            )
-        finally:
-            gate.settled(ticket)
-
-    async def confirm_stopped(self, slots: Sequence[int], *, answered: bool = True) -> bool:
-        """Poll /slots until every slot in ``slots`` is idle (backing off), bounded by confirm_timeout_s.
-
-        Before the upstream answered, its task may not have reached the slot yet, so an idle
-        slot must then be seen twice, one poll interval apart. A refused connection means
-        the server is down and runs nothing: confirmed.
-        """
-        s = self.settings
-        interval = s.confirm_poll_min_s
-        idle_needed = 1 if answered else 2
-        idle_seen = 0
-        try:
-            async with asyncio.timeout(s.confirm_timeout_s):
-                while True:
-                    state = await self._slots_state(slots)
-                    if state == "down":
-                        return True
-                    idle_seen = idle_seen + 1 if state == "idle" else 0
-                    if idle_seen >= idle_needed:
-                        return True
-                    await asyncio.sleep(interval)
-                    interval = min(interval * 2, s.confirm_poll_max_s)
-        except TimeoutError:
-            log.error(
-                "stop confirmation timed out: the slot stays out of the gate until /slots shows it idle",
-                slots=list(slots),
-                timeout_s=s.confirm_timeout_s,
-            )
-            return False
-
-    async def watch_idle(
-        self,
-        slots: Sequence[int],
-        idle: Callable[[int], None],
-        closing: asyncio.Event,
-        *,
-        answered: bool = True,
-    ) -> None:
-        """Poll /slots (from ``confirm_poll_max_s``, backing off to ``QUARANTINE_POLL_MAX_S``)
-        and call ``idle(slot)`` for each of ``slots`` once it shows idle (twice in a row when
-        the upstream had not answered: see ``confirm_stopped``); all of them at once if the
-        server refuses connections (down: nothing runs). Returns when none is left, or once
-        ``closing`` is set. Cancelled with the job that runs it."""
-        left = {slot: 0 for slot in slots}  # slot -> idle polls seen in a row
-        needed = 1 if answered else 2
-        interval = self.settings.confirm_poll_max_s
-        while left and not closing.is_set():
-            busy = await self._busy_map()
-            for slot in list(left):
-                if busy == "down" or (isinstance(busy, dict) and slot in busy and not busy[slot]):
-                    left[slot] += 1
-                else:
-                    left[slot] = 0
-                if busy == "down" or left[slot] >= needed:
-                    del left[slot]
-                    log.info("quarantined slot idle again: back in the gate", slot=slot)
-                    idle(slot)
-            if left:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(interval):
-                        await closing.wait()
-                interval = min(
-                    interval * 2, max(QUARANTINE_POLL_MAX_S, self.settings.confirm_poll_max_s)
-                )
