@@ -46,7 +46,9 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from llmproxy.proxy.errors import ProxyError
-from llmproxy.proxy.upstream.error_event import stream_error_bytes
+from llmproxy.proxy.upstream.error_event import (
+    stream_error_bytes as stream_error_bytes,  # others import it from here too
+)
 from llmproxy.proxy.upstream.stall import NO_GUARD, Stall
 
 
