@@ -1,1 +1,4 @@
-"""The fake upstream: a labelled test double of llama-server, OpenAI and Ollama backends (tests and benches only)."""
+"""The fake upstream: a test double of llama-server, OpenAI and Ollama backends.
+
+Used by the tests and the benchmarks only; never by the product.
+"""

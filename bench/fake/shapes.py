@@ -1,4 +1,4 @@
-"""Wire formats of the fake LLM upstream (fake_upstream.py): llama-server, OpenAI and Ollama JSON.
+"""Wire formats of the fake LLM upstream (upstream.py): llama-server, OpenAI and Ollama JSON.
 
 ``Shape`` is one generation route's format: its stream framing (SSE ``data:`` events or
 Ollama's NDJSON lines), when a body asks to stream, and the chunk / closing pieces /
@@ -235,9 +235,8 @@ ROUTES: dict[str, tuple[Shape, ...]] = {
     "/reranking": (Shape("rerank", _LLAMA),),
     "/v1/rerank": (Shape("rerank", _LLAMA),),
     "/v1/reranking": (Shape("rerank", _LLAMA),),
-    "/v1/messages": (
-        Shape("anthropic", _LLAMA),
-    ),  # Anthropic-style chat: on id_slot's slot, like chat
+    # Anthropic-style chat: on id_slot's slot, like chat
+    "/v1/messages": (Shape("anthropic", _LLAMA),),
     "/api/generate": (Shape("ollama_generate", _OLLAMA),),
     # llama-server serves Ollama's chat path with its chat-completions handler
     "/api/chat": (Shape("ollama_chat", _OLLAMA), Shape("oai_chat", _LLAMA)),
@@ -250,7 +249,8 @@ def shape_for(path: str, kind: str) -> Shape | None:
 
 
 def token_count(tokens: int, body: dict[str, Any]) -> int:
-    """``tokens``, capped by the request's own limit (n_predict, max_tokens, options.num_predict) if >= 0."""
+    """``tokens``, capped by the request's own limit (n_predict, max_tokens,
+    options.num_predict) if >= 0."""
     options = body.get("options")
     for limit in (
         body.get("n_predict"),
