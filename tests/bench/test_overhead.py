@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import aiohttp
 from yarl import URL
 
-from llmproxy.bench.child import child
+from llmproxy.bench.child import child, cpu_seconds
 from llmproxy.bench.loadgen import LoadResult
 from llmproxy.bench.overhead.run import OverheadSettings, _bench, format_table, proxy_command
 from llmproxy.bench.overhead.table import Case
@@ -238,3 +239,25 @@ def test_table_says_which_goals_the_references_miss_too() -> None:
     assert (
         "rows where a reference misses a goal too, in the same run: 5ms/tok stream c=32 (" in table
     )
+
+
+def test_overhead_bench_direct_half() -> None:
+    """The overhead bench's own plumbing: fake upstream child, load, table (no proxy)."""
+    settings = OverheadSettings(
+        requests=20, warmup=2, concurrency=[1, 3], proxy=False, tokens=4, token_delay_ms=[1.0, 0.0]
+    )
+    cases = asyncio.run(_bench(settings))
+    shapes = [(m, c) for m in ("nonstream", "stream") for c in (1, 3)]
+    assert [(c.token_delay_ms, c.mode, c.concurrency) for c in cases] == [
+        (d, *mc) for d in (1.0, 0.0) for mc in shapes
+    ]
+    assert all(c.direct.ok == 20 and c.direct.errors == 0 and c.proxied is None for c in cases)
+    # CPU was read (clock ticks are 10 ms, so a short case may show 0, never NaN or < 0)
+    assert all(c.direct.cpu_us_per_request(0) >= 0 for c in cases)
+    assert cpu_seconds(os.getpid()) > 0
+    assert all(
+        c.direct.percentile_ms(50) >= 4 for c in cases if c.token_delay_ms == 1.0
+    )  # 4 tokens x 1 ms
+    table = format_table(cases, loop="asyncio")
+    assert "1ms/tok stream c=3" in table and "instant nonstream c=1" in table
+    assert "overall (paced upstream rows): n/a" in table
