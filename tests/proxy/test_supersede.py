@@ -1,13 +1,13 @@
-"""Regressions for defects found in review (each reproduced before its fix)."""
+"""Supersede end to end: an editor's newer request replaces its older one, queued or in flight."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import time
+from typing import Any
 
 import aiohttp
+import pytest
 import structlog
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
@@ -21,112 +21,122 @@ from tests.helpers.net import dechunk, serve_app, wait_until
 from tests.helpers.proxy import run_proxy
 
 
-async def test_unreachable_upstream_does_not_hold_the_permit(http: aiohttp.ClientSession) -> None:
-    fake = FakeUpstream(slots=1)
-    await fake.start()
-    async with run_proxy(fake.url, confirm_timeout_s=5, queue_timeout_s=10) as px:
-        assert px.state.adapter.can_confirm
-        await fake.stop()  # the llama-server went away
-        with structlog.testing.capture_logs() as logs:
-            async with http.post(
-                px.url + "/infill", json={"prompt": "a"}, headers={"X-Request-Id": "a"}
-            ) as r:
-                assert r.status == 502
-            t0 = time.monotonic()
-            async with http.post(
-                px.url + "/infill", json={"prompt": "b"}, headers={"X-LLMProxy-Session": "z"}
-            ) as r:
-                assert r.status == 502
-            assert time.monotonic() - t0 < 2  # not confirm_timeout_s behind a held permit
-            await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
-            px.flush_log()
-        first = next(e for e in logs if e.get("event") == "request" and e["request_id"] == "a")
-        assert first["reached_upstream"] is False and "confirm_timed_out" not in first
+def infill(seq: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "id_slot": 0,
+        "input_prefix": "def f():\n",
+        "input_suffix": "",
+        "prompt": "    re",
+        "n_predict": 128,
+        "stream": False,
+        "cache_prompt": True,
+        "seq": seq,
+        **extra,
+    }
 
 
-async def test_connect_timeout_does_not_hold_the_permit(http: aiohttp.ClientSession) -> None:
-    """A black-holed upstream (SYNs dropped) times out while connecting: nothing was sent,
-    so the permit comes back at once instead of after confirm_timeout_s of /slots polls."""
-    fake = FakeUpstream(slots=1)
-    await fake.start()
-    async with run_proxy(fake.url, connect_timeout_s=0.3, confirm_timeout_s=30) as px:
-        assert px.state.adapter.can_confirm
-        port = int(fake.url.rsplit(":", 1)[1])
-        await fake.stop()
-        with socket.socket() as hole, socket.socket() as filler:
-            hole.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            hole.bind(("127.0.0.1", port))
-            hole.listen(0)  # never accepts; one queued connection fills it ...
-            filler.connect(("127.0.0.1", port))  # ... so the kernel drops every later SYN
-            with structlog.testing.capture_logs() as logs:
-                async with http.post(
-                    px.url + "/infill", json={"prompt": "a"}, headers={"X-Request-Id": "a"}
-                ) as r:
-                    assert (
-                        r.status == 504 and (await r.json())["error"]["type"] == "upstream_timeout"
-                    )
-                await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
-                px.flush_log()
-        line = next(e for e in logs if e.get("event") == "request" and e["request_id"] == "a")
-        assert line["reached_upstream"] is False and "confirm_timed_out" not in line
+def request_events(logs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {e["request_id"]: e for e in logs if e.get("event") == "request"}
 
 
-async def test_a_failed_job_cut_at_shutdown_keeps_its_error_outcome(
-    http: aiohttp.ClientSession,
-) -> None:
-    """A job whose upstream already failed and that is still waiting for the stop to be
-    confirmed when the shutdown deadline comes is an error, not a request we cut."""
-    script = lambda _p, _b: Script(tokens=8, token_delay_s=0.001, fail="hang_mid_body")  # noqa: E731
-    fake = FakeUpstream(
-        slots=1, abort_linger_s=30, script=script
-    )  # the slot stays busy: no confirmation
-    await fake.start()
-    try:
-        with structlog.testing.capture_logs() as logs:
-            async with run_proxy(
-                fake.url, read_timeout_s=0.3, confirm_timeout_s=30, shutdown_timeout_s=0.3
-            ) as px:
-                async with http.post(
-                    px.url + "/completion",
-                    json={"prompt": "a", "stream": True},
-                    headers={"X-Request-Id": "f"},
-                ) as r:
-                    assert (
-                        b'"type":"upstream_timeout"' in await r.read()
-                    )  # the error event ends the stream
-                await wait_until(
-                    lambda: px.state.gate.free == 0 and len(px.state.jobs) == 1, what="confirming"
-                )
-            # leaving run_proxy shut it down: the job was cut at the deadline while confirming
-        line = next(e for e in logs if e.get("event") == "request" and e["request_id"] == "f")
-        assert line["outcome"] == "error" and line["error"] == "upstream timed out", line
-    finally:
-        await fake.stop()
+async def test_runs_on_the_loop_its_id_names(request: pytest.FixtureRequest) -> None:
+    """This suite runs on both loops (conftest.BOTH_LOOPS): each run is on the one it names."""
+    loop_id = request.node.name.rsplit("[", 1)[1].rstrip("]")
+    assert loop_id in ("asyncio", "uvloop")
+    assert type(asyncio.get_running_loop()).__module__.split(".")[0] == loop_id
 
 
-async def test_rejected_newcomer_does_not_kill_the_running_request(
-    http: aiohttp.ClientSession,
-) -> None:
-    script = lambda _p, _b: Script(tokens=30, token_delay_s=0.01)  # noqa: E731
+async def test_editor_burst_one_session(http: aiohttp.ClientSession) -> None:
+    """20 keystrokes 50 ms apart, each abandoning the previous request, N=1."""
+    script = lambda _p, _b: Script(tokens=20, token_delay_s=0.02)  # noqa: E731  ~0.4 s per generation
     async with (
-        FakeUpstream(slots=1, abort_linger_s=0, script=script) as fake,
-        run_proxy(fake.url, max_queue=1) as px,
+        FakeUpstream(slots=1, abort_linger_s=0.15, script=script) as fake,
+        run_proxy(fake.url) as px,
     ):
-        a = asyncio.create_task(
-            http.post(px.url + "/infill", json={"prompt": "a"}, headers={"X-LLMProxy-Session": "S"})
+        with structlog.testing.capture_logs() as logs:
+
+            async def one(i: int) -> tuple[int, bytes]:
+                async with http.post(
+                    px.url + "/infill",
+                    json=infill(i),
+                    headers={"X-Request-Id": f"k{i}", "User-Agent": "curl/8.5.0"},
+                ) as r:
+                    return r.status, await r.read()
+
+            tasks: list[asyncio.Task[tuple[int, bytes]]] = []
+            for i in range(20):
+                if tasks:
+                    tasks[-1].cancel()  # the editor closes the previous connection
+                tasks.append(asyncio.create_task(one(i)))
+                await asyncio.sleep(0.05)  # the keystroke interval being simulated
+            status, body = await tasks[-1]
+            await asyncio.gather(*tasks[:-1], return_exceptions=True)
+            await asyncio.wait_for(px.state.gate.wait_quiescent(), 10)
+            await wait_until(lambda: len(request_events(logs)) == 20, what="20 canonical log lines")
+
+        assert status == 200
+        assert json.loads(body)["content"] == "".join(f"t{i} " for i in range(20))
+        assert fake.max_concurrent == 1
+        events = request_events(logs)
+        reached = {r.body["seq"] for r in fake.generations}
+        sent = {seq for seq in range(20) if events[f"k{seq}"]["reached_upstream"]}
+        assert sent == reached  # the proxy's own view matches what the upstream saw
+        for seq in set(range(20)) - reached:  # dropped before the upstream: never "completed"
+            assert events[f"k{seq}"]["outcome"] in ("superseded", "cancelled_queued"), events[
+                f"k{seq}"
+            ]
+        for seq in reached - {19}:  # abandoned by the editor while running
+            assert events[f"k{seq}"]["outcome"] in ("superseded", "cancelled_inflight"), events[
+                f"k{seq}"
+            ]
+        assert events["k19"]["outcome"] == "completed"
+        assert 19 in reached and len(reached) < 10, reached
+        assert all(r.body["id_slot"] == 0 for r in fake.generations)
+        assert px.state.gate.free == 1
+
+
+async def test_supersede_inflight_cancels_and_holds_permit_until_idle(
+    http: aiohttp.ClientSession,
+) -> None:
+    script = lambda _p, _b: Script(tokens=200, token_delay_s=0.01)  # noqa: E731
+    async with (
+        FakeUpstream(slots=1, script=script, abort_linger_s=0.3) as fake,
+        run_proxy(fake.url) as px,
+    ):
+        hdr = {"X-LLMProxy-Session": "ed"}
+        first = asyncio.create_task(
+            http.post(px.url + "/completion", json={"prompt": "a", "seq": 1}, headers=hdr)
         )
-        await fake.wait_for(lambda f: f.concurrent == 1)
-        c = asyncio.create_task(
-            http.post(px.url + "/infill", json={"prompt": "c"}, headers={"X-LLMProxy-Session": "T"})
+        await fake.wait_for(lambda f: len(f.generations) == 1)
+        second = asyncio.create_task(
+            http.post(
+                px.url + "/completion", json={"prompt": "b", "seq": 2, "n_predict": 3}, headers=hdr
+            )
         )
-        await wait_until(lambda: px.state.gate.queued == 1, what="queue full")
-        async with http.post(
-            px.url + "/infill", json={"prompt": "b"}, headers={"X-LLMProxy-Session": "S"}
-        ) as rb:
-            assert rb.status == 429
-        ra, rc = await a, await c
-        assert ra.status == 200 and rc.status == 200  # A was not superseded by a rejected B
-        assert fake.aborted == []
+        r1 = await first
+        assert r1.status == 499
+        assert (await r1.json())["error"]["type"] == "superseded"
+        await fake.wait_for(lambda f: len(f.aborted) == 1)
+        r2 = await second
+        assert r2.status == 200 and (await r2.json())["content"] == "t0 t1 t2 "
+        assert fake.max_concurrent == 1  # second started only after the abort linger ended
+        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+
+
+async def test_warmup_is_not_superseded(http: aiohttp.ClientSession) -> None:
+    script = lambda _p, _b: Script(tokens=30, token_delay_s=0.01)  # noqa: E731
+    async with FakeUpstream(slots=1, script=script) as fake, run_proxy(fake.url) as px:
+        hdr = {"X-LLMProxy-Session": "ed"}
+        busy = asyncio.create_task(http.post(px.url + "/infill", json=infill(0), headers=hdr))
+        await fake.wait_for(lambda f: len(f.generations) == 1)
+        warm = asyncio.create_task(
+            http.post(px.url + "/infill", json=infill(1, n_predict=0), headers=hdr)
+        )
+        await wait_until(lambda: px.state.gate.queued == 1, what="warm-up queued")
+        real = asyncio.create_task(http.post(px.url + "/infill", json=infill(2), headers=hdr))
+        statuses = [(await t).status for t in (busy, warm, real)]
+        assert statuses[1] == 200 and statuses[2] == 200
+        assert sorted(r.body["seq"] for r in fake.generations) == [0, 1, 2]
 
 
 async def test_stop_before_the_job_starts_never_sends() -> None:
@@ -203,29 +213,6 @@ async def test_superseded_mid_stream_is_counted_superseded(http: aiohttp.ClientS
         assert len(fake.aborted) == 1
 
 
-async def test_bom_and_utf16_bodies_are_400(
-    fake: FakeUpstream, http: aiohttp.ClientSession
-) -> None:
-    async with run_proxy(fake.url) as px:
-        for body in (b'\xef\xbb\xbf{"prompt":"a"}', '{"prompt":"a"}'.encode("utf-16")):
-            async with http.post(px.url + "/infill", data=body) as r:
-                assert r.status == 400
-                assert (await r.json())["error"]["src"] == "llmproxy"
-        assert not fake.generations
-
-
-async def test_health_exemption_is_get_only(
-    fake: FakeUpstream, http: aiohttp.ClientSession
-) -> None:
-    async with run_proxy(fake.url, api_key="k3y") as px:
-        before = len(fake.received)
-        async with http.post(px.url + "/llmproxy/health", data=b"x") as r:
-            assert r.status == 401
-        async with http.get(px.url + "/llmproxy/health") as r:
-            assert r.status == 200
-        assert len(fake.received) == before
-
-
 async def test_superseded_while_its_job_waits_on_a_client_that_lags() -> None:
     """A streamed request whose client stopped reading is superseded (policy cancel) while
     its job waits to write: the client still gets what was sent, then the superseded event,
@@ -258,7 +245,8 @@ async def test_superseded_while_its_job_waits_on_a_client_that_lags() -> None:
             capacity=2,
             supersede_inflight="cancel",
             on_disconnect="cancel",
-            unconfirmed_cancel_hold_s=0,  # the newer request streams for ever too: closing it ends it
+            # the newer request streams for ever too: closing it ends it
+            unconfirmed_cancel_hold_s=0,
         ) as px,
     ):
         host, port = px.url.removeprefix("http://").split(":")

@@ -1,4 +1,4 @@
-"""Gate logic without sockets: FIFO, capacity, supersede, abandon, affinity, shutdown."""
+"""Gate admission without sockets: FIFO, limits, supersede, abandon, shutdown, permit counts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from llmproxy.proxy.errors import QueueFull, ShuttingDown, Superseded
-from llmproxy.proxy.gating.gate import Gate, Ticket
+from llmproxy.proxy.gating.gate import Gate
+from llmproxy.proxy.gating.ticket import Ticket
 
 
 async def test_grants_up_to_capacity_then_queues_fifo() -> None:
@@ -112,18 +113,6 @@ async def test_cancelled_waiter_abandons_cleanly() -> None:
     assert gate.free == 1 and gate.queued == 0
 
 
-async def test_affinity_prefers_last_slot() -> None:
-    gate = Gate(3, 5)
-    t = [gate.submit(s, supersedable=False) for s in ("a", "b", "c")]
-    slots = {tk.session: await tk.wait() for tk in t}
-    for tk in t:
-        gate.take(tk)
-    gate.release(t[0])
-    gate.release(t[2])
-    again = gate.submit("c", supersedable=False)
-    assert await again.wait() == slots["c"]
-
-
 async def test_close_fails_queued_and_refuses_new() -> None:
     gate = Gate(1, 5)
     gate.submit("a", supersedable=False)
@@ -151,20 +140,6 @@ async def test_wide_request_gets_all_its_permits_together_or_waits() -> None:
     gate.release(wide)
     assert gate.free == 3
     await asyncio.wait_for(gate.wait_quiescent(), 1)
-
-
-async def test_wide_request_first_slot_keeps_affinity_others_are_lowest_free() -> None:
-    """llama-server runs n_cmpl on ``id_slot``'s slot plus the lowest idle ids: the gate's
-    choice must be the same slots, or the server's picture and the proxy's drift apart."""
-    gate = Gate(4, 5)
-    first = [gate.submit(s, supersedable=False) for s in ("a", "b", "c", "d")]
-    for tk in first:
-        await tk.wait()
-        gate.take(tk)
-    for tk in first[1:]:
-        gate.release(tk)  # slots 1, 2, 3 free; session "c" last used slot 2
-    wide = gate.submit("c", supersedable=False, permits=2)
-    assert await wide.wait() == 2 and wide.slots == (2, 1)
 
 
 def holder_wide_narrow() -> tuple[Gate, Ticket, Ticket, Ticket]:
@@ -226,61 +201,6 @@ async def test_more_permits_than_capacity_is_refused() -> None:
     await asyncio.wait_for(gate.wait_quiescent(), 1)
 
 
-def pinned(_t: Ticket) -> bool:
-    return True
-
-
-async def test_settle_extras_watches_lower_slots_of_others_and_takes_lower_free_ones() -> None:
-    """Before a wide request is sent: slots below its highest extra that others hold must be
-    busy at the server first; one freed meanwhile is swapped in (the server would pick it)."""
-    gate = Gate(3, 5)
-    x = gate.submit("x", supersedable=False)
-    gate.take(x)
-    wide = gate.submit("w", supersedable=False, permits=2)
-    gate.take(wide)
-    assert (x.slots, wide.slots) == ((0,), (1, 2))
-    assert gate.settle_extras(wide, pinned) == {0}  # x's slot: idle at the server until x is there
-    assert gate.settle_extras(wide, lambda t: t is not x) == set()  # x not pinned (say, embeddings)
-    gate.release(x)  # while settling, the wide ticket gets the freed lower slot at once
-    assert wide.slots == (1, 0) and gate.free == 1
-    assert gate.settle_extras(wide, pinned) == set()
-    gate.settled(wide)
-    gate.release(wide)
-    assert gate.free == 3
-    await asyncio.wait_for(gate.wait_quiescent(), 1)
-
-
-async def test_two_wide_requests_settling_never_wait_on_each_other() -> None:
-    """A (settling) has first pick of slots freed meanwhile, so B, granted after, gets only
-    slots above A's extras: A waits on nothing of B's, B waits for A's to be busy. (Had B
-    taken the freed slot 0, each would wait for the other's unsent slot to be busy.)"""
-    gate = Gate(4, 5)
-    warm = [gate.submit(f"s{i}", supersedable=False) for i in range(3)] + [
-        gate.submit("a", supersedable=False)
-    ]
-    for t in warm:
-        gate.take(t)
-    for t in warm:
-        gate.release(t)  # session "a" last used slot 3
-    c = gate.submit("c", supersedable=False)
-    gate.take(c)
-    a = gate.submit("a", supersedable=False, permits=2)
-    gate.take(a)
-    assert (c.slots, a.slots) == ((0,), (3, 1))
-    assert gate.settle_extras(a, pinned) == {0}  # c not at the server yet
-    b = gate.submit("b", supersedable=False, permits=2)
-    assert not b.future.done()  # one slot free, b needs two
-    gate.release(c)  # slot 0 freed while a settles: a takes it, b gets the rest
-    assert a.slots == (3, 0) and b.future.done() and b.slots == (1, 2)
-    gate.take(b)
-    assert gate.settle_extras(a, pinned) == set()  # a waits on nothing
-    assert gate.settle_extras(b, pinned) == {0}  # b waits for a's extra to be busy
-    for t in (a, b):
-        gate.settled(t)
-        gate.release(t)
-    assert gate.free == 4
-
-
 async def test_a_queued_tickets_permits_are_counted_when_it_is_granted() -> None:
     """The sizer answers at the grant (with the capacity then), not at admission; one that
     raises a ProxyError fails its ticket and the next waiter goes on."""
@@ -307,26 +227,3 @@ async def test_a_queued_tickets_permits_are_counted_when_it_is_granted() -> None
     with pytest.raises(BadRequest):
         await bad.wait()
     assert await last.wait() == 0 and gate.queued == 0
-
-
-async def test_a_quarantined_slot_is_out_of_the_grants_until_given_back() -> None:
-    gate = Gate(2, 5)
-    wide = gate.submit("w", supersedable=False, permits=2)
-    gate.take(wide)
-    waiter = gate.submit("x", supersedable=False)
-    gate.quarantine(wide, [1])  # slot 0 is idle, slot 1 may still run
-    assert await waiter.wait() == 0
-    assert (gate.total, gate.capacity, gate.free, gate.held, gate.quarantined) == (2, 1, 0, 1, [1])
-    two = gate.submit(
-        "y", supersedable=False, permits=2
-    )  # fits the slots, waits for the quarantined one
-    gate.take(waiter)
-    gate.release(waiter)
-    assert not two.future.done() and gate.free == 1
-    gate.unquarantine(1)
-    assert (
-        await two.wait() == 0
-        and two.slots == (0, 1)
-        and gate.quarantined == []
-        and gate.capacity == 2
-    )
