@@ -42,9 +42,8 @@ class _Loading(Exception):
 
     def __init__(self, llama_shaped: bool, status: int = 503) -> None:
         super().__init__(f"upstream answers {status} on /props")
-        self.llama_shaped = (
-            llama_shaped  # llama-server's own {"error": {"type": "unavailable_error"}}
-        )
+        # llama-server's own {"error": {"type": "unavailable_error"}}
+        self.llama_shaped = llama_shaped
 
 
 def _llama_unavailable(body: Any) -> bool:

@@ -37,9 +37,8 @@ from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import SETTINGS, STOP, UPSTREAM_URL
 
 log = structlog.get_logger("llmproxy.embedded")
-BACKEND_DRAIN_S = (
-    0.5  # the backend's own --shutdown-timeout-s: the proxy's connections are closed by then
-)
+# The backend's own --shutdown-timeout-s: the proxy's connections are closed by then.
+BACKEND_DRAIN_S = 0.5
 BACKEND_STOP_S = stop_budget_s(BACKEND_DRAIN_S) + 1.0  # SIGTERM -> SIGKILL (9 s)
 
 

@@ -1,11 +1,11 @@
 """One HTTP exchange with the upstream, written to the client as it arrives.
 
 ``forward`` sends the request through the adapter's ``UpstreamClient`` and writes the
-response through a ``Responder`` (relay.py): a body that arrived whole with the head goes
+response through a ``Responder`` (responder.py): a body that arrived whole with the head goes
 out in one write, after the connection went back to the pool; otherwise the head at once,
 then each piece of body as it arrives (no buffering). Client exceptions are mapped to
 ProxyErrors here (``map_client_errors``) and raised: the caller decides whether they become
-an HTTP error or an in-stream error event. Writes to the client never raise (see relay.py),
+an HTTP error or an in-stream error event. Writes to the client never raise (see responder.py),
 so whatever is raised comes from the upstream. A cancellation closes the upstream
 connection at once (that close is how a generation is cancelled). Redirects are relayed,
 never followed: the proxy talks to the configured upstream only, and what it sends there

@@ -3,9 +3,9 @@
 An adapter knows three things about its backend: how to prepare a gated request body
 for a given permit/slot, whether it can *confirm* that a cancelled generation stopped
 (``can_confirm``), and how to wait for that confirmation. Cancelling is always "close the
-upstream connection" and is done by the job (jobs.py), not here.
+upstream connection" and is done by the job (job.py), not here.
 
-An adapter holds the two ways to its backend: ``client`` (upstream_client.py), which every
+An adapter holds the two ways to its backend: ``client`` (client.py), which every
 relayed request goes through, and the app's ``session``, for its own probes and polls.
 The app's cleanup closes ``client`` (``close``).
 """
@@ -51,7 +51,7 @@ class Adapter:
     kind: ClassVar[str] = "openai"
     #: closing a streaming request's connection stops its generation at the next token, with
     #: nothing to confirm it by: policy auto cancels such a stream and holds the permit about
-    #: one token's time (jobs.py), instead of letting it run to its end
+    #: one token's time (confirm.py), instead of letting it run to its end
     stops_streams: ClassVar[bool] = False
     #: POST routes that run on the upstream's slots: gated (the others pass through)
     gated_routes: ClassVar[frozenset[str]] = GATED_ROUTES
@@ -75,12 +75,9 @@ class Adapter:
         self.settings = settings
         self.slots = slots
         self.can_confirm = False
-        self.known = (
-            asyncio.Event()
-        )  # set once nothing is left to learn (``pending``; see watch.py)
-        self.undetected = (
-            False  # kind auto, upstream not there at start (no answer, 502-504): detect again
-        )
+        self.known = asyncio.Event()  # set once nothing is left to learn (``pending``; watch.py)
+        # kind auto, upstream not there at start (no answer, 502-504): detected again
+        self.undetected = False
         self.piece_gap_s: float | None = None  # recent streams' gap between pieces (about a token)
 
     def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
@@ -98,7 +95,7 @@ class Adapter:
 
     def answers_at_start(self, path: str, parsed: Any) -> bool:
         """Does the upstream send its response head only once the request runs on its slot,
-        so that a stop may wait for the head before it cuts (jobs.py)? See llamacpp's."""
+        so that a stop may wait for the head before it cuts (job.py)? See llamacpp's."""
         return False
 
     def permits(self, path: str, parsed: Any, capacity: int) -> int:
@@ -125,7 +122,8 @@ class Adapter:
         return self.can_confirm
 
     async def confirm_stopped(self, slots: Sequence[int], *, answered: bool = True) -> bool:
-        """Wait until the backend shows every slot in ``slots`` idle. Adapters without a view return True.
+        """Wait until the backend shows every slot in ``slots`` idle. Adapters without a view
+        return True.
 
         ``answered``: the upstream had sent response headers, so its task had surely started."""
         return True
