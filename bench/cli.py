@@ -7,7 +7,7 @@ import importlib
 
 _BENCHES = (
     "llmproxy.bench.overhead.run",
-    "llmproxy.bench.engine.server",
+    "llmproxy.bench.engine.run",
     "llmproxy.bench.burst.run",
     "llmproxy.bench.backends",
     "llmproxy.bench.soak",

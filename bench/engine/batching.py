@@ -29,7 +29,8 @@ from llmproxy.backend.protocol import Done, Prompt, SamplingParams, Submit, Toke
 CONCURRENCY = (1, 4, 8, 16)
 PROMPTS = [
     'def quicksort(items):\n    """Sort a list with quicksort."""\n    if len(items) <= 1:\n',
-    "class LRUCache:\n    def __init__(self, capacity: int) -> None:\n        self.capacity = capacity\n",
+    "class LRUCache:\n    def __init__(self, capacity: int) -> None:\n"
+    "        self.capacity = capacity\n",
     "// Parse a CSV line into fields, honouring quotes.\nfunction parseCsvLine(line) {\n",
     "SELECT customers.name, COUNT(orders.id) AS n\nFROM customers\nJOIN orders ON\n",
     "Once upon a time, in a small village at the edge of a forest, there lived",
@@ -133,7 +134,7 @@ def ttft(d: Driver, n_predict: int, background: int, background_tokens: int | No
     return dt
 
 
-def bench_mode(args: argparse.Namespace, mode: str) -> dict[str, float]:
+def bench_mode(args: argparse.Namespace, mode: str) -> dict[str, float | str]:
     from llmproxy.backend.engines.torch.engine import create_engine
     from llmproxy.backend.settings import BackendSettings
 
@@ -144,15 +145,17 @@ def bench_mode(args: argparse.Namespace, mode: str) -> dict[str, float]:
         if getattr(args, name, None) is not None:
             fields[name] = getattr(args, name)
     engine = create_engine(BackendSettings(**fields))
-    engine.load(lambda _p: None)
+    info = engine.load(lambda _p: None)
     try:
         d = Driver(engine)
         throughput(d, 2, 4)  # warm the batched path
-        res = {f"tps_c{c}": throughput(d, c, args.n_predict) for c in CONCURRENCY}
+        res: dict[str, float | str] = {
+            f"tps_c{c}": throughput(d, c, args.n_predict) for c in CONCURRENCY
+        }
         idle = [ttft(d, args.n_predict, 0) for _ in range(3)]
         res["ttft_idle_ms"] = sorted(idle)[1]
         res["ttft_late_ms"] = ttft(d, args.n_predict, 8)
-        res["device"] = dict(engine.info.extra)["device"]  # type: ignore[assignment]
+        res["device"] = dict(info.extra)["device"]
         return res
     finally:
         engine.close()
@@ -175,9 +178,9 @@ def main(args: argparse.Namespace) -> int:
         rows.append(
             (f"tok/s @ concurrency {n}", f"{c[f'tps_c{n}']:.1f}", f"{s[f'tps_c{n}']:.1f}", goal)
         )
-    for name, r in (("continuous", c), ("static", s)):
-        r["c8_over_c1"] = r["tps_c8"] / r["tps_c1"]
-        r["late_over_idle"] = r["ttft_late_ms"] / r["ttft_idle_ms"]
+    for r in (c, s):
+        r["c8_over_c1"] = float(r["tps_c8"]) / float(r["tps_c1"])
+        r["late_over_idle"] = float(r["ttft_late_ms"]) / float(r["ttft_idle_ms"])
     rows += [
         ("c8 / c1 speed-up", f"{c['c8_over_c1']:.2f}x", f"{s['c8_over_c1']:.2f}x", ">= 4x"),
         ("TTFT idle ms", f"{c['ttft_idle_ms']:.1f}", f"{s['ttft_idle_ms']:.1f}", ""),
