@@ -1,15 +1,16 @@
 """Model engines. Each runs only inside a worker process (never in the web process).
 
-``create_engine(settings, worker_index)`` picks the engine named by ``settings.engine``:
+``create_engine(settings, worker_index)`` builds the engine named by ``settings.engine``:
 
-* ``llama-cpp``: ``llamacpp_engine.LlamaCppEngine`` (one slot per worker process).
-* ``torch``: ``torch_engine.create_engine(settings, worker_index)`` if that module defines
-  it, else ``torch_engine.TorchEngine(settings)`` (one process, ``max_batch_size`` slots).
+* ``llama-cpp``: ``llamacpp.engine.LlamaCppEngine`` (one slot per worker process).
+* ``torch``: ``torch.engine.create_engine`` (one process, ``max_batch_size`` slots).
+
+Each engine's module is imported only when it is chosen: torch and llama-cpp-python are
+optional extras.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -23,9 +24,7 @@ def create_engine(settings: BackendSettings, worker_index: int = 0) -> Engine:
 
         return LlamaCppEngine(settings, worker_index)
     if settings.engine == "torch":
-        mod = importlib.import_module("llmproxy.backend.engines.torch.engine")
-        factory = getattr(mod, "create_engine", None)
-        if factory is not None:
-            return factory(settings, worker_index)
-        return mod.TorchEngine(settings)
+        from llmproxy.backend.engines.torch.engine import create_engine as create_torch
+
+        return create_torch(settings, worker_index)
     raise ValueError(f"unknown engine {settings.engine!r}")

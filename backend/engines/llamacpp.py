@@ -34,8 +34,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from llmproxy.backend.engines.base import Engine
 from llmproxy.backend.engines.prompts import (
     CHATML,
     admit_tokens,
@@ -46,6 +47,9 @@ from llmproxy.backend.engines.prompts import (
 from llmproxy.backend.engines.stops import done_event, take_piece, time_up
 from llmproxy.backend.model_path import resolve_model
 from llmproxy.backend.protocol import Done, EngineInfo, Event, Failed, Prompt, Submit, Token
+
+if TYPE_CHECKING:
+    from llmproxy.backend.settings import BackendSettings
 
 
 @dataclass
@@ -71,8 +75,8 @@ class _Seq:
         return self.submit.request_id
 
 
-class LlamaCppEngine:
-    def __init__(self, settings: Any, worker_index: int = 0) -> None:
+class LlamaCppEngine(Engine):
+    def __init__(self, settings: BackendSettings, worker_index: int = 0) -> None:
         self.settings = settings
         self.worker_index = worker_index
         self.llm: Any = None

@@ -1,4 +1,4 @@
-"""The worker process: owns one engine instance and drives it (the Engine protocol).
+"""The worker process: owns one engine instance and drives it (``engines/base.py``).
 
 Started with the multiprocessing *spawn* context by the supervisor. Inbound messages
 (Submit/Cancel/Shutdown) arrive on ``inq`` (a multiprocessing Queue: the event loop's
@@ -13,7 +13,7 @@ synchronously: no feeder thread between a token and the server) as *lists* of ev
 The worker exits on Shutdown, or by itself when its parent dies (``os.getppid()``
 changes), so a SIGKILLed server never leaves orphans. Any engine exception on a request
 becomes a ``Failed`` event; an exception outside a request ends the process (the
-supervisor restarts it).
+supervisor restarts it). The loop closes the engine on every exit.
 """
 
 from __future__ import annotations
@@ -25,11 +25,27 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from llmproxy.backend.protocol import Cancel, Event, Failed, Shutdown, Submit, WorkerState
+from llmproxy.backend.protocol import (
+    Cancel,
+    Event,
+    Failed,
+    Inbound,
+    Shutdown,
+    Submit,
+    WorkerState,
+)
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.queues import Queue
+
+    from llmproxy.backend.settings import BackendSettings
 
 IDLE_POLL_S = 0.25
+T = TypeVar("T")
 
 
 def _parent_alive(parent_pid: int) -> bool:
@@ -37,14 +53,18 @@ def _parent_alive(parent_pid: int) -> bool:
 
 
 def worker_main(
-    index: int, settings_data: dict[str, Any], inq: Any, outq: Any, parent_pid: int
+    index: int,
+    settings_data: dict[str, Any],
+    inq: Queue[Inbound],
+    conn: Connection,
+    parent_pid: int,
 ) -> None:
     """Entry point of a worker process (must be importable: spawn pickles it by name)."""
     # The server handles SIGINT/SIGTERM and tells workers to stop; a terminal's Ctrl-C
     # (sent to the whole process group) must not kill a worker mid-generation.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    outq = _Sender(outq)
+    outq = Sender(conn)
     from llmproxy.backend.settings import BackendSettings
 
     settings = BackendSettings.from_worker(settings_data)
@@ -68,23 +88,25 @@ def worker_main(
 
 
 class ParentGone(Exception):
-    pass
+    """The server closed its end of the result pipe: the worker exits quietly."""
 
 
-class _Sender:
+class Sender:
     """``put`` over the write end of a Pipe; a closed pipe means the server is gone."""
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Connection) -> None:
         self.conn = conn
 
-    def put(self, obj: Any) -> None:
+    def put(self, events: list[Event]) -> None:
         try:
-            self.conn.send(obj)
+            self.conn.send(events)
         except (BrokenPipeError, ConnectionResetError, EOFError) as exc:
             raise ParentGone() from exc
 
 
-def run_worker(index: int, settings: Any, inq: Any, outq: Any, parent_pid: int) -> int:
+def run_worker(
+    index: int, settings: BackendSettings, inq: Queue[Inbound], outq: Sender, parent_pid: int
+) -> int:
     from llmproxy.backend.engines import create_engine
 
     engine = create_engine(settings, index)
@@ -97,10 +119,11 @@ def run_worker(index: int, settings: Any, inq: Any, outq: Any, parent_pid: int) 
 
     outq.put([WorkerState("loading", progress=0.0)])
     info = engine.load(progress)
-    gc.freeze()  # the loaded engine's objects out of full collections: no multi-ms pause mid-generation
+    # the loaded engine's objects leave the full collections: no multi-ms pause mid-generation
+    gc.freeze()
     outq.put([WorkerState("ready", progress=1.0, info=info)])
 
-    idle_unload_s = float(getattr(settings, "idle_unload_s", 0) or 0)
+    idle_unload_s = settings.idle_unload_s
     idle_since = time.monotonic()
     sleeping = False
     try:
@@ -108,7 +131,7 @@ def run_worker(index: int, settings: Any, inq: Any, outq: Any, parent_pid: int) 
             if not _parent_alive(parent_pid):
                 return 0
             out: list[Event] = []
-            msgs: list[Any] = []
+            msgs: list[Inbound] = []
             if engine.active() == 0:
                 try:
                     msgs.append(inq.get(timeout=IDLE_POLL_S))
@@ -130,7 +153,7 @@ def run_worker(index: int, settings: Any, inq: Any, outq: Any, parent_pid: int) 
             for msg in msgs:
                 if isinstance(msg, Shutdown):
                     # finish nothing new: cancel what is left (the server drained first)
-                    for rid in list(_active_ids(engine)):
+                    for rid in engine.active_ids():
                         out.extend(engine.cancel(rid))
                     if out:
                         outq.put(out)
@@ -160,14 +183,9 @@ def run_worker(index: int, settings: Any, inq: Any, outq: Any, parent_pid: int) 
             pass
 
 
-def _active_ids(engine: Any) -> list[str]:
-    ids = getattr(engine, "active_ids", None)
-    return list(ids()) if callable(ids) else []
-
-
-def _guard(request_id: str, fn: Any, *args: Any) -> list[Event]:
+def _guard(request_id: str, fn: Callable[[T], list[Event]], arg: T) -> list[Event]:
     try:
-        return list(fn(*args))
+        return list(fn(arg))
     except Exception as exc:  # a bad request must never kill the worker
         traceback.print_exc()
         return [Failed(request_id, 500, f"engine error: {exc}")]

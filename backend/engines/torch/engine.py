@@ -30,11 +30,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from llmproxy.backend.engines.base import Engine
 from llmproxy.backend.engines.stops import done_event
 from llmproxy.backend.engines.torch.loader import require_torch
 from llmproxy.backend.protocol import EngineInfo, Event, Failed, Submit, Token
+
+if TYPE_CHECKING:
+    from llmproxy.backend.settings import BackendSettings
 
 
 @dataclass(eq=False)
@@ -59,15 +63,15 @@ class _Seq:
         return self.submit.request_id
 
 
-def create_engine(settings: Any, worker_index: int = 0) -> TorchEngine:
+def create_engine(settings: BackendSettings, worker_index: int = 0) -> TorchEngine:
     """Factory used by ``backend.engines.create_engine`` (resolves the default model)."""
     from llmproxy.backend.model_path import resolve_model
 
     return TorchEngine(settings, resolve_model(settings.model))
 
 
-class TorchEngine:
-    def __init__(self, settings: Any, model_path: Path) -> None:
+class TorchEngine(Engine):
+    def __init__(self, settings: BackendSettings, model_path: Path) -> None:
         require_torch()
         self.settings = settings
         self.model_path = Path(model_path)
@@ -97,11 +101,7 @@ class TorchEngine:
         from llmproxy.backend.engines.torch.text import PromptBuilder
 
         t0 = time.perf_counter()
-        threads = (
-            int(self.settings.threads_per_worker())
-            if hasattr(self.settings, "threads_per_worker")
-            else 0
-        )
+        threads = self.settings.threads_per_worker()
         if threads > 0:
             torch.set_num_threads(threads)
         place = choose_placement(self.settings.device, self.settings.dtype)
@@ -117,7 +117,7 @@ class TorchEngine:
         )
         self.kv_budget = plan.kv_budget_tokens
         progress(0.9)
-        if getattr(self.settings, "warmup", True):
+        if self.settings.warmup:
             self._warmup()
         self.load_count += 1
         self.last_load = {
