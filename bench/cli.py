@@ -10,7 +10,7 @@ _BENCHES = (
     "llmproxy.bench.engine.run",
     "llmproxy.bench.burst.run",
     "llmproxy.bench.backends",
-    "llmproxy.bench.soak",
+    "llmproxy.bench.soak.run",
 )
 
 

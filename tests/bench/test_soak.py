@@ -9,7 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
-from llmproxy.bench.soak import SoakResult, outcomes_from_metrics
+from llmproxy.bench.soak.result import SoakResult, outcomes_from_metrics
 from llmproxy.common.children import child_preexec
 
 LLMPROXY = str(Path(sys.executable).with_name("llmproxy"))
