@@ -1,4 +1,4 @@
-"""The Responder (relay.py): one client response written by another task as it arrives.
+"""The Responder (responder.py): one client response written by another task as it arrives.
 
 A real aiohttp server whose handler creates a Responder and waits on its outcome while a
 separate writer task (standing in for the upstream job) follows a script; real clients

@@ -59,9 +59,10 @@ async def dropped(reader: asyncio.StreamReader) -> bool:
 async def test_a_client_that_stops_reading_does_not_keep_the_permit(
     http: aiohttp.ClientSession,
 ) -> None:
-    script = lambda _p, b: Script(
-        tokens=TOKENS, token_delay_s=0, padding=PADDING if b["prompt"] == "a" else 0
-    )  # noqa: E731
+    def script(_path: str, body: dict[str, Any]) -> Script:
+        padding = PADDING if body["prompt"] == "a" else 0
+        return Script(tokens=TOKENS, token_delay_s=0, padding=padding)
+
     async with (
         FakeUpstream(slots=1, script=script) as fake,
         run_proxy(fake.url, client_buffer_bytes=16 << 20, client_write_timeout_s=0.5) as px,

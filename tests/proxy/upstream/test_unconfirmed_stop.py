@@ -1,8 +1,8 @@
 """Stops nothing can confirm (OpenAI-compatible upstreams): a superseded stream is cut and its
 permit held about one token's time; a non-streaming request is left to finish.
 
-llama-cpp-python's server, measured in tests/interop/test_llama_cpp_python.py, notices a
-dropped streaming client after its next chunk and a dropped non-streaming one never."""
+llama-cpp-python's server notices a dropped streaming client after its next chunk and a
+dropped non-streaming one never (tests/interop/test_llama_cpp_python.py checks it)."""
 
 from __future__ import annotations
 
