@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from llmproxy.common.children import child_preexec
 from llmproxy.common.config import add_settings_arguments, settings_from_args
@@ -37,8 +38,8 @@ def test_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.port == 3333  # flag over env
     assert s.supersede_routes == ["/infill"]
     assert s.host == "127.0.0.1"  # loopback by default
-    with pytest.raises(Exception):
-        s.port = 1  # frozen
+    with pytest.raises(ValidationError, match="frozen"):
+        s.port = 1
 
 
 def test_list_and_bool_flags() -> None:
@@ -49,10 +50,12 @@ def test_list_and_bool_flags() -> None:
 
 
 def test_invalid_values_are_rejected(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A bad value ends the command with one readable line naming where it can be set, not a traceback."""
+    """A bad value ends the command with one readable line naming where it can be set, not a
+    traceback."""
     with pytest.raises(
         SystemExit,
-        match=r"--max-queue \(env LLMPROXY_MAX_QUEUE, config max_queue\): .*greater than or equal to 0; got '-1'",
+        match=r"--max-queue \(env LLMPROXY_MAX_QUEUE, config max_queue\): "
+        r".*greater than or equal to 0; got '-1'",
     ):
         load(["--max-queue", "-1"])
     monkeypatch.setenv("LLMPROXY_QUEUE_TIMEOUT_S", "soon")
@@ -61,19 +64,19 @@ def test_invalid_values_are_rejected(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     monkeypatch.delenv("LLMPROXY_QUEUE_TIMEOUT_S")
     with pytest.raises(SystemExit):
         load(["--supersede-inflight", "sometimes"])
-    with pytest.raises(
-        SystemExit, match="unknown session part.*usr_agent"
-    ):  # else every request would 500
+    # else every request would 500
+    with pytest.raises(SystemExit, match="unknown session part.*usr_agent"):
         load(["--session-parts", "peer,usr_agent"])
     with pytest.raises(
         SystemExit, match=r"invalid settings:\n  confirm_poll_max_s must be >= confirm_poll_min_s"
     ):
         load(["--confirm-poll-min-s", "0.5", "--confirm-poll-max-s", "0.1"])
+    # the proxy relays to http(s) origins only
     for bad in (
         "127.0.0.1:8012",
         "ftp://h/",
         "http://h/v1?x=1",
-    ):  # the proxy relays to http(s) origins only
+    ):
         with pytest.raises(
             SystemExit,
             match=r"--upstream \(env LLMPROXY_UPSTREAM.*(http:// or https://|without a query)",
@@ -90,7 +93,7 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--help"])
     text = capsys.readouterr().out
-    for name, field in ProxySettings.model_fields.items():
+    for name in ProxySettings.model_fields:
         assert "--" + name.replace("_", "-") in text, name
         assert f"LLMPROXY_{name.upper()}" in text, name
 

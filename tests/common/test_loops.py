@@ -148,9 +148,8 @@ def test_children_keep_no_fd_beyond_stdio_on_either_loop() -> None:
             assert loops.run(child_fds(True), loops.resolve(choice)[1]) == {"0", "1", "2", "3"}, (
                 choice
             )
-        assert str(write_end) in loops.run(
-            child_fds(False), loops.resolve("uvloop")[1]
-        )  # what it guards against
+        # what it guards against
+        assert str(write_end) in loops.run(child_fds(False), loops.resolve("uvloop")[1])
     finally:
         os.close(read_end)
         os.close(write_end)

@@ -47,6 +47,11 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
+def parent(pid: int) -> int:
+    """The parent pid of ``pid`` (from /proc)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -182,11 +187,7 @@ async def test_backend_death_stops_the_proxy_with_a_failure_status(tmp_path: Pat
     ``Restart=on-failure`` (or the user) starts it again, and leaves nothing behind."""
     proc, url = await start(tmp_path)
     kids = descendants(proc.pid)
-    backend = [
-        k
-        for k in kids
-        if int(Path(f"/proc/{k}/stat").read_text().rsplit(")", 1)[1].split()[1]) == proc.pid
-    ]
+    backend = [k for k in kids if parent(k) == proc.pid]
     assert len(backend) == 1, backend
     os.kill(backend[0], signal.SIGKILL)
     try:

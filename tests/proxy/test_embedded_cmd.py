@@ -27,9 +27,8 @@ def backend_settings(tmp_path: Path, **proxy: object) -> BackendSettings:
 
 def test_parallel_is_the_backends_slot_count_on_both_engines(tmp_path: Path) -> None:
     assert backend_settings(tmp_path, parallel=3).slot_layout() == [1, 1, 1]  # a worker per slot
-    assert backend_settings(tmp_path, engine="torch", parallel=3).slot_layout() == [
-        3
-    ]  # one batch of 3
+    # one batch of 3
+    assert backend_settings(tmp_path, engine="torch", parallel=3).slot_layout() == [3]
     # unset: each engine's own default
     assert backend_settings(tmp_path).slot_layout() == [1]
     assert backend_settings(tmp_path, engine="torch").slot_layout() == [
@@ -39,9 +38,8 @@ def test_parallel_is_the_backends_slot_count_on_both_engines(tmp_path: Path) -> 
 
 def test_n_ctx_reaches_the_backend(tmp_path: Path) -> None:
     assert backend_settings(tmp_path, n_ctx=8192).n_ctx == 8192
-    assert (
-        backend_settings(tmp_path).n_ctx == BackendSettings().n_ctx
-    )  # unset: the backend's default
+    # unset: the backend's default
+    assert backend_settings(tmp_path).n_ctx == BackendSettings().n_ctx
 
 
 def test_backend_stop_fits_the_proxys_budget(tmp_path: Path) -> None:

@@ -25,8 +25,8 @@ from llmproxy.common.children import child_preexec
 from tests.helpers.serve import serve
 
 # One kept-alive connection (like a monitoring agent): measures the proxy's event loop, not
-# the listen backlog (test_listen_backlog_holds_a_full_queue covers new connections: with aiohttp's
-# default backlog of 128, fresh-connection probes took 1.3-1.4 s here, SYN retransmits).
+# the listen backlog (test_listen_backlog_holds_a_full_queue covers new connections, which a
+# full backlog stalls until their SYN is retransmitted).
 POLLER = """
 import http.client, sys, time, urllib.parse
 u = urllib.parse.urlsplit(sys.argv[1])
@@ -115,7 +115,8 @@ async def test_thousand_connections_queue_limit_status_rss_fds(
                         )
                     return r.status
 
-            poller = await asyncio.create_subprocess_exec(  # its own process: our busy loop does not skew it
+            # its own process: our busy loop does not skew it
+            poller = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-c",
                 POLLER,
@@ -145,7 +146,8 @@ async def test_thousand_connections_queue_limit_status_rss_fds(
         assert results.count(200) == MAX_QUEUE
         assert len(latencies) >= 5 and max(latencies) < 1.0, latencies
         print(
-            f"status latency max {max(latencies) * 1000:.0f} ms over {len(latencies)} polls; fds {fds0}; rss0 {rss0} kB"
+            f"status latency max {max(latencies) * 1000:.0f} ms over {len(latencies)} polls; "
+            f"fds {fds0}; rss0 {rss0} kB"
         )
         for _ in range(200):  # quiescence: no request left, connections closed on both sides
             st, _ = await status(admin, url)

@@ -44,9 +44,8 @@ async def test_n_cmpl_holds_one_permit_per_slot_it_runs_on(http: aiohttp.ClientS
             await wait_until(lambda: gate.queued == 1, what="the wide request queued")
             third = asyncio.create_task(post(2, "c"))
             await wait_until(lambda: gate.queued == 2, what="the third request queued behind it")
-            assert (
-                gate.free == 1 and gate.held == 1
-            )  # free, but the wide request needs two and is first
+            # free, but the wide request needs two and is first
+            assert gate.free == 1 and gate.held == 1
             holds[0].set()
             await fake.wait_for(lambda f: len(f.generations) == 2 and f.slot_busy == [True, True])
             async with http.get(px.url + "/llmproxy/status") as r:
@@ -63,11 +62,8 @@ async def test_n_cmpl_holds_one_permit_per_slot_it_runs_on(http: aiohttp.ClientS
         assert [s for s, _ in results] == [200, 200, 200]
         assert [(c["index"], c["id_slot"]) for c in results[1][1]] == [(0, 0), (1, 1)]
         assert fake.deferred == [] and fake.max_concurrent == 2
-        assert [g.body["seq"] for g in fake.generations] == [
-            0,
-            1,
-            2,
-        ]  # FIFO: nobody overtook the wide one
+        # FIFO: nobody overtook the wide one
+        assert [g.body["seq"] for g in fake.generations] == [0, 1, 2]
         assert fake.generations[1].body["id_slot"] == running["slot"] == 0
         events = request_events(logs)
         assert events["n1"]["permits"] == 2 and "permits" not in events["n0"]
@@ -86,9 +82,9 @@ async def test_n_cmpl_holds_one_permit_per_slot_it_runs_on(http: aiohttp.ClientS
         ({"n_cmpl": True}, 1),
         ({"n_cmpl": 0}, 1),
         ({}, 1),
-        ({"n_cmpl": float("inf"), "n": 2}, 2),
+        ({"n_cmpl": float("inf"), "n": 2}, 2),  # Python's json reads Infinity, NaN
         ({"n_cmpl": float("nan")}, 1),
-    ],  # Python's json reads Infinity, NaN
+    ],
 )
 async def test_n_cmpl_is_read_as_llama_server_reads_it(
     http: aiohttp.ClientSession, extra: dict[str, Any], permits: int
@@ -145,10 +141,8 @@ async def test_n_cmpl_waits_for_a_lower_slot_granted_just_before_it_to_be_taken(
     slots 1 and 2. Sent at once, the small wide request would reach the server first and its
     extra completion would take slot 0, still idle there, so x would wait in the server's
     queue. The wide request is sent only once slot 0 is busy with x."""
-    holds = {
-        0: asyncio.Event(),
-        1: asyncio.Event(),
-    }  # x stays on its slot until the wide one is done
+    # x stays on its slot until the wide one is done
+    holds = {0: asyncio.Event(), 1: asyncio.Event()}
     script = lambda _p, b: Script(tokens=2, token_delay_s=0.001, hold=holds.get(b["seq"]))  # noqa: E731
     async with (
         FakeUpstream(slots=3, script=script) as fake,
@@ -226,9 +220,8 @@ async def test_a_request_stopped_before_it_was_sent_never_reaches_the_upstream(
         ) as px,
     ):
         gate = px.state.gate
-        on_its_way = gate.submit(
-            "x", supersedable=False, route="/completion"
-        )  # slot 0, never busy upstream
+        # slot 0, never busy upstream
+        on_its_way = gate.submit("x", supersedable=False, route="/completion")
         gate.take(on_its_way)
         polls = sum(r.path == "/slots" for r in fake.received)
         hdr = {"X-LLMProxy-Session": "editor", "X-Request-Id": "wide"}
@@ -236,9 +229,8 @@ async def test_a_request_stopped_before_it_was_sent_never_reaches_the_upstream(
             wide = asyncio.create_task(
                 http.post(px.url + "/completion", json={"prompt": "p", "n_cmpl": 2}, headers=hdr)
             )
-            await fake.wait_for(
-                lambda f: sum(r.path == "/slots" for r in f.received) > polls
-            )  # settling
+            # settling
+            await fake.wait_for(lambda f: sum(r.path == "/slots" for r in f.received) > polls)
             assert gate.inflight == 2 and fake.generations == []
             if how == "client_left":
                 wide.cancel()

@@ -134,9 +134,8 @@ async def scenario(ops: list[Op], capacity: int, linger: float, policy: str) -> 
                 assert e["outcome"] in ("superseded", "cancelled_queued", "rejected"), e
         too_wide = {i for i, op in enumerate(ops) if op.n_cmpl > capacity}
         assert all(statuses[i] == 400 for i in too_wide if i in statuses), statuses
-        assert all(i in statuses for i in too_wide if ops[i].abort_ms is None), (
-            statuses
-        )  # answered at once
+        # answered at once
+        assert all(i in statuses for i in too_wide if ops[i].abort_ms is None), statuses
         assert not too_wide & reached_fake
 
 

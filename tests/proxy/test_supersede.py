@@ -217,7 +217,7 @@ async def test_superseded_while_its_job_waits_on_a_client_that_lags() -> None:
     """A streamed request whose client stopped reading is superseded (policy cancel) while
     its job waits to write: the client still gets what was sent, then the superseded event,
     standing on its own; the request is logged superseded with its 200, not as a client
-    that left (the job's cancel used to surface in the handler through aiohttp's shared
+    that left (the job's cancel must not reach the handler through aiohttp's shared
     flow-control future)."""
     piece = b"data: " + b"x" * (64 << 10) + b"\n\n"
 
@@ -275,8 +275,7 @@ async def test_superseded_while_its_job_waits_on_a_client_that_lags() -> None:
         )
     body = dechunk(bytes(got[got.index(b"\r\n\r\n") + 4 :]))
     before, sep, event = body.rpartition(b'data: {"error"')
-    assert sep and before.endswith(b"\n\n") and event.endswith(b"}\n\n"), body[
-        -200:
-    ]  # an event of its own
+    # an event of its own
+    assert sep and before.endswith(b"\n\n") and event.endswith(b"}\n\n"), body[-200:]
     assert json.loads(sep.removeprefix(b"data: ") + event)["error"]["type"] == "superseded"
     assert job.record.status == 200 and not job.record.client_gone

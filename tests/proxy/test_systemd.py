@@ -25,6 +25,7 @@ import pytest
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.common.children import child_preexec
 from llmproxy.proxy.systemd import repo_copies
+from tests.helpers.leftovers import live_descendants
 
 ROOT = Path(__file__).resolve().parents[2]
 LLMPROXY = str(Path(sys.executable).with_name("llmproxy"))
@@ -32,8 +33,24 @@ LLMPROXY = str(Path(sys.executable).with_name("llmproxy"))
 # (and no other copy of it: the fd it was passed on is closed)
 ACTIVATE = (
     "import os, sys; fd = int(sys.argv[1]); os.dup2(fd, 3); fd == 3 or os.close(fd); "
-    "os.environ.update(LISTEN_FDS='1', LISTEN_PID=str(os.getpid())); os.execv(sys.argv[2], sys.argv[2:])"
+    "os.environ.update(LISTEN_FDS='1', LISTEN_PID=str(os.getpid())); "
+    "os.execv(sys.argv[2], sys.argv[2:])"
 )
+
+
+def socket_holders(pids: list[int], inode: int) -> set[int]:
+    """The processes among ``pids`` with a descriptor on the socket ``inode`` (from /proc)."""
+    return {
+        pid
+        for pid in pids
+        for fd in Path(f"/proc/{pid}/fd").iterdir()
+        if os.readlink(fd) == f"socket:[{inode}]"
+    }
+
+
+def environ(pid: int) -> bytes:
+    """The environment ``pid`` was started with (from /proc)."""
+    return Path(f"/proc/{pid}/environ").read_bytes()
 
 
 def install(tmp: Path, *extra: str, config: str = "") -> Path:
@@ -57,7 +74,8 @@ def install(tmp: Path, *extra: str, config: str = "") -> Path:
 
 
 def verify(tmp: Path, *units: Path) -> list[str]:
-    """Problems ``systemd-analyze verify --user`` reports about our units (unrelated host units ignored)."""
+    """Problems ``systemd-analyze verify --user`` reports about our units (unrelated host
+    units ignored)."""
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze missing (make test installs the Debian systemd package)")
     run_dir = tmp / "xdg-run"
@@ -123,9 +141,8 @@ async def test_socket_activation_serves_and_drains(tmp_path: Path) -> None:
     port = listener.getsockname()[1]
     script = lambda _p, _b: Script(tokens=20, token_delay_s=0.02)  # noqa: E731
     async with FakeUpstream(slots=1, script=script) as fake:
-        units = install(
-            tmp_path, config=f'upstream = "{fake.url}"\nport = 1\n'
-        )  # port 1: must not be bound
+        # port 1: must not be bound
+        units = install(tmp_path, config=f'upstream = "{fake.url}"\nport = 1\n')
         exec_line = next(
             ln
             for ln in (units / "llmproxy.service").read_text().splitlines()
@@ -179,15 +196,12 @@ async def test_socket_activation_keeps_the_socket_from_the_embedded_backend(tmp_
     """systemd's listening socket and LISTEN_* stay with the proxy: the embedded backend
     (started before the proxy listens) neither holds the socket nor sees the variables,
     on the default loop (uvloop spawns children without close_fds)."""
-    from tests.e2e.test_embedded import descendants
-
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
     port, inode = listener.getsockname()[1], os.fstat(listener.fileno()).st_ino
-    units = install(
-        tmp_path, config="port = 1\nbackend_start_timeout_s = 120\n"
-    )  # no upstream: embedded
+    # no upstream: embedded
+    units = install(tmp_path, config="port = 1\nbackend_start_timeout_s = 120\n")
     exec_line = next(
         ln
         for ln in (units / "llmproxy.service").read_text().splitlines()
@@ -208,21 +222,15 @@ async def test_socket_activation_keeps_the_socket_from_the_embedded_backend(tmp_
     listener.close()
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=150)) as http:
-            async with http.get(
-                f"http://127.0.0.1:{port}/llmproxy/health"
-            ) as r:  # after the backend is up
+            # answered once the backend is up
+            async with http.get(f"http://127.0.0.1:{port}/llmproxy/health") as r:
                 assert r.status == 200
-        holders = {
-            pid
-            for pid in [proc.pid, *descendants(proc.pid)]
-            for fd in Path(f"/proc/{pid}/fd").iterdir()
-            if os.readlink(fd) == f"socket:[{inode}]"
-        }
+        holders = socket_holders([proc.pid, *live_descendants(proc.pid)], inode)
         assert holders == {proc.pid}
-        backends = descendants(proc.pid)
+        backends = live_descendants(proc.pid)
         assert backends
         for pid in backends:
-            assert b"LISTEN_FDS=" not in Path(f"/proc/{pid}/environ").read_bytes()
+            assert b"LISTEN_FDS=" not in environ(pid)
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 60) == 0
     finally:

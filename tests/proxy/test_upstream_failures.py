@@ -71,9 +71,8 @@ async def test_a_failed_job_cut_at_shutdown_keeps_its_error_outcome(
     """A job whose upstream already failed and that is still waiting for the stop to be
     confirmed when the shutdown deadline comes is an error, not a request we cut."""
     script = lambda _p, _b: Script(tokens=8, token_delay_s=0.001, fail="hang_mid_body")  # noqa: E731
-    fake = FakeUpstream(
-        slots=1, abort_linger_s=30, script=script
-    )  # the slot stays busy: no confirmation
+    # the slot stays busy: no confirmation
+    fake = FakeUpstream(slots=1, abort_linger_s=30, script=script)
     await fake.start()
     try:
         with structlog.testing.capture_logs() as logs:
@@ -85,9 +84,8 @@ async def test_a_failed_job_cut_at_shutdown_keeps_its_error_outcome(
                     json={"prompt": "a", "stream": True},
                     headers={"X-Request-Id": "f"},
                 ) as r:
-                    assert (
-                        b'"type":"upstream_timeout"' in await r.read()
-                    )  # the error event ends the stream
+                    # the error event ends the stream
+                    assert b'"type":"upstream_timeout"' in await r.read()
                 await wait_until(
                     lambda: px.state.gate.free == 0 and len(px.state.jobs) == 1, what="confirming"
                 )

@@ -139,9 +139,8 @@ async def test_the_probe_closes_the_breaker_as_soon_as_its_head_arrives(
                 headers={"X-LLMProxy-Session": "probe"},
             )
         )
-        await fake.wait_for(
-            lambda f: f.concurrent == 1
-        )  # on its slot: llama-server's head goes out now
+        # on its slot: llama-server's head goes out now
+        await fake.wait_for(lambda f: f.concurrent == 1)
         await wait_until(
             lambda: breaker.state == "closed", 2, what="the probe's head closing the breaker"
         )

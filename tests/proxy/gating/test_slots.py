@@ -98,9 +98,8 @@ async def test_a_quarantined_slot_is_out_of_the_grants_until_given_back() -> Non
     gate.quarantine(wide, [1])  # slot 0 is idle, slot 1 may still run
     assert await waiter.wait() == 0
     assert (gate.total, gate.capacity, gate.free, gate.held, gate.quarantined) == (2, 1, 0, 1, [1])
-    two = gate.submit(
-        "y", supersedable=False, permits=2
-    )  # fits the slots, waits for the quarantined one
+    # fits the slots, waits for the quarantined one
+    two = gate.submit("y", supersedable=False, permits=2)
     gate.take(waiter)
     gate.release(waiter)
     assert not two.future.done() and gate.free == 1

@@ -229,9 +229,8 @@ async def test_secrets_never_reach_logs_or_status(
             await fake.wait_for(lambda f: f.slot_busy == [True])
             async with http.get(px.url + "/llmproxy/status") as r:
                 status_text = await r.text()
-            assert json.loads(status_text)["inflight"], (
-                status_text
-            )  # the request is visible, its material is not
+            # the request is visible, its material is not
+            assert json.loads(status_text)["inflight"], status_text
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)

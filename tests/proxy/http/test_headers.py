@@ -109,11 +109,8 @@ async def test_upstream_redirect_goes_to_the_client_unfollowed(
     [
         ("http://127.0.0.1:8080", "http://127.0.0.1:8080", "/"),
         ("http://127.0.0.1:8080", "HTTP://127.0.0.1:8080/y#f", "/y#f"),
-        (
-            "http://localhost:80/llama",
-            "http://LocalHost/llama/v1/models/",
-            "/v1/models/",
-        ),  # prefix, default port
+        # prefix, default port
+        ("http://localhost:80/llama", "http://LocalHost/llama/v1/models/", "/v1/models/"),
         ("http://localhost/llama", "http://localhost/llama", "/"),
         ("http://[::1]:8080", "http://[::1]:8080/z?q=%20", "/z?q=%20"),
         ("http://localhost/llama", "http://localhost/other", None),  # outside the base path
@@ -149,9 +146,8 @@ async def test_upstream_cookies_are_not_kept_between_clients(http: aiohttp.Clien
             upstream.replace("127.0.0.1", "localhost"), upstream_kind="openai"
         ) as px:
             for _ in range(2):
-                async with (
-                    aiohttp.ClientSession() as client
-                ):  # a new client each time, no cookies of its own
+                # a new client each time, no cookies of its own
+                async with aiohttp.ClientSession() as client:
                     async with client.post(px.url + "/v1/completions", json={"prompt": "a"}) as r:
                         assert r.status == 200 and r.headers["Set-Cookie"].startswith(
                             "sess=client-a-secret"

@@ -1,4 +1,4 @@
-"""Hostile clients: slow headers, slow bodies, conflicting framing, CRLF injection (issue 6)."""
+"""Hostile clients: slow headers, slow bodies, conflicting framing, CRLF injection."""
 
 from __future__ import annotations
 

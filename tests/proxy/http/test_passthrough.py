@@ -39,8 +39,8 @@ async def test_passthrough_bug_after_the_start_ends_the_stream_not_the_wire(
 ) -> None:
     """An unexpected exception in an ungated relay once the response started (a fault
     injected into the second piece's write) ends the stream with the error event, as an
-    upstream failure does; before, the middleware's 500 went out as a second status line
-    inside the chunked body."""
+    upstream failure does, never with the middleware's 500 as a second status line inside
+    the chunked body."""
 
     async def events(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

@@ -40,9 +40,8 @@ async def test_streams_relayed_chunk_by_chunk(
             assert r.status == 200 and r.headers["Content-Type"].startswith(ctype)
             first = await r.content.readline()
             assert first.strip()
-            assert (
-                fake.completed == []
-            )  # the client saw data before the upstream sent its last chunk
+            # the client saw data before the upstream sent its last chunk
+            assert fake.completed == []
             rest = await r.read()
         direct = await http.post(fake.url + path, json=body)
         # byte for byte, except the per-request ids/counters the upstream puts in each chunk
@@ -127,10 +126,10 @@ def test_stream_error_bytes_formats() -> None:
             "code": 499,
             "src": "llmproxy",
         }
-    assert (
-        stream_error_bytes("application/json", err) is None
-    )  # no event format: the relay closes instead
+    # no event format: the relay closes instead
+    assert stream_error_bytes("application/json", err) is None
     # after bytes that left an event or line open, it is ended first
+    # "\r" + "\n" is one line end: two more are needed
     for tail, prefix in [
         (b"", b""),
         (b'"}\n\n', b""),
@@ -138,7 +137,7 @@ def test_stream_error_bytes_formats() -> None:
         (b'"a"}\n', b"\n"),
         (b'"a', b"\n\n"),
         (b'"a"}\r', b"\n\n"),
-    ]:  # "\r" + "\n" is one line end: two more are needed
+    ]:
         assert stream_error_bytes("text/event-stream", err, tail) == prefix + sse, tail
     for tail, prefix in [(b"", b""), (b"}\n", b""), (b'{"a', b"\n")]:
         assert stream_error_bytes("application/x-ndjson", err, tail) == prefix + line.removeprefix(
@@ -150,10 +149,8 @@ def test_stream_error_bytes_formats() -> None:
     ("ctype", "sent"),
     [
         ("text/event-stream", [b'data: {"content":"a"}\n\n', b'data: {"content":"b']),
-        (
-            "text/event-stream",
-            [b'data: {"content":"a"}\n', b"data: {"],
-        ),  # cut after a line, inside the event
+        # cut after a line, inside the event
+        ("text/event-stream", [b'data: {"content":"a"}\n', b"data: {"]),
         ("application/x-ndjson", [b'{"response":"a","done":false}\n', b'{"response":"b']),
     ],
     ids=["sse-mid-line", "sse-mid-event", "ndjson-mid-line"],
@@ -183,9 +180,8 @@ async def test_stream_cut_inside_an_event_ends_with_an_error_event_that_parses(
     assert body.startswith(relayed)
     if ctype == "text/event-stream":
         events = body.split(b"\n\n")  # as a client splits the stream into events
-        assert events[-1] == b"" and events[-2].startswith(b"data: {"), (
-            body
-        )  # its own event, the last
+        # its own event, the last
+        assert events[-1] == b"" and events[-2].startswith(b"data: {"), body
         error = json.loads(events[-2].removeprefix(b"data: "))["error"]
     else:
         error = json.loads(body.splitlines()[-1])

@@ -1,4 +1,5 @@
-"""The batched request accounting (request_log.py): when lines are written and metrics observed, with which time."""
+"""The batched request accounting (request_log.py): when lines are written and metrics
+observed, with which time."""
 
 from __future__ import annotations
 
@@ -50,9 +51,8 @@ async def test_the_timer_flush_takes_a_few_per_loop_turn() -> None:
     def entry(rid: str) -> Callable[[RequestLog], None]:
         def account(_log: RequestLog) -> None:
             turns.append(rid)
-            if (
-                rid == "a"
-            ):  # queued while the first slice runs: behind the second slice, ahead of the third
+            # queued while the first slice runs: behind the second slice, ahead of the third
+            if rid == "a":
                 loop.call_soon(turns.append, "other")
 
         return account
@@ -179,6 +179,5 @@ def test_a_written_line_keeps_the_time_its_request_ended() -> None:
     (entry,) = [json.loads(ln) for ln in out.stderr.splitlines()]
     assert entry["event"] == "request" and entry["level"] == "info" and entry["request_id"] == "a"
     stamped = datetime.datetime.fromisoformat(entry["timestamp"].replace("Z", "+00:00")).timestamp()
-    assert (
-        entry["timestamp"].endswith("Z") and before <= stamped <= after
-    )  # not the flush's time, 0.2 s later
+    # not the flush's time, 0.2 s later
+    assert entry["timestamp"].endswith("Z") and before <= stamped <= after
