@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypedDict
 
 import aiohttp
 import structlog
@@ -45,6 +45,16 @@ def upstream_authorization(settings: ProxySettings) -> str | None:
     """The ``Authorization`` value for every request to the upstream, if a key is configured."""
     key = settings.upstream_api_key
     return None if key is None else f"Bearer {key.get_secret_value()}"
+
+
+class AdapterInfo(TypedDict):
+    """What ``Adapter.describe`` tells (the status page, the start-up log line)."""
+
+    kind: str
+    url: str
+    slots: int | None
+    can_confirm: bool
+    detected: bool
 
 
 class Adapter:
@@ -146,7 +156,7 @@ class Adapter:
         """Close the relay client's idle connections (app cleanup)."""
         self.client.close()
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> AdapterInfo:
         return {
             "kind": self.kind,
             "url": str(self.base_url),
