@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from llmproxy.bench.burst.run import TargetResult
+    from llmproxy.bench.burst.report import TargetResult
 
 
 def plot_latency(results: list[TargetResult], path: Path) -> None:

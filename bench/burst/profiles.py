@@ -1,4 +1,4 @@
-"""Wire profiles of real editor clients for ``llmproxy bench burst``, read from the clients' own source.
+"""Wire profiles of real editor clients for ``llmproxy bench burst``, read from their source.
 
 A profile says which route a client calls, the JSON body it sends (byte shape included:
 llama.vim sends compact JSON), its User-Agent, whether it streams, and how it abandons
@@ -21,7 +21,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 # What the simulated user has above and below the cursor, and what they type.
-PREFIX = 'def fibonacci(n: int) -> int:\n    """The n-th Fibonacci number."""\n    if n < 2:\n        return n\n    '
+PREFIX = (
+    'def fibonacci(n: int) -> int:\n    """The n-th Fibonacci number."""\n'
+    "    if n < 2:\n        return n\n    "
+)
 SUFFIX = "\n\n\nprint(fibonacci(10))\n"
 TYPED = "return fibonacci(n - 1) + fibonacci(n - 2)  # recursion, slow but clear; "
 

@@ -30,13 +30,13 @@ class SlotsPoller:
         self.busy_now = 0
         self.max_busy = 0
         self.decoded: dict[tuple[int, int], int] = {}  # (slot, id_task) -> highest n_decoded seen
-        self.last_seen: dict[
-            tuple[int, int], float
-        ] = {}  # (slot, id_task) -> perf_counter of the poll
+        # (slot, id_task) -> perf_counter of the poll
+        self.last_seen: dict[tuple[int, int], float] = {}
         self._timeout = aiohttp.ClientTimeout(total=5)
 
     async def poll(self) -> bool:
-        """One GET /slots; False when the target does not serve it (or not in llama-server shape)."""
+        """One GET /slots; False when the target does not serve it (or not in llama-server
+        shape)."""
         sent = time.perf_counter()  # the state read is at least as recent as this
         try:
             async with self.http.get(self.url + "/slots", timeout=self._timeout) as resp:

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from llmproxy.bench.burst.editor import send_times
 from llmproxy.bench.burst.profiles import PROFILES, delivered_tokens
-from llmproxy.bench.burst.run import BurstSettings, run_target, send_times
+from llmproxy.bench.burst.run import run_target
+from llmproxy.bench.burst.settings import BurstSettings
 from llmproxy.bench.burst.slots import SlotsPoller
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.common.children import child_preexec
@@ -106,7 +108,11 @@ def test_delivered_tokens_formats() -> None:
         )
         == 3
     )
-    oai = b'data: {"choices":[{"text":"x"}]}\n\ndata: {"choices":[],"usage":{"completion_tokens":4}}\n\ndata: [DONE]\n\n'
+    oai = (
+        b'data: {"choices":[{"text":"x"}]}\n\n'
+        b'data: {"choices":[],"usage":{"completion_tokens":4}}\n\n'
+        b"data: [DONE]\n\n"
+    )
     assert delivered_tokens(oai) == 4
 
 
