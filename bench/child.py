@@ -11,7 +11,13 @@ The child's side of the same protocol: ``announce(port_file, port)`` once listen
 file appears atomically, so the parent never reads half a number), then
 wait on ``stop_event()`` (set by SIGINT/SIGTERM) and close its server.
 ``ReferenceSettings`` and ``run_child_main`` are the options and command-line entry of the
-reference relays (forwarder.py, splice.py), which run on ``--loop``.
+reference relays (overhead/forwarder.py, overhead/splice.py), which run on ``--loop``.
+
+``child_server(argv, log, url, ready_path)`` runs a server that is told its port on its
+command line (llama-server, llama-cpp-python's server, the proxy in ``bench backends``;
+the interop tests' servers too) until the block ends: the block starts once
+``url + ready_path`` answers 200, and ``ChildFailed`` is raised if the child exits or does
+not answer in time during start-up.
 """
 
 from __future__ import annotations
@@ -24,16 +30,17 @@ import math
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp
 from pydantic import Field
 
 from llmproxy.common import loops
+from llmproxy.common.children import child_preexec
 from llmproxy.common.config import LayeredSettings, add_settings_arguments, settings_from_args
 from llmproxy.common.portfile import write_port_file
-from llmproxy.proxy.upstream.embedded import child_preexec
 
 
 class ReferenceSettings(LayeredSettings):
@@ -133,3 +140,51 @@ def run_child_main(
     factory = loops.choose(settings.loop, module.rsplit(".", 1)[-1])[1]
     loops.run(serve(settings), factory)
     return 0
+
+
+class ChildFailed(RuntimeError):
+    """A server child exited, or did not answer, during start-up."""
+
+
+@contextlib.asynccontextmanager
+async def child_server(
+    argv: Sequence[str], log: Path, url: str, ready_path: str, timeout_s: float = 300
+) -> AsyncIterator[asyncio.subprocess.Process]:
+    """Run the server ``argv`` (output to ``log``) as a child that dies with this process,
+    until the block ends; the block starts once ``url + ready_path`` answers 200. The child
+    is stopped with SIGTERM, then SIGKILL after 15 s. Also used by the interop tests."""
+    with log.open("wb") as out:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdout=out,
+                stderr=asyncio.subprocess.STDOUT,
+                stdin=asyncio.subprocess.DEVNULL,
+                preexec_fn=child_preexec(),
+            )
+        except OSError as exc:  # no such binary, not executable
+            raise ChildFailed(f"cannot run {argv[0]}: {exc.strerror}") from None
+    try:
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession() as http:
+            while True:
+                if proc.returncode is not None:
+                    raise ChildFailed(
+                        f"{argv[0]} exited with {proc.returncode} during start-up; see {log}"
+                    )
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(url + ready_path) as r:
+                        if r.status == 200:
+                            break
+                if time.monotonic() > deadline:
+                    raise ChildFailed(f"{url} not ready after {timeout_s:g} s; see {log}")
+                await asyncio.sleep(0.1)
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 15)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
