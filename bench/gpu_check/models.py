@@ -27,11 +27,23 @@ from llmproxy.backend.engines.torch.loader import require_torch
 # GPU idle; "tiny" keeps CPU tests fast.
 SHAPES: dict[str, dict[str, int]] = {
     "135m": {},
-    "1.7b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
-                 num_key_value_heads=32, head_dim=64),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16),
-}  # fmt: skip
+    "1.7b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=64,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),
+}
 META = "llmproxy.json"
 SEED = 1234
 

@@ -1,11 +1,10 @@
 """GPU check report: the goals (PASS/FAIL) and the Markdown tables, from the results dict.
 
 ``goals(doc)`` returns one row per (shape, dtype, goal): a stable ``id``, the ``goal``
-in words, ``value`` (text), ``pass``
-(True/False, or None where the goal cannot be judged: a part missing, or a GPU goal on
-CPU). ``markdown(doc)`` renders a measurements table per shape (one column per dtype)
-and the goals table. Both only read ``doc`` (gpu_check.py's layout) and accept partial
-results: a missing value shows as ``-``.
+in words, ``value`` (text), ``pass`` (True/False, or None where the goal cannot be
+judged: a part missing, or a GPU goal on CPU). ``markdown(doc)`` renders a measurements
+table per shape (one column per dtype) and the goals table. Both only read ``doc`` (the
+layout cli.py writes) and accept partial results: a missing value shows as ``-``.
 """
 
 from __future__ import annotations
@@ -39,15 +38,31 @@ def _goals_one(shape: str, dtype: str, r: dict[str, Any], cuda: bool) -> list[di
     c1, c16 = _get(e, "tps", "1", "tok_s"), _get(e, "tps", "16", "tok_s")
     want = SPEEDUP_GOAL.get(shape, DEFAULT_SPEEDUP)
     ratio = c16 / c1 if c1 and c16 else None
-    out.append(_row(shape, dtype, "speedup", f"tok/s c16 >= {want:g}x c1", f"{ratio:.2f}x" if ratio else "-",
-                    ratio >= want if ratio else None))  # fmt: skip
+    out.append(
+        _row(
+            shape,
+            dtype,
+            "speedup",
+            f"tok/s c16 >= {want:g}x c1",
+            f"{ratio:.2f}x" if ratio else "-",
+            ratio >= want if ratio else None,
+        )
+    )
     idle, late = e.get("ttft_idle_ms"), e.get("ttft_late_ms")
     lr = late / idle if idle and late else None
     out.append(_row(shape, dtype, "late_ttft", f"late TTFT <= {LATE_GOAL:g}x idle (continuous)",
                     f"{lr:.2f}x" if lr else "-", lr <= LATE_GOAL if lr else None))  # fmt: skip
     store = _get(e, "kv", "store_over_predicted")
-    out.append(_row(shape, dtype, "kv_store", "KV store = /props bytes/token x slots x columns (1%)",
-                    f"{store:.3f}" if store else "-", abs(store - 1) <= 0.01 if store else None))  # fmt: skip
+    out.append(
+        _row(
+            shape,
+            dtype,
+            "kv_store",
+            "KV store = /props bytes/token x slots x columns (1%)",
+            f"{store:.3f}" if store else "-",
+            abs(store - 1) <= 0.01 if store else None,
+        )
+    )
     peak, pred = _get(e, "memory", "peak_reserved_mib"), _get(e, "memory", "predicted_peak_mib")
     pr = peak / pred if cuda and peak and pred else None
     out.append(_row(shape, dtype, "peak_memory", f"peak reserved <= {PEAK_SLACK:g}x profiled",
@@ -58,13 +73,29 @@ def _goals_one(shape: str, dtype: str, r: dict[str, Any], cuda: bool) -> list[di
                     share >= FREED_GOAL if cuda and share is not None else None))  # fmt: skip
     freed, weights = _get(srv, "idle_unload", "freed_mib"), _get(srv, "props", "weights_mib")
     fr = freed / float(weights) if cuda and freed is not None and weights else None
-    out.append(_row(shape, dtype, "idle_unload_freed", f"idle_unload_s frees >= {FREED_GOAL:.0%} of weights (server)",
-                    f"{fr:.1%}" if fr is not None else "-", fr >= FREED_GOAL if fr is not None else None))  # fmt: skip
+    out.append(
+        _row(
+            shape,
+            dtype,
+            "idle_unload_freed",
+            f"idle_unload_s frees >= {FREED_GOAL:.0%} of weights (server)",
+            f"{fr:.1%}" if fr is not None else "-",
+            fr >= FREED_GOAL if fr is not None else None,
+        )
+    )
     parts = [p for p in (e, r.get("static") or {}, srv) if "failed" in p]
     n = sum(len(p["failed"]) for p in parts)
     reqs = sum(int(p.get("requests", 0)) for p in parts)
-    out.append(_row(shape, dtype, "no_failures", "no request fails", f"{n} of {reqs} failed" if parts else "-",
-                    n == 0 if parts else None))  # fmt: skip
+    out.append(
+        _row(
+            shape,
+            dtype,
+            "no_failures",
+            "no request fails",
+            f"{n} of {reqs} failed" if parts else "-",
+            n == 0 if parts else None,
+        )
+    )
     return out
 
 
@@ -105,13 +136,19 @@ def _metrics(r: dict[str, Any], conc: list[int]) -> list[tuple[str, str]]:
         ("TTFT idle / late ms (continuous)", _at(e, "ttft_idle_ms ttft_late_ms")),
         ("TTFT idle / late ms (static)", _at(st, "ttft_idle_ms ttft_late_ms")),
         ("long prompt joining: TTFT ms", _at(e, "long_prompt.ttft_ms")),
-        ("long prompt joining: longest step / decode step", _at(e, "long_prompt.max_step_over_decode", ".2f") + "x"),
+        (
+            "long prompt joining: longest step / decode step",
+            _at(e, "long_prompt.max_step_over_decode", ".2f") + "x",
+        ),
         ("KV store MiB / predicted", _at(e, "kv.store_mib kv.predicted_mib")),
         ("KV columns / budget tokens (/props)", _at(e, "kv.columns kv.budget_tokens", "d")),
         ("KV store within budget", _at(e, "kv.within_budget")),
         ("weights MiB: /props / parameters", _at(e, "facts.weights_mib param_mib")),
         ("activation peak MiB (/props)", _at(e, "facts.activation_peak_mib")),
-        ("peak allocated / reserved MiB", _at(e, "memory.peak_allocated_mib memory.peak_reserved_mib")),
+        (
+            "peak allocated / reserved MiB",
+            _at(e, "memory.peak_allocated_mib memory.peak_reserved_mib"),
+        ),
         ("predicted peak MiB", _at(e, "memory.predicted_peak_mib")),
         ("dtype as asked / pinned host buffers", _at(e, "dtype_ok pinned_host_buffers")),
         ("sleep: model / KV store freed", _at(e, "sleep.model_released sleep.kv_store_released")),
@@ -119,13 +156,20 @@ def _metrics(r: dict[str, Any], conc: list[int]) -> list[tuple[str, str]]:
         ("sleep: memory before / after (reserved or RSS MiB)", _sleep_mem(e)),
         ("server: ms/token / TTFT ms", _at(srv, "ms_per_token ttft_ms", ".2f")),
         ("server: cancel -> idle ms p50 / max", _at(srv, "cancel.p50_ms cancel.max_ms", ".2f")),
-        ("server: cancel -> idle tokens p50 / max", _at(srv, "cancel.p50_tokens cancel.max_tokens", ".2f")),
+        (
+            "server: cancel -> idle tokens p50 / max",
+            _at(srv, "cancel.p50_tokens cancel.max_tokens", ".2f"),
+        ),
         ("server: burst streams completed / sent", _at(srv, "burst.completed burst.streams", "d")),
-        ("server idle unload: awake / asleep / reloaded MiB",
-         _at(srv, "idle_unload.awake_mib idle_unload.asleep_mib idle_unload.reloaded_mib")),
-        ("server idle unload: asleep after s / reload s",
-         _at(srv, "idle_unload.sleeping_after_s idle_unload.reload_s", ".2f")),
-    ]  # fmt: skip
+        (
+            "server idle unload: awake / asleep / reloaded MiB",
+            _at(srv, "idle_unload.awake_mib idle_unload.asleep_mib idle_unload.reloaded_mib"),
+        ),
+        (
+            "server idle unload: asleep after s / reload s",
+            _at(srv, "idle_unload.sleeping_after_s idle_unload.reload_s", ".2f"),
+        ),
+    ]
     for name, part in (("engine", e), ("static", st), ("server", srv)):
         for k in ("error", "skipped"):
             if k in part:
@@ -146,8 +190,10 @@ def markdown(doc: dict[str, Any]) -> str:
         f"## GPU check: {meta.get('gpu', meta.get('device'))}, torch {meta.get('torch')}, "
         f"transformers {meta.get('transformers')}",
         "",
-        f"n_predict {st.get('n_predict')}, n_ctx {st.get('n_ctx')}, prefill_chunk {st.get('prefill_chunk')}, "
-        f"late request joins {st.get('late_background')} running, idle_unload_s {st.get('idle_unload_s')}; "
+        f"n_predict {st.get('n_predict')}, n_ctx {st.get('n_ctx')}, "
+        f"prefill_chunk {st.get('prefill_chunk')}, "
+        f"late request joins {st.get('late_background')} running, "
+        f"idle_unload_s {st.get('idle_unload_s')}; "
         f"{doc.get('elapsed_s', 0):.0f} s, complete: {_f(doc.get('complete'))}, "
         f"failed requests: {doc.get('failed_requests', '-')}, errors: {doc.get('errors', '-')}",
     ]
@@ -156,7 +202,8 @@ def markdown(doc: dict[str, Any]) -> str:
         dtypes = list(by_dtype)
         lines += [
             "",
-            f"### {shape} ({_f(params / 1e6 if params else None, '.0f')}M parameters, random weights)",
+            f"### {shape} ({_f(params / 1e6 if params else None, '.0f')}M parameters, "
+            "random weights)",
             "",
         ]
         lines += ["| metric | " + " | ".join(dtypes) + " |", "|---|" + "---|" * len(dtypes)]
@@ -170,7 +217,8 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += ["", "### Goals", ""]
     if meta.get("device") != "cuda":
         lines += [
-            "Set for a GPU: on a CPU the memory goals are n/a and the speed verdicts are not the judged ones.",
+            "Set for a GPU: on a CPU the memory goals are n/a "
+            "and the speed verdicts are not the judged ones.",
             "",
         ]
     lines += ["| shape | dtype | goal | value | verdict |", "|---|---|---|---|---|"]

@@ -1,7 +1,7 @@
 """GPU check, server part: the real backend process (``python -m llmproxy.backend``).
 
 ``measure_server(opts, model_dir, dtype, baseline)`` starts the torch backend with
-``idle_unload_s`` set, through ``bench_engine.Server``, and returns a dict of:
+``idle_unload_s`` set, through ``bench.engine.server.Server``, and returns a dict of:
 
 * ``props``: ``/props``'s ``engine`` object (device, dtype, the memory profile);
 * ``ms_per_token`` / ``ttft_ms``: one stream, best of two; ``burst``: ``max(concurrency)``
@@ -23,10 +23,14 @@ import asyncio
 import os
 import statistics
 import time
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from llmproxy.bench.engine.server import PROMPTS, Server
 from llmproxy.bench.gpu_check.engine import MIB, rss_mib
+
+if TYPE_CHECKING:
+    from llmproxy.bench.gpu_check.cli import CheckSettings
 
 SLEEP_WAIT_S = 120.0  # longest wait, past idle_unload_s, for /health to report the model asleep
 
@@ -41,7 +45,7 @@ def device_used_mib(device: str) -> float:
 
 
 class Check:
-    def __init__(self, opts: Any, server: Server, session: Any) -> None:
+    def __init__(self, opts: CheckSettings, server: Server, session: Any) -> None:
         self.opts, self.server, self.s = opts, server, session
         self.failed: list[str] = []
         self.requests = 0
@@ -76,7 +80,7 @@ class Check:
                 await asyncio.sleep(0.05)
 
 
-async def _run(opts: Any, server: Server, baseline: float) -> dict[str, Any]:
+async def _run(opts: CheckSettings, server: Server, baseline: float) -> dict[str, Any]:
     import aiohttp
 
     async with aiohttp.ClientSession() as session:
@@ -107,8 +111,13 @@ async def _run(opts: Any, server: Server, baseline: float) -> dict[str, Any]:
         if cancels:
             per_tok = res.get("ms_per_token", float("nan"))
             p50, worst = statistics.median(cancels), max(cancels)
-            res["cancel"] = {"samples": len(cancels), "p50_ms": p50, "max_ms": worst,
-                             "p50_tokens": p50 / per_tok, "max_tokens": worst / per_tok}  # fmt: skip
+            res["cancel"] = {
+                "samples": len(cancels),
+                "p50_ms": p50,
+                "max_ms": worst,
+                "p50_tokens": p50 / per_tok,
+                "max_tokens": worst / per_tok,
+            }
         res["idle_unload"] = await _idle_unload(c, baseline, res.get("ttft_ms", float("nan")))
         res["requests"] = c.requests
         res["failed"] = c.failed
@@ -123,21 +132,29 @@ async def _idle_unload(c: Check, baseline: float, awake_ttft: float) -> dict[str
     reload = await c.stream(8)
     reloaded = await c.memory()
     out: dict[str, Any] = {
-        "idle_unload_s": c.opts.idle_unload_s, "sleeping_after_s": asleep_after,
+        "idle_unload_s": c.opts.idle_unload_s,
+        "sleeping_after_s": asleep_after,
         "props_is_sleeping": bool(props["is_sleeping"]),
-        "baseline_mib": baseline, "awake_mib": awake, "asleep_mib": asleep, "reloaded_mib": reloaded,
+        "baseline_mib": baseline,
+        "awake_mib": awake,
+        "asleep_mib": asleep,
+        "reloaded_mib": reloaded,
         "freed_mib": awake - asleep,
-    }  # fmt: skip
+    }
     if reload is not None:
         out["reload_ttft_ms"] = reload[0]
         out["reload_s"] = max(0.0, reload[0] - awake_ttft) / 1000.0
     return out
 
 
-def measure_server(opts: Any, model_dir: Any, dtype: str, baseline: float) -> dict[str, Any]:
+def measure_server(
+    opts: CheckSettings, model_dir: Path, dtype: str, baseline: float
+) -> dict[str, Any]:
+    assert opts.work_dir is not None  # set by cli.run
     ns = argparse.Namespace(model=model_dir, n_ctx=opts.n_ctx, n_batch=16)
     extra = (
-        "--device", opts.device, "--dtype", dtype, "--max-batch-size", str(max(opts.concurrency)),
+        "--device", opts.device, "--dtype", dtype,
+        "--max-batch-size", str(max(opts.concurrency)),
         "--prefill-chunk", str(opts.prefill_chunk), "--idle-unload-s", str(opts.idle_unload_s),
         "--cache-dir", str(opts.work_dir / "cache"),
     )  # fmt: skip
