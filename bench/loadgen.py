@@ -44,7 +44,8 @@ class LoadResult:
     cpu_s: tuple[float, ...] = ()  # the ``probe`` readings' change over the measured phase
 
     def cpu_us_per_request(self, index: int) -> float:
-        """CPU microseconds per successful request of probed process ``index``; NaN if not probed."""
+        """CPU microseconds per successful request of probed process ``index``; NaN if not
+        probed."""
         if index >= len(self.cpu_s) or not self.ok:
             return math.nan
         return self.cpu_s[index] * 1e6 / self.ok

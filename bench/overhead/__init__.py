@@ -1,1 +1,2 @@
-"""``llmproxy bench overhead``: the proxy's own cost against a direct connection and a bare forwarder."""
+"""``llmproxy bench overhead``: the proxy's own cost against a direct connection and a bare
+forwarder."""

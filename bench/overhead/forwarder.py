@@ -1,15 +1,16 @@
 """The floor for ``llmproxy bench overhead``: a featureless aiohttp forwarder.
 
-``python -m llmproxy.bench.overhead.forwarder --upstream URL`` forwards every request to the
-upstream with the same aiohttp server settings, upstream client (upstream_client.py) and
-event loop (``--loop``) the proxy uses, and relays the response chunk by chunk, with none
-of the proxy's work: no gate, no permits, no sessions, no job task, no metrics, no
-logging, no header filtering beyond the bare minimum. It writes like the proxy's relay (a body that arrived whole in
-one send; a last chunk with the terminator), so the two differ only in the proxy's own
-work. The bench measures it next to the proxy in the same run, so the table shows how much
-of the added latency is the proxy's and how much is the stack's (two more loopback hops
-through an aiohttp server and client) on this machine. A reference to measure against, not
-a product path: it never runs outside the bench.
+``python -m llmproxy.bench.overhead.forwarder --upstream URL`` forwards every request to
+the upstream with the same aiohttp server settings, upstream client
+(proxy/upstream/client.py) and event loop (``--loop``) the proxy uses, and relays the
+response chunk by chunk, with none of the proxy's work: no gate, no permits, no sessions,
+no job task, no metrics, no logging, no header filtering beyond the bare minimum. It
+writes like the proxy's relay (a body that arrived whole in one send; a last chunk with
+the terminator), so the two differ only in the proxy's own work. The bench measures it
+next to the proxy in the same run, so the table shows how much of the added latency is the
+proxy's and how much is the stack's (two more loopback hops through an aiohttp server and
+client) on this machine. A reference to measure against, not a product path: it never runs
+outside the bench.
 
 Concurrency contract: one handler task per request, which owns its upstream exchange
 (its connection is closed when the handler is cancelled by a client disconnect). The
@@ -49,7 +50,7 @@ async def _forward(request: web.Request) -> web.StreamResponse:
             resp.content_length = up.content_length
         await resp.prepare(request)
         async for data in up.content.iter_any():
-            if up.content.is_eof():  # last chunk and terminator together, as the proxy's relay does
+            if up.content.is_eof():  # last chunk and terminator together, as the proxy's relay
                 await resp.write_eof(data)
                 return resp
             await resp.write(data)
@@ -58,9 +59,7 @@ async def _forward(request: web.Request) -> web.StreamResponse:
 
 
 async def _client_ctx(app: web.Application) -> AsyncIterator[None]:
-    client = UpstreamClient(
-        app[UPSTREAM], connect_timeout_s=5, read_timeout_s=600
-    )  # as the proxy's
+    client = UpstreamClient(app[UPSTREAM], connect_timeout_s=5, read_timeout_s=600)  # as the proxy
     app[CLIENT] = client
     yield
     client.close()

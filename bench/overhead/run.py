@@ -11,12 +11,12 @@ proxied throughput >= 50% of direct.
 
 The same load also goes through a featureless aiohttp forwarder (``forwarder.py``; off with
 ``--no-floor``): the "floor" columns show what one extra hop through the proxy's own HTTP
-stack (an aiohttp server and upstream_client.py) costs on this machine before any of the
-proxy's work, so a goal the floor itself misses is visible as such. The "raw" columns (off with ``--no-raw``) run it through a TCP
-byte relay (``splice.py``): the loopback hop with no HTTP stack at all, the least any
-Python proxy on this loop could add. Closed-loop workers start staggered (see loadgen.py),
-and each target is measured in ``--rounds`` blocks taken in turn, so machine drift hits
-all alike.
+stack (an aiohttp server and proxy/upstream/client.py) costs on this machine before any of
+the proxy's work, so a goal the floor itself misses is visible as such. The "raw" columns
+(off with ``--no-raw``) run it through a TCP byte relay (``splice.py``): the loopback hop
+with no HTTP stack at all, the least any Python proxy on this loop could add. Closed-loop
+workers start staggered (see loadgen.py), and each target is measured in ``--rounds``
+blocks taken in turn, so machine drift hits all alike.
 
 Upstream profiles (``--token-delay-ms``, one set of children per value):
 
@@ -25,9 +25,9 @@ Upstream profiles (``--token-delay-ms``, one set of children per value):
 * instant (0 ms): the fake answers as fast as Python can. This is a CPU stress that shows
   the proxy's cost per request; its goal marks are printed but not judged, because with
   a zero-work upstream they measure the machine, not the proxy: at c=1 "throughput >= 50%"
-  would need the proxy to add less time than the whole direct round trip (~0.5 ms), and at
-  c=32 three Python processes share 2 cores, so the added p50 is about 32 x the proxy's
-  CPU per request divided by the cores it gets.
+  would need the proxy to add less time than the whole direct round trip, and at c=32
+  three Python processes share the machine's cores, so the added p50 is about 32 x the
+  proxy's CPU per request divided by the cores it gets.
 
 Concurrency contract: children are owned by ``child.child`` (an async context manager) which
 terminates them (then kills after 10 s) on exit, including on error or Ctrl-C. Each worker
@@ -71,7 +71,8 @@ class OverheadSettings(LayeredSettings):
     rounds: int = Field(
         3,
         ge=1,
-        description="Measured blocks per target, run in turn (direct, raw, floor, proxied, direct, ...)",
+        description="Measured blocks per target, run in turn "
+        "(direct, raw, floor, proxied, direct, ...)",
     )
     modes: list[str] = Field(
         ["nonstream", "stream"], description="Request modes: nonstream, stream"
@@ -89,7 +90,8 @@ class OverheadSettings(LayeredSettings):
     )
     floor: bool = Field(
         True,
-        description="Also measure a featureless aiohttp forwarder (forwarder.py): the stack's own cost",
+        description="Also measure a featureless aiohttp forwarder (forwarder.py): "
+        "the stack's own cost",
     )
     raw: bool = Field(
         True, description="Also measure a TCP byte relay (splice.py): the loopback hop without HTTP"
@@ -103,7 +105,8 @@ class OverheadSettings(LayeredSettings):
     )
     proxy_log_level: str = Field(
         "info",
-        description="The proxy child's log level; info, its own default, measures its canonical line per request",
+        description="The proxy child's log level; info, its own default, "
+        "measures its canonical line per request",
     )
 
 
@@ -221,7 +224,8 @@ async def _profile(settings: OverheadSettings, delay_ms: float, workdir: Path) -
             "proxy", proxy_command(settings, fake_url), settings.proxy
         )
 
-        def reference(module: str) -> list[str]:  # forwarder.py and splice.py take the same options
+        def reference(module: str) -> list[str]:
+            """The command line of a reference relay (forwarder.py, splice.py: same options)."""
             return [
                 sys.executable,
                 "-m",
@@ -269,9 +273,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(settings.modes) - {"nonstream", "stream"}
     if unknown:
         raise SystemExit(f"llmproxy bench overhead: unknown mode(s): {', '.join(sorted(unknown))}")
-    loop_name = loops.choose(settings.loop, "llmproxy bench overhead")[
-        0
-    ]  # as the children will (same environment)
+    # as the children will choose (same environment)
+    loop_name = loops.choose(settings.loop, "llmproxy bench overhead")[0]
     gc.freeze()  # the load generator too: no full-collection pauses inside the measurements
     cases = asyncio.run(_bench(settings))
     sys.stdout.write(format_table(cases, loop=loop_name))

@@ -3,8 +3,8 @@
 A ``Case`` holds one mode x concurrency x upstream pace, measured direct, through the
 TCP relay ("raw"), the floor forwarder and the proxy. ``format_table`` prints one row per
 case with the added latency, throughput ratio, CPU per request, the two references'
-figures and the goals
-(judged on paced rows only; see overhead.py for why the instant rows are not).
+figures and the goals (judged on paced rows only; see run.py for why the instant rows are
+not).
 """
 
 from __future__ import annotations
@@ -125,30 +125,39 @@ def format_table(cases: list[Case], loop: str) -> str:
         proxy_cpu = p.cpu_us_per_request(1) if p else float("nan")
         floor50, floor99, floor_cpu = _reference(d, case.floor)
         raw50, raw99, raw_cpu = _reference(d, case.raw)
+        p50, p99, p_rps = (
+            (p.percentile_ms(50), p.percentile_ms(99), p.rps) if p else (float("nan"),) * 3
+        )
         lines.append(
             f"{case.name:<26}{n:>6}"
-            f"{d.percentile_ms(50):>11.2f}{d.percentile_ms(99):>8.2f}"
-            f"{(p.percentile_ms(50) if p else float('nan')):>12.2f}{(p.percentile_ms(99) if p else float('nan')):>8.2f}"
-            f"{add50:>10.2f}{add99:>8.2f}{d.rps:>11.0f}{(p.rps if p else float('nan')):>9.0f}{ratio:>7.2f}"
-            f"{proxy_cpu:>17.0f}{d.cpu_us_per_request(0):>6.0f}{floor50:>11.2f}{floor99:>7.2f}{floor_cpu:>6.0f}"
+            f"{d.percentile_ms(50):>11.2f}{d.percentile_ms(99):>8.2f}{p50:>12.2f}{p99:>8.2f}"
+            f"{add50:>10.2f}{add99:>8.2f}{d.rps:>11.0f}{p_rps:>9.0f}{ratio:>7.2f}"
+            f"{proxy_cpu:>17.0f}{d.cpu_us_per_request(0):>6.0f}"
+            f"{floor50:>11.2f}{floor99:>7.2f}{floor_cpu:>6.0f}"
             f"{raw50:>9.2f}{raw99:>7.2f}{raw_cpu:>5.0f}  " + ", ".join(marks)
         )
     lines.append("")
     lines.append(
-        f"latencies in ms; goals: added p50 <= {GOAL_ADDED_P50_MS} ms, added p99 <= {GOAL_ADDED_P99_MS} ms, "
-        f"proxied throughput >= {GOAL_THROUGHPUT_RATIO:.0%} of direct; * = stopped by the duration cap"
+        f"latencies in ms; goals: added p50 <= {GOAL_ADDED_P50_MS} ms, "
+        f"added p99 <= {GOAL_ADDED_P99_MS} ms, "
+        f"proxied throughput >= {GOAL_THROUGHPUT_RATIO:.0%} of direct; "
+        "* = stopped by the duration cap"
     )
     lines.append(
-        "CPU us/req: user+system CPU per request of the proxy (proxied run) and of the fake (direct run); "
-        "instant-upstream rows are a CPU stress, not judged (see `llmproxy bench overhead --help`)"
+        "CPU us/req: user+system CPU per request of the proxy (proxied run) "
+        "and of the fake (direct run); "
+        "instant-upstream rows are a CPU stress, not judged "
+        "(see `llmproxy bench overhead --help`)"
     )
     lines.append(
-        "floor: the same load through a featureless aiohttp forwarder (bench/forwarder.py): the latency it adds "
-        "over direct and its CPU us/req, i.e. what a hop through the proxy's HTTP stack (aiohttp server, "
-        "upstream client) costs here before any proxy logic"
+        "floor: the same load through a featureless aiohttp forwarder "
+        "(bench/overhead/forwarder.py): the latency it adds "
+        "over direct and its CPU us/req, i.e. what a hop through the proxy's HTTP stack "
+        "(aiohttp server, upstream client) costs here before any proxy logic"
     )
     lines.append(
-        "raw: the same load through a TCP byte relay (bench/splice.py): the loopback hop and one more process "
+        "raw: the same load through a TCP byte relay (bench/overhead/splice.py): "
+        "the loopback hop and one more process "
         "with no HTTP stack, the least any proxy on this loop could add"
     )
     lines.append(f"event loop of the proxy and the floors: {loop}")
@@ -162,7 +171,8 @@ def format_table(cases: list[Case], loop: str) -> str:
     if beyond:
         lines.append(
             f"rows where a reference misses a goal too, in the same run: {', '.join(beyond)} "
-            "('floor misses': no proxy built on this HTTP stack meets it on this machine under this load; "
+            "('floor misses': no proxy built on this HTTP stack meets it "
+            "on this machine under this load; "
             "'raw misses': not even a bare byte relay does)"
         )
     return "\n".join(lines) + "\n"
