@@ -21,8 +21,9 @@ from pathlib import Path
 def test_starts_processes():
     direct = subprocess.Popen([sys.executable, "-c", {SLEEPER!r}])
     # its parent exits at once: the orphan is pytest's (a subreaper), not init's
-    middle = subprocess.run([sys.executable, "-c", "import subprocess, sys; print(subprocess.Popen("
-                             "[sys.executable, '-c', {SLEEPER!r}], stdout=subprocess.DEVNULL).pid)"],
+    spawn = ("import subprocess, sys; print(subprocess.Popen("
+             "[sys.executable, '-c', {SLEEPER!r}], stdout=subprocess.DEVNULL).pid)")
+    middle = subprocess.run([sys.executable, "-c", spawn],
                             stdout=subprocess.PIPE, text=True, check=True)
     Path(os.environ["PIDS"]).write_text(f"{{direct.pid}} {{middle.stdout.strip()}}")
     if os.environ["LEAK"] == "no":

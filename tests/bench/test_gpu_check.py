@@ -30,9 +30,30 @@ pytestmark = [
 ]
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
-TINY = ["--device", "cpu", "--dtypes", "float32", "--shapes", "tiny", "--concurrency", "1,2,4", "--n-predict", "8",
-        "--late-background", "2", "--n-ctx", "256", "--prefill-chunk", "32", "--cancels", "2",
-        "--idle-unload-s", "0.5", "--n-threads", "1"]  # fmt: skip
+TINY = [
+    "--device",
+    "cpu",
+    "--dtypes",
+    "float32",
+    "--shapes",
+    "tiny",
+    "--concurrency",
+    "1,2,4",
+    "--n-predict",
+    "8",
+    "--late-background",
+    "2",
+    "--n-ctx",
+    "256",
+    "--prefill-chunk",
+    "32",
+    "--cancels",
+    "2",
+    "--idle-unload-s",
+    "0.5",
+    "--n-threads",
+    "1",
+]
 
 
 def _run(
@@ -93,11 +114,28 @@ def test_check_end_to_end_on_cpu(carry: Path, tmp_path: Path) -> None:
     assert doc["failed_requests"] == 0
     assert doc["models"]["tiny"]["params"] > 0
     r = doc["runs"]["tiny"]["float32"]
-    _has(r["engine"], "load_s", "facts.kv_bytes_per_token", "facts.device", "param_mib", "dtype_ok",
-         "pinned_host_buffers", "ttft_idle_ms", "ttft_late_ms", "long_prompt.ttft_ms",
-         "long_prompt.max_step_over_decode", "kv.store_mib", "kv.predicted_mib", "kv.store_over_predicted",
-         "memory", "sleep.before", "sleep.after", "sleep.reloaded", "sleep.model_released",
-         "sleep.reload_s")  # fmt: skip
+    _has(
+        r["engine"],
+        "load_s",
+        "facts.kv_bytes_per_token",
+        "facts.device",
+        "param_mib",
+        "dtype_ok",
+        "pinned_host_buffers",
+        "ttft_idle_ms",
+        "ttft_late_ms",
+        "long_prompt.ttft_ms",
+        "long_prompt.max_step_over_decode",
+        "kv.store_mib",
+        "kv.predicted_mib",
+        "kv.store_over_predicted",
+        "memory",
+        "sleep.before",
+        "sleep.after",
+        "sleep.reloaded",
+        "sleep.model_released",
+        "sleep.reload_s",
+    )
     for c in ("1", "2", "4"):
         _has(r["engine"]["tps"][c], "tok_s", "per_seq_tok_s", "ttft_ms")
         assert r["engine"]["tps"][c]["tok_s"] > 0
@@ -142,9 +180,15 @@ def test_goal_thresholds() -> None:
     from llmproxy.bench.gpu_check.report import goals, markdown
 
     def doc(shape: str, c1: float, c16: float) -> dict[str, Any]:
-        engine = {"tps": {"1": {"tok_s": c1}, "16": {"tok_s": c16}}, "ttft_idle_ms": 10.0, "ttft_late_ms": 25.0,
-                  "memory": {"peak_reserved_mib": 1050.0, "predicted_peak_mib": 1000.0},
-                  "sleep": {"freed_share": 0.95}, "failed": [], "requests": 3}  # fmt: skip
+        engine = {
+            "tps": {"1": {"tok_s": c1}, "16": {"tok_s": c16}},
+            "ttft_idle_ms": 10.0,
+            "ttft_late_ms": 25.0,
+            "memory": {"peak_reserved_mib": 1050.0, "predicted_peak_mib": 1000.0},
+            "sleep": {"freed_share": 0.95},
+            "failed": [],
+            "requests": 3,
+        }
         server = {
             "props": {"weights_mib": "100"},
             "idle_unload": {"freed_mib": 80.0},
@@ -181,7 +225,8 @@ def test_goal_thresholds() -> None:
 
 
 def test_predicted_peak() -> None:
-    """Profiled weights (with the initial store) + activation peak + the store's growth (x1.5 while copying)."""
+    """Profiled weights (with the initial store) + activation peak + the store's growth
+    (x1.5 while copying)."""
     from llmproxy.bench.gpu_check.engine import _predicted_peak
 
     facts = {"weights_mib": "500", "activation_peak_mib": "100"}

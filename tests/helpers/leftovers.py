@@ -88,7 +88,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    header = f"{len(left)} process(es) started by the tests still running at the end of the session (killed now)"
+    header = (
+        f"{len(left)} process(es) started by the tests still running at the end of the session "
+        "(killed now)"
+    )
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.ensure_newline()

@@ -11,7 +11,9 @@ from aiohttp import web
 
 
 async def wait_until(
-    pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition"
+    pred: Callable[[], bool],
+    timeout: float = 5.0,  # noqa: ASYNC109 - part of the helper's API, given positionally
+    what: str = "condition",
 ) -> None:
     """Poll ``pred`` (cheap, in-process state) until true; fail loudly at the deadline."""
     loop = asyncio.get_running_loop()

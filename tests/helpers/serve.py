@@ -47,7 +47,13 @@ async def serve(
         await proc.wait()
 
 
-async def wait_for_log(proc: asyncio.subprocess.Process, event: str, timeout: float = 10) -> None:
+async def wait_for_log(
+    proc: asyncio.subprocess.Process,
+    event: str,
+    timeout: float = 10,  # noqa: ASYNC109 - part of the helper's API
+) -> None:
+    """Read ``proc``'s stderr until its JSON log has a line with this ``event``; fail after
+    ``timeout`` or when the output ends."""
     async with asyncio.timeout(timeout):
         while line := await proc.stderr.readline():
             if line.startswith(b"{") and json.loads(line).get("event") == event:
