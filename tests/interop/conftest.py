@@ -1,4 +1,5 @@
-"""Fixtures of the interop suite (``make interop``): real llama-server and llama-cpp-python servers.
+"""Fixtures of the interop suite (``make interop``): real llama-server and llama-cpp-python
+servers (tests/helpers/interop.py).
 
 Every test here is marked ``interop`` (deselected by ``make test``); without a built
 llama-server (tests/interop/build_llama_server.sh) the llama-server tests skip.
@@ -6,14 +7,15 @@ llama-server (tests/interop/build_llama_server.sh) the llama-server tests skip.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import pytest
 
 from llmproxy.backend.model_path import default_model_path
-from tests.interop.servers import (
+from tests.helpers.interop import (
+    LlamaServer,
     Server,
     fim_model,
     free_port,
@@ -42,9 +44,6 @@ def llama_bin() -> Path:
 @pytest.fixture(scope="session")
 def fim_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return fim_model(tmp_path_factory.mktemp("models"))
-
-
-LlamaServer = Callable[..., AbstractAsyncContextManager[Server]]
 
 
 @pytest.fixture

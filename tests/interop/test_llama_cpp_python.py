@@ -1,4 +1,5 @@
-"""The proxy in front of llama-cpp-python's server (``python -m llama_cpp.server``, ``make interop``).
+"""The proxy in front of llama-cpp-python's server (``python -m llama_cpp.server``), in
+``make interop``.
 
 It is detected as ``openai``: no view of its slot, so nothing confirms a stop. It checks for a
 dropped streaming client after each chunk, and never for a non-streaming one. A superseded
@@ -14,8 +15,9 @@ import time
 
 import aiohttp
 
+from tests.helpers.interop import Server
+from tests.helpers.net import wait_until
 from tests.helpers.proxy import run_proxy
-from tests.interop.servers import Server
 
 END_TOKENS = {"0": -100, "1": -100, "2": -100}  # SmolLM2's: every generation runs to max_tokens
 PROMPT = "def fibonacci(n: int) -> int:\n    "
@@ -64,10 +66,8 @@ async def test_a_superseded_stream_stops_and_the_next_request_starts_at_once(
         first_status, first_s = await first
         assert status == 200 and first_status == 200  # a started stream ends with an error event
         assert first_s < alone  # cut, not run to its end
-        assert second < 1.5 * alone, (
-            second,
-            alone,
-        )  # not after the old generation's end (about 2 x alone)
+        # not after the old generation's end (about 2 x alone)
+        assert second < 1.5 * alone, (second, alone)
         px.flush_log()
 
 
@@ -75,8 +75,7 @@ async def test_a_non_streaming_request_is_left_to_finish(llama_cpp_python: Serve
     """Closing it would not stop llama-cpp-python's generation: the permit stays with it."""
     async with run_proxy(llama_cpp_python.url) as px, aiohttp.ClientSession() as http:
         first = asyncio.create_task(complete(http, px.url, PROMPT + "c", stream=False))
-        while px.state.gate.free:
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: not px.state.gate.free, 120, what="the first request's permit")
         status, _ = await complete(http, px.url, PROMPT + "d", stream=False)
         assert status == 200 and (await first)[0] == 200
         assert px.state.gate.free == 1

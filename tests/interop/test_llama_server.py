@@ -18,10 +18,14 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.helpers.interop import LlamaServer
+from tests.helpers.net import wait_until
 from tests.helpers.proxy import run_proxy
-from tests.interop.conftest import LlamaServer
 
-PREFIX = 'def fibonacci(n: int) -> int:\n    """The n-th Fibonacci number."""\n    if n < 2:\n        return n\n'
+PREFIX = (
+    'def fibonacci(n: int) -> int:\n    """The n-th Fibonacci number."""\n'
+    "    if n < 2:\n        return n\n"
+)
 LLAMA_VIM = {
     "id_slot": 0,
     "input_prefix": PREFIX,
@@ -158,15 +162,14 @@ async def test_a_dropped_non_streaming_client_stops_its_generation_within_a_few_
     parallel: int,
 ) -> None:
     async with llama_server(parallel=parallel) as srv:
-        async with run_proxy(
-            srv.url, upstream_stream="off"
-        ) as px:  # as before: not streamed upstream
+        # upstream_stream=off: sent to llama-server as a non-streaming request
+        async with run_proxy(srv.url, upstream_stream="off") as px:
             _, _, off_s = await decoded_when_idle_after_disconnect(srv.url, px.url)
             assert srv.stopped_tasks() == 0  # llama-server never noticed: it ran to the end
         async with run_proxy(srv.url) as px:
             at_drop, _, streamed_s = await decoded_when_idle_after_disconnect(srv.url, px.url)
             assert srv.stopped_tasks() == 1
-            await asyncio.wait_for(_until_free(px, parallel), 10)
+            await wait_until(lambda: px.state.gate.free == parallel, 10, what="all permits free")
     # llama-server's log: "release: ... stop processing: n_tokens = N", N = prompt + generated
     ran_off, ran_streamed = [
         int(n) for n in re.findall(r"stop processing: n_tokens = (\d+)", srv.log_text())
@@ -174,11 +177,6 @@ async def test_a_dropped_non_streaming_client_stops_its_generation_within_a_few_
     prompt = ran_off - 200  # the first ran to its end: all 200 tokens
     assert ran_streamed - prompt - at_drop <= 4, (ran_streamed - prompt, at_drop)
     assert off_s > 10 * streamed_s, (off_s, streamed_s)
-
-
-async def _until_free(px: Any, n: int) -> None:
-    while px.state.gate.free != n:
-        await asyncio.sleep(0.01)
 
 
 async def test_a_long_prompt_cancelled_before_its_answer_never_runs_after_its_permit_came_back(
@@ -202,7 +200,7 @@ async def test_a_long_prompt_cancelled_before_its_answer_never_runs_after_its_pe
             request.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await request
-            await asyncio.wait_for(_until_free(px, 1), 120)
+            await wait_until(lambda: px.state.gate.free == 1, 120, what="the permit back")
             released = time.monotonic()
             while time.monotonic() - released < 0.5:  # does the slot turn busy after the release?
                 if (await slot_state(http, srv.url))["is_processing"]:
@@ -214,8 +212,8 @@ async def test_a_long_prompt_cancelled_before_its_answer_never_runs_after_its_pe
 
 async def test_back_to_back_requests_after_streams_all_succeed(llama_server: LlamaServer) -> None:
     """llama-server closes a connection after an event stream although it says keep-alive:
-    a request sent on it at once failed with 502 (ServerDisconnectedError) before the
-    proxy stopped pooling such connections."""
+    the proxy does not reuse such a connection, so a request sent right after a stream
+    never fails with 502 (ServerDisconnectedError)."""
     async with (
         llama_server(parallel=1) as srv,
         run_proxy(srv.url) as px,
@@ -247,16 +245,17 @@ async def test_a_slot_whose_stop_timed_out_gets_no_request_until_llama_server_sh
         first = asyncio.create_task(
             post(http, px.url + "/completion", {"prompt": prompt, "n_predict": 8})
         )
-        while not (await slot_state(http, srv.url))["is_processing"]:
+        # llama-server's /slots, another process: there is nothing to wait on but polls
+        while not (await slot_state(http, srv.url))["is_processing"]:  # noqa: ASYNC110
             await asyncio.sleep(0.01)
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
-        await asyncio.wait_for(_until(lambda: px.state.gate.quarantined == [0]), 30)
+        await wait_until(lambda: px.state.gate.quarantined == [0], 30, what="slot 0 quarantined")
         second = asyncio.create_task(
             post(http, px.url + "/completion", {"prompt": "def f(x):", "n_predict": 4})
         )
-        await asyncio.wait_for(_until(lambda: px.state.gate.queued == 1), 10)
+        await wait_until(lambda: px.state.gate.queued == 1, 10, what="one request queued")
         busy_while_queued = 0
         while px.state.gate.quarantined:  # llama-server still evaluates the cancelled prompt
             busy_while_queued += (await slot_state(http, srv.url))["is_processing"]
@@ -267,11 +266,6 @@ async def test_a_slot_whose_stop_timed_out_gets_no_request_until_llama_server_sh
             await asyncio.sleep(0.05)
         status, _, _ = await asyncio.wait_for(second, 120)
         assert status == 200 and busy_while_queued > 0
-
-
-async def _until(pred: Any) -> None:
-    while not pred():
-        await asyncio.sleep(0.01)
 
 
 async def test_an_embedding_holds_the_slot_it_runs_on(llama_server: LlamaServer) -> None:
@@ -285,11 +279,11 @@ async def test_an_embedding_holds_the_slot_it_runs_on(llama_server: LlamaServer)
         aiohttp.ClientSession() as http,
     ):
         embedding = asyncio.create_task(post(http, px.url + "/embedding", {"content": text}))
-        await asyncio.wait_for(_until(lambda: px.state.gate.free == 0), 30)
+        await wait_until(lambda: px.state.gate.free == 0, 30, what="the permit taken")
         completion = asyncio.create_task(
             post(http, px.url + "/completion", {"prompt": "def f(x):", "n_predict": 4})
         )
-        await asyncio.wait_for(_until(lambda: px.state.gate.queued == 1), 10)
+        await wait_until(lambda: px.state.gate.queued == 1, 10, what="one request queued")
         assert (await slot_state(http, srv.url))["is_processing"] or embedding.done()
         assert (await embedding)[0] == 200
         assert (await asyncio.wait_for(completion, 120))[0] == 200

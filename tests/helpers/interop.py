@@ -1,12 +1,13 @@
-"""Real backends for the interop suite: llama.cpp's llama-server and llama-cpp-python's server.
+"""Real backends for the interop suite (tests/interop/): llama-server, llama-cpp-python.
 
-``llama_server_binary`` finds the binary ``build_llama_server.sh`` built (``make interop``
-builds it once and passes its path in ``LLMPROXY_LLAMA_SERVER``). ``fim_model`` writes a
-copy of the SmolLM2 GGUF whose metadata names three unused special tokens as the FIM
-prefix/suffix/middle tokens, so that llama-server serves ``/infill`` with it (its text is
-meaningless; the wire behaviour is what is tested). ``running`` starts a server as a child
-that dies with the test process, waits until it answers, and stops it at the end
-(``bench backends``' ``child_server``); its output goes to a log file the tests read.
+``llama_server_binary`` finds the binary tests/interop/build_llama_server.sh built
+(``make interop`` builds it once and passes its path in ``LLMPROXY_LLAMA_SERVER``). ``fim_model``
+writes a copy of the SmolLM2 GGUF whose metadata names three unused special tokens as the
+FIM prefix/suffix/middle tokens, so that llama-server serves ``/infill`` with it (its text
+is meaningless; the wire behaviour is what is tested). ``running`` starts a server as a
+child that dies with the test process, waits until it answers, and stops it at the end
+(``llmproxy.bench.child.child_server``); its output goes to a log file the tests read.
+``LlamaServer`` is the type of the ``llama_server`` fixture (tests/interop/conftest.py).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import contextlib
 import os
 import socket
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
 from llmproxy.backend.model_path import default_model_path
-from llmproxy.bench.backends import child_server
+from llmproxy.bench.child import child_server
 
 VERSION = "11434.0.0"  # tests/interop/build_llama_server.sh's default
 FIM_TOKENS = {
@@ -41,7 +43,8 @@ def llama_server_binary() -> Path | None:
 
 
 def fim_model(dest: Path) -> Path:
-    """A copy of the default GGUF with FIM token ids in its metadata (the ``gguf`` package's writer)."""
+    """A copy of the default GGUF with FIM token ids in its metadata (written with the
+    ``gguf`` package)."""
     import gguf
 
     out = dest / "smollm2-fim.gguf"
@@ -91,6 +94,9 @@ class Server:
     def stopped_tasks(self) -> int:
         """How many times llama-server logged that it cancelled a task (a dropped client seen)."""
         return self.log_text().count("stop: cancel task")
+
+
+LlamaServer = Callable[..., AbstractAsyncContextManager[Server]]
 
 
 @contextlib.asynccontextmanager
