@@ -80,12 +80,15 @@ class Token:
     n_decoded: int
 
 
+StopReason = Literal["eos", "limit", "word", "cancelled", "time"]
+
+
 @dataclass(frozen=True, slots=True)
 class Done:
     """The worker is finished with the request (its slot is idle from now on)."""
 
     request_id: str
-    stop_reason: Literal["eos", "limit", "word", "cancelled", "time"]
+    stop_reason: StopReason
     n_prompt_tokens: int
     n_predicted: int
     prompt_ms: float

@@ -32,8 +32,8 @@ import codecs
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from llmproxy.backend.engines.base import Engine
@@ -44,35 +44,49 @@ from llmproxy.backend.engines.prompts import (
     given_tokens,
     infill_tokens,
 )
-from llmproxy.backend.engines.stops import done_event, take_piece, time_up
+from llmproxy.backend.engines.sequence import Sequence
 from llmproxy.backend.model_path import resolve_model
-from llmproxy.backend.protocol import Done, EngineInfo, Event, Failed, Prompt, Submit, Token
+from llmproxy.backend.protocol import (
+    EngineInfo,
+    Event,
+    Failed,
+    Prompt,
+    StopReason,
+    Submit,
+    Token,
+)
 
 if TYPE_CHECKING:
     from llmproxy.backend.settings import BackendSettings
 
 
-@dataclass
-class _Seq:
-    submit: Submit
-    tokens: list[int]
-    n_predict: int  # effective cap
-    n_cached: int = 0
-    pos: int = 0  # prompt tokens already in the KV cache
-    gen: Iterator[int] | None = None
-    n_decoded: int = 0
-    held: str = ""  # generated text not yet emitted (could start a stop word)
-    has_new_line: bool = False
-    decoder: Any = field(
-        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace")
-    )
-    t_admit: float = field(default_factory=time.perf_counter)
-    t_start: float = 0.0
-    t_first: float = 0.0
+class Utf8Stream:
+    """Token ids to text through ``Llama.detokenize`` (bytes), one token at a time; an
+    incremental UTF-8 decoder keeps a split character back until it is complete."""
 
-    @property
-    def rid(self) -> str:
-        return self.submit.request_id
+    def __init__(self, detokenize: Callable[[list[int]], bytes]) -> None:
+        self._detokenize = detokenize
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        return self._decoder.decode(self._detokenize([token]))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+@dataclass(eq=False)
+class LlamaSeq(Sequence):
+    """A request of the llama-cpp engine; ``gen`` is its ``Llama.generate`` once sampling."""
+
+    gen: Generator[int, None, None] | None = None
+
+    def finish(
+        self, reason: StopReason, emit_held: bool = True, stopping_word: str = ""
+    ) -> list[Event]:
+        if self.gen is not None:
+            self.gen.close()
+        return super().finish(reason, emit_held, stopping_word)
 
 
 class LlamaCppEngine(Engine):
@@ -84,8 +98,8 @@ class LlamaCppEngine(Engine):
         self.alias = settings.model_alias or self.model_path.stem
         self.n_ctx = int(settings.n_ctx)
         self.n_batch = int(settings.n_batch)
-        self.current: _Seq | None = None
-        self.pending: deque[_Seq] = deque()
+        self.current: LlamaSeq | None = None
+        self.pending: deque[LlamaSeq] = deque()
         self._fim: tuple[int, int, int] | None = None
         self._fim_rep = -1
         self._fim_sep = -1
@@ -170,7 +184,7 @@ class LlamaCppEngine(Engine):
         if isinstance(admitted, Failed):
             return [admitted]
         tokens, cap = admitted
-        seq = _Seq(submit=submit, tokens=tokens, n_predict=cap)
+        seq = LlamaSeq(submit, tokens, cap, Utf8Stream(self.llm.detokenize))
         self.pending.append(seq)
         return []
 
@@ -178,11 +192,11 @@ class LlamaCppEngine(Engine):
         cur = self.current
         if cur is not None and cur.rid == request_id:
             self.current = None
-            return [self._finish(cur, "cancelled", emit_held=False)[-1]]
+            return cur.finish("cancelled", emit_held=False)
         for seq in list(self.pending):
             if seq.rid == request_id:
                 self.pending.remove(seq)
-                return [Done(request_id, "cancelled", len(seq.tokens), 0, 0.0, 0.0)]
+                return [seq.done("cancelled")]
         return []
 
     def step(self) -> list[Event]:
@@ -227,7 +241,7 @@ class LlamaCppEngine(Engine):
 
     # --- internals ---------------------------------------------------------------------
 
-    def _start(self, seq: _Seq) -> None:
+    def _start(self, seq: LlamaSeq) -> None:
         llm = self.llm
         seq.t_start = time.perf_counter()
         # Prompt-cache reuse; generate() finds this same prefix again and evaluates the rest.
@@ -240,7 +254,7 @@ class LlamaCppEngine(Engine):
             llm.n_tokens = lcp
         seq.pos = seq.n_cached = lcp
 
-    def _fill(self, seq: _Seq) -> list[Event]:
+    def _fill(self, seq: LlamaSeq) -> list[Event]:
         """A warm-up (``n_predict: 0``): evaluate the prompt into the cache, one chunk a step.
 
         Editors send these to fill the prompt cache (llama.vim's context chunks), so the
@@ -252,9 +266,9 @@ class LlamaCppEngine(Engine):
         if seq.pos < len(seq.tokens):
             return []
         self.current = None
-        return self._finish(seq, "limit")
+        return seq.finish("limit")
 
-    def _step(self, seq: _Seq) -> list[Event]:
+    def _step(self, seq: LlamaSeq) -> list[Event]:
         llm = self.llm
         if seq.gen is None:
             remaining = len(seq.tokens) - seq.pos
@@ -277,39 +291,10 @@ class LlamaCppEngine(Engine):
             tok = next(seq.gen)
         except StopIteration:
             self.current = None
-            return self._finish(seq, "eos")
-        now = time.perf_counter()
-        if seq.n_decoded == 0:
-            seq.t_first = now
-        if self._eog(tok) and not seq.submit.params.ignore_eos:
+            return seq.finish("eos")
+        out, finished = seq.accept(tok, self._eog(tok), llm.n_tokens, self.n_ctx)
+        if finished:
             self.current = None
-            return self._finish(seq, "eos")
-        seq.n_decoded += 1
-        piece = seq.decoder.decode(llm.detokenize([tok]))
-        out, reason, word = take_piece(seq, piece)
-        if reason is not None:  # a stop word, or a line indented less than n_indent
-            self.current = None
-            return out + self._finish(seq, reason, emit_held=False, stopping_word=word)
-        if seq.n_decoded >= seq.n_predict or llm.n_tokens + 1 >= self.n_ctx:
-            reason = "limit"
-        elif time_up(piece, seq.t_first, now, seq.submit.params.t_max_predict_ms):
-            reason = "time"  # only on a token with a newline: the answer ends on a line boundary
-        if reason is not None:
-            self.current = None
-            out.extend(self._finish(seq, reason))
-        return out
-
-    def _finish(
-        self, seq: _Seq, reason: str, emit_held: bool = True, stopping_word: str = ""
-    ) -> list[Event]:
-        out: list[Event] = []
-        if seq.gen is not None:
-            seq.gen.close()  # type: ignore[attr-defined]
-        if emit_held:
-            tail = seq.held + seq.decoder.decode(b"", final=True)
-            if tail:
-                out.append(Token(seq.rid, tail, seq.n_decoded))
-        out.append(done_event(seq, reason, stopping_word, n_cached=seq.n_cached))
         return out
 
     # --- prompts -----------------------------------------------------------------------

@@ -11,17 +11,14 @@
   (``hold_back``).
 * ``t_max_predict_ms``: the generation stops on time only on a token whose text has a
   newline (``time_up``), so it ends on a line boundary.
-* ``done_event`` builds the final ``Done`` of a sequence from its ``perf_counter`` stamps.
 
-Pure functions: no state, no I/O; called on the engine's single thread.
+Pure functions: no state, no I/O; called on the engine's single thread. ``sequence.py``
+applies them to a running request.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any, NamedTuple, Protocol
-
-from llmproxy.backend.protocol import Done, Event, Token
+from typing import NamedTuple
 
 
 def find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
@@ -127,23 +124,6 @@ def hold_back(text: str, stops: tuple[str, ...], n_indent: int = 0) -> Hold:
     return Hold(text[:start], text[start:])
 
 
-def take_piece(seq: Any, piece: str) -> tuple[list[Event], str | None, str]:
-    """Both engines' step after decoding ``piece`` for ``seq`` (which has ``rid``, ``held``,
-    ``n_decoded``, ``has_new_line`` and ``submit.params``): hold it back as ``hold_back``
-    says, emit what is decided. Returns (events, "word" / "limit" when a stop word / an
-    under-indented line ends the generation else None, the stop word)."""
-    p = seq.submit.params
-    hold = hold_back(seq.held + piece, p.stop, p.n_indent)
-    seq.held = hold.held
-    out: list[Event] = []
-    if hold.emit:
-        seq.has_new_line = seq.has_new_line or "\n" in hold.emit
-        out.append(Token(seq.rid, hold.emit, seq.n_decoded))
-    if hold.word is not None:
-        return out, "word", hold.word
-    return out, ("limit" if hold.indent_stop else None), ""
-
-
 def time_up(piece: str, t_first: float, now: float, t_max_predict_ms: int | None) -> bool:
     """llama-server's ``t_max_predict_ms``: stop on a token whose text (``piece``) has a
     newline once more than ``t_max_predict_ms`` passed since the first generated token,
@@ -152,32 +132,3 @@ def time_up(piece: str, t_first: float, now: float, t_max_predict_ms: int | None
     if not t_max_predict_ms or t_max_predict_ms <= 0 or "\n" not in piece:
         return False
     return (now - t_first) * 1000.0 > t_max_predict_ms
-
-
-class TimedSeq(Protocol):
-    """What ``done_event`` reads from an engine's sequence."""
-
-    @property
-    def rid(self) -> str: ...
-
-    tokens: list[int]
-    n_decoded: int
-    t_start: float
-    t_first: float
-
-
-def done_event(seq: TimedSeq, reason: str, stopping_word: str = "", n_cached: int = 0) -> Done:
-    """The ``Done`` of ``seq``; stamps not set yet (0.0) count as now."""
-    now = time.perf_counter()
-    t_first = seq.t_first or now
-    t_start = seq.t_start or now
-    return Done(
-        request_id=seq.rid,
-        stop_reason=reason,  # type: ignore[arg-type]
-        n_prompt_tokens=len(seq.tokens),
-        n_predicted=seq.n_decoded,
-        prompt_ms=(t_first - t_start) * 1000.0,
-        predicted_ms=(now - t_first) * 1000.0,
-        stopping_word=stopping_word,
-        n_cached=n_cached,
-    )

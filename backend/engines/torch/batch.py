@@ -24,11 +24,14 @@ Single-threaded: owned by the engine, used only from the worker loop's thread.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from llmproxy.backend.engines.torch.kv import SlotCache, cache_keyword
+
+if TYPE_CHECKING:
+    from llmproxy.backend.engines.torch.engine import TorchSeq
 
 INITIAL_COLUMNS = 256  # KV columns per slot before the first growth
 
@@ -73,27 +76,28 @@ class Batch:
             model, max_batch, device, dtype, cap=min(INITIAL_COLUMNS, n_ctx + 1), max_cap=n_ctx + 1
         )
         self.slots = torch.arange(max_batch, dtype=torch.long, device=device)
-        self.owner: list[Any] = [None] * max_batch  # slot -> sequence (row or prefilling)
+        # slot -> sequence (row or prefilling)
+        self.owner: list[TorchSeq | None] = [None] * max_batch
         self.fill = [0] * max_batch  # slot -> columns holding that sequence's tokens
-        self.rows: list[Any] = []
+        self.rows: list[TorchSeq] = []
         self.lens: list[int] = []
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def reserve(self, seq: Any) -> None:
+    def reserve(self, seq: TorchSeq) -> None:
         """Give a sequence that starts prefilling the highest free slot (``seq.slot``)."""
         s = max(i for i, o in enumerate(self.owner) if o is None)
         self.owner[s], self.fill[s], seq.slot = seq, 0, s
 
-    def release(self, seq: Any) -> None:
+    def release(self, seq: TorchSeq) -> None:
         """A prefilling sequence is gone (cancelled): free its slot."""
         if 0 <= seq.slot < len(self.owner) and self.owner[seq.slot] is seq:
             self.owner[seq.slot] = None
         seq.slot = -1
 
     @torch.inference_mode()
-    def prefill(self, parts: list[tuple[Any, list[int]]]) -> torch.Tensor:
+    def prefill(self, parts: list[tuple[TorchSeq, list[int]]]) -> torch.Tensor:
         """Feed each ``(seq, ids)`` chunk after its ``fill`` columns, all in one forward; (n, vocab) last logits."""
         n, t = len(parts), max(len(ids) for _, ids in parts)
         ids_rows, cols, slots = [], [], []
@@ -117,7 +121,7 @@ class Batch:
         )  # fmt: skip
         return out.logits[:, -1].float().cpu()
 
-    def join(self, seq: Any) -> None:
+    def join(self, seq: TorchSeq) -> None:
         """Make a fully prefilled sequence a decode row (moved to slot ``len(rows)``)."""
         b, s = len(self.rows), seq.slot
         if s != b:
@@ -133,7 +137,7 @@ class Batch:
         self.rows.append(seq)
         self.lens.append(self.fill[b])
 
-    def leave(self, rows: list[Any]) -> None:
+    def leave(self, rows: list[TorchSeq]) -> None:
         """Remove ``rows`` from the batch (finished or cancelled), keeping the others."""
         gone = {id(r) for r in rows}
         for i in reversed([i for i, r in enumerate(self.rows) if id(r) in gone]):

@@ -28,39 +28,30 @@ import gc
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmproxy.backend.engines.base import Engine
-from llmproxy.backend.engines.stops import done_event
+from llmproxy.backend.engines.sequence import Sequence
 from llmproxy.backend.engines.torch.loader import require_torch
-from llmproxy.backend.protocol import EngineInfo, Event, Failed, Submit, Token
+from llmproxy.backend.protocol import EngineInfo, Event, Failed, Submit
 
 if TYPE_CHECKING:
+    from llmproxy.backend.engines.torch.batch import Batch
+    from llmproxy.backend.engines.torch.sampling import Sampler
+    from llmproxy.backend.engines.torch.text import PromptBuilder
     from llmproxy.backend.settings import BackendSettings
 
 
 @dataclass(eq=False)
-class _Seq:
-    submit: Submit
-    tokens: list[int]
-    n_predict: int  # effective cap
-    sampler: Any
-    detok: Any
-    slot: int = -1  # KV slot (torch_batch.Batch) while prefilling or decoding
-    pos: int = 0  # prompt tokens already prefilled
-    next_token: int = -1
-    n_decoded: int = 0
-    held: str = ""
-    has_new_line: bool = False
-    t_admit: float = field(default_factory=time.perf_counter)
-    t_start: float = 0.0
-    t_first: float = 0.0
+class TorchSeq(Sequence):
+    """A request of the torch engine: its sampler, its KV slot (``batch.Batch``) while
+    prefilling or decoding, and the token its next decode step feeds."""
 
-    @property
-    def rid(self) -> str:
-        return self.submit.request_id
+    sampler: Sampler
+    slot: int = -1
+    next_token: int = -1
 
 
 def create_engine(settings: BackendSettings, worker_index: int = 0) -> TorchEngine:
@@ -81,10 +72,11 @@ class TorchEngine(Engine):
         self.chunk = int(settings.prefill_chunk)
         self.static = settings.batching == "static"
         self.wait_s = float(settings.max_batch_wait_ms) / 1000.0
-        self.waiting: deque[_Seq] = deque()
-        self.prefilling: list[_Seq] = []
-        self.batch: Any = None
-        self.prompts: Any = None
+        self.waiting: deque[TorchSeq] = deque()
+        self.prefilling: list[TorchSeq] = []
+        self.batch: Batch | None = None
+        self.prompts: PromptBuilder | None = None
+        self.tokenizer: Any = None  # a transformers tokenizer
         self.kv_budget: int | None = None
         self.info: EngineInfo | None = None
         self.load_count = 0
@@ -108,7 +100,7 @@ class TorchEngine(Engine):
         progress(0.05)
         loaded = load_model(self.model_path, Path(self.settings.cache_dir), place, progress)
         self.tokenizer = loaded.tokenizer
-        self.prompts = PromptBuilder(
+        self.prompts = prompts = PromptBuilder(
             loaded.tokenizer, loaded.add_bos, self.n_ctx, int(self.settings.n_predict_max)
         )
         self.batch = Batch(loaded.model, place.device, self.max_batch, self.n_ctx)
@@ -130,7 +122,7 @@ class TorchEngine(Engine):
             model_path=str(self.model_path),
             model_alias=self.alias,
             n_ctx=self.n_ctx,
-            has_fim=self.prompts.fim is not None,
+            has_fim=prompts.fim is not None,
             n_slots=self.max_batch,
             extra=(
                 ("engine", "torch"),
@@ -142,8 +134,8 @@ class TorchEngine(Engine):
                 ("n_threads", str(torch.get_num_threads())),
                 ("weights_dir", str(loaded.source_dir)),
                 ("weights_from_cache", str(not loaded.converted).lower()),
-                ("chat_template", self.prompts.chat_template),
-                ("infill", "fim" if self.prompts.fim else "prefix-only fallback"),
+                ("chat_template", prompts.chat_template),
+                ("infill", "fim" if prompts.fim else "prefix-only fallback"),
                 *plan.facts,
             ),
         )
@@ -170,10 +162,12 @@ class TorchEngine(Engine):
 
         if self.batch is None:  # asleep: reload first
             self.load(lambda _p: None)
+        prompts = self.prompts
+        assert prompts is not None
         p = submit.params
         admitted = admit_tokens(
             submit.request_id,
-            lambda: self.prompts.tokens(submit.prompt, p.n_predict),
+            lambda: prompts.tokens(submit.prompt, p.n_predict),
             p.n_predict,
             self.n_ctx,
             int(self.settings.n_predict_max),
@@ -181,9 +175,9 @@ class TorchEngine(Engine):
         if isinstance(admitted, Failed):
             return [admitted]
         tokens, cap = admitted
-        seq = _Seq(submit, tokens, cap, Sampler(p), Detokenizer(self.tokenizer))
+        seq = TorchSeq(submit, tokens, cap, Detokenizer(self.tokenizer), Sampler(p))
         if seq.n_predict <= 0:
-            return self._finish(seq, "limit")
+            return seq.finish("limit")
         self.waiting.append(seq)
         return []
 
@@ -193,13 +187,14 @@ class TorchEngine(Engine):
                 if seq.rid == request_id:
                     group.remove(seq)
                     if group is self.prefilling:
+                        assert self.batch is not None
                         self.batch.release(seq)
-                    return self._finish(seq, "cancelled", emit_held=False)
+                    return seq.finish("cancelled", emit_held=False)
         if self.batch is not None:
             for seq in list(self.batch.rows):
                 if seq.rid == request_id:
                     self.batch.leave([seq])
-                    return self._finish(seq, "cancelled", emit_held=False)
+                    return seq.finish("cancelled", emit_held=False)
         return []
 
     def step(self) -> list[Event]:
@@ -247,14 +242,3 @@ class TorchEngine(Engine):
             )
         while self.active():
             self.step()
-
-    def _finish(
-        self, seq: _Seq, reason: str, emit_held: bool = True, stopping_word: str = ""
-    ) -> list[Event]:
-        out: list[Event] = []
-        if emit_held:
-            tail = seq.held + seq.detok.flush()
-            if tail:
-                out.append(Token(seq.rid, tail, seq.n_decoded))
-        out.append(done_event(seq, reason, stopping_word))
-        return out

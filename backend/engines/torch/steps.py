@@ -24,41 +24,49 @@ that has a newline).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
-from llmproxy.backend.engines.stops import take_piece, time_up
 from llmproxy.backend.engines.torch.sampling import sample_rows
 from llmproxy.backend.protocol import Event
+
+if TYPE_CHECKING:
+    from llmproxy.backend.engines.torch.engine import TorchEngine, TorchSeq
+
+Part = tuple["TorchSeq", list[int]]  # a sequence and the prompt chunk it prefills
 
 PAD_SLACK = 1.5  # prefill chunks share one forward while padded tokens <= 1.5 x real tokens
 
 
-def _reserve(seq: Any) -> int:
+def _reserve(seq: TorchSeq) -> int:
     return len(seq.tokens) + seq.n_predict
 
 
-def _kv_fits(engine: Any, seq: Any) -> bool:
+def _kv_fits(engine: TorchEngine, seq: TorchSeq) -> bool:
     """The KV store (torch_kv.py) always has ``max_batch`` slots of equal width: admitting
     ``seq`` may widen it to its longest reservation, by doubling; that must fit the budget."""
     if engine.kv_budget is None:
         return True
-    running = [*engine.batch.rows, *engine.prefilling]
+    batch = engine.batch
+    assert batch is not None
+    running = [*batch.rows, *engine.prefilling]
     if not running:
         return True  # always let one sequence run
-    kv = engine.batch.kv
+    kv = batch.kv
     longest = max(_reserve(s) for s in [*running, seq]) + 1
     width = kv.cap if longest <= kv.cap else max(longest, min(2 * kv.cap, kv.max_cap or longest))
     return engine.max_batch * width <= engine.kv_budget
 
 
-def _start(engine: Any, seq: Any) -> None:
+def _start(engine: TorchEngine, seq: TorchSeq) -> None:
+    assert engine.batch is not None
     engine.batch.reserve(seq)
     seq.t_start = time.perf_counter()
     engine.prefilling.append(seq)
 
 
-def schedule(engine: Any) -> None:
+def schedule(engine: TorchEngine) -> None:
     waiting, batch = engine.waiting, engine.batch
+    assert batch is not None
     if engine.static:
         if len(batch) or engine.prefilling or not waiting:
             return
@@ -78,16 +86,17 @@ def schedule(engine: Any) -> None:
         _start(engine, waiting.popleft())
 
 
-def run_step(engine: Any) -> list[Event]:
+def run_step(engine: TorchEngine) -> list[Event]:
     schedule(engine)
     batch = engine.batch
+    assert batch is not None
     out: list[Event] = []
     if not engine.prefilling and not len(batch):
         if engine.waiting:  # static mode, group not due yet: wait (bounded) for it to fill
             due = engine.waiting[0].t_admit + engine.wait_s - time.perf_counter()
             time.sleep(min(max(due, 0.0), engine.wait_s))
         return out
-    parts: list[tuple[Any, list[int]]] = []
+    parts: list[Part] = []
     budget = engine.chunk
     for seq in engine.prefilling:
         if budget <= 0:
@@ -124,10 +133,10 @@ def run_step(engine: Any) -> list[Event]:
     return out
 
 
-def _groups(parts: list[tuple[Any, list[int]]]) -> list[list[tuple[Any, list[int]]]]:
+def _groups(parts: list[Part]) -> list[list[Part]]:
     """Split this step's prefill chunks (FIFO) into forwards whose left padding stays small."""
-    groups: list[list[tuple[Any, list[int]]]] = []
-    cur: list[tuple[Any, list[int]]] = []
+    groups: list[list[Part]] = []
+    cur: list[Part] = []
     longest = real = 0
     for part in parts:
         k = len(part[1])
@@ -141,29 +150,13 @@ def _groups(parts: list[tuple[Any, list[int]]]) -> list[list[tuple[Any, list[int
     return groups
 
 
-def accept(engine: Any, seq: Any, tok: int, out: list[Event]) -> bool:
-    """Handle one sampled token: emit text, decide whether ``seq`` is finished (True)."""
-    now = time.perf_counter()
-    if seq.n_decoded == 0 and not seq.t_first:
-        seq.t_first = now
-    p = seq.submit.params
-    if tok in engine.prompts.eog and not p.ignore_eos:
-        out.extend(engine._finish(seq, "eos"))
-        return True
-    seq.n_decoded += 1
+def accept(engine: TorchEngine, seq: TorchSeq, tok: int, out: list[Event]) -> bool:
+    """Handle one sampled token (``Sequence.accept``): emit text, decide whether ``seq`` is
+    finished (True)."""
+    assert engine.prompts is not None
+    events, finished = seq.accept(
+        tok, tok in engine.prompts.eog, len(seq.tokens) + seq.n_decoded, engine.n_ctx
+    )
     seq.next_token = tok
-    piece = seq.detok.push(tok)
-    events, stop, word = take_piece(seq, piece)
     out.extend(events)
-    if stop is not None:  # a stop word, or a line indented less than n_indent (cut there)
-        out.extend(engine._finish(seq, stop, emit_held=False, stopping_word=word))
-        return True
-    reason = None
-    if seq.n_decoded >= seq.n_predict or len(seq.tokens) + seq.n_decoded >= engine.n_ctx:
-        reason = "limit"
-    elif time_up(piece, seq.t_first, now, p.t_max_predict_ms):
-        reason = "time"  # only on a token with a newline: the answer ends on a line boundary
-    if reason is None:
-        return False
-    out.extend(engine._finish(seq, reason))
-    return True
+    return finished
