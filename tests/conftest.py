@@ -25,20 +25,40 @@ from tests.helpers.leftovers import pytest_configure, pytest_sessionfinish  # no
 HERE = Path(__file__).parent
 BOTH_LOOPS = frozenset(
     {
-        "proxy/test_gating.py",
-        "proxy/http/test_wire.py",
-        "proxy/http/test_hostile.py",
-        "proxy/upstream/test_faults.py",
-        "proxy/test_review_regressions.py",
+        "proxy/test_supersede.py",
+        "proxy/test_queue_limits.py",
+        "proxy/test_disconnect_policy.py",
+        "proxy/test_stop_confirmation.py",
+        "proxy/test_upstream_failures.py",
+        "proxy/test_slot_routes.py",
+        "proxy/test_n_cmpl.py",
         "proxy/test_stress.py",
+        "proxy/http/test_error_envelope.py",
+        "proxy/http/test_streaming.py",
+        "proxy/http/test_headers.py",
+        "proxy/http/test_passthrough.py",
+        "proxy/http/test_admin.py",
+        "proxy/http/test_hostile.py",
         "proxy/http/test_fuzz.py",
-        "proxy/telemetry/test_request_log.py",
+        "proxy/gating/test_queue.py",
+        "proxy/gating/test_slots.py",
         "proxy/gating/test_registry.py",
+        "proxy/telemetry/test_request_log.py",
+        "proxy/upstream/test_faults.py",
         "proxy/upstream/test_responder.py",
-        "proxy/gating/test_gate.py",
-        "proxy/upstream/test_client.py",
+        "proxy/upstream/test_keep_alive.py",
+        "proxy/upstream/test_request_head.py",
+        "proxy/upstream/test_cancelled_exchanges.py",
+        "proxy/upstream/test_response_reading.py",
+        "proxy/upstream/test_connection_retry.py",
+        "proxy/upstream/test_tls_upstream.py",
+        "proxy/upstream/test_gate_disconnect_races.py",
+        "proxy/reuse/test_type_through.py",
     }
 )
+
+_stale = sorted(p for p in BOTH_LOOPS if not (HERE / p).exists())
+assert not _stale, f"BOTH_LOOPS names test files that do not exist: {_stale}"
 
 
 def pytest_asyncio_loop_factories(
