@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 def create_engine(settings: BackendSettings, worker_index: int = 0) -> Engine:
     if settings.engine == "llama-cpp":
-        from llmproxy.backend.engines.llamacpp import LlamaCppEngine
+        from llmproxy.backend.engines.llamacpp.engine import LlamaCppEngine
 
         return LlamaCppEngine(settings, worker_index)
     if settings.engine == "torch":

@@ -1,6 +1,6 @@
 """Per-request state of a running generation, shared by the llama-cpp and torch engines.
 
-A ``Sequence`` holds one admitted request: its prompt tokens, the effective ``n_predict``
+A ``Seq`` holds one admitted request: its prompt tokens, the effective ``n_predict``
 cap, the text decoded so far but held back (``stops.hold_back``), token counts and the
 ``perf_counter`` stamps its final ``Done`` reports. ``accept`` applies the end-of-generation
 rules to each sampled token in the order both engines share: end-of-generation token
@@ -35,7 +35,7 @@ class TextStream(Protocol):
 
 
 @dataclass(eq=False)
-class Sequence:
+class Seq:
     submit: Submit
     tokens: list[int]  # the prompt
     n_predict: int  # effective cap (``prompts.admit_tokens``)

@@ -80,7 +80,7 @@ N_BATCH = 16
 def engine_and_bare() -> Iterator[tuple[Any, Any]]:
     """The llama-cpp engine in-process and a bare ``Llama`` on the same model, both at n_batch 16."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    from llmproxy.backend.engines.llamacpp import LlamaCppEngine
+    from llmproxy.backend.engines.llamacpp.engine import LlamaCppEngine
 
     try:
         model = default_model_path()

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmproxy.backend.engines.base import Engine
-from llmproxy.backend.engines.sequence import Sequence
+from llmproxy.backend.engines.sequence import Seq
 from llmproxy.backend.engines.torch.loader import require_torch
 from llmproxy.backend.protocol import EngineInfo, Event, Failed, Submit
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 
 @dataclass(eq=False)
-class TorchSeq(Sequence):
+class TorchSeq(Seq):
     """A request of the torch engine: its sampler, its KV slot (``batch.Batch``) while
     prefilling or decoding, and the token its next decode step feeds."""
 

@@ -151,7 +151,7 @@ def _groups(parts: list[Part]) -> list[list[Part]]:
 
 
 def accept(engine: TorchEngine, seq: TorchSeq, tok: int, out: list[Event]) -> bool:
-    """Handle one sampled token (``Sequence.accept``): emit text, decide whether ``seq`` is
+    """Handle one sampled token (``Seq.accept``): emit text, decide whether ``seq`` is
     finished (True)."""
     assert engine.prompts is not None
     events, finished = seq.accept(

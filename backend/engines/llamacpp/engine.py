@@ -3,48 +3,31 @@
 Each ``step`` does one bounded unit: evaluate one prompt chunk of ``n_batch`` tokens, or
 decode and sample one token (through ``Llama.generate``, advanced one ``next()`` per
 step). The worker loop checks its inbound queue between steps, so a Cancel stops the
-generation between two tokens (or two prompt chunks).
+generation between two tokens (or two prompt chunks). Requests admitted while one runs
+wait in ``pending`` (FIFO).
 
 Prompt caching: the KV cache of the previous request stays in the context; a new prompt
 re-uses its longest common prefix (llama-server's ``cache_prompt``), which is what makes
 editor autocomplete cheap. A warm-up (``n_predict: 0``) only evaluates its prompt into
 that cache and answers with no tokens.
 
-Prompts:
-* completion: the text (special tokens parsed) or the given token ids.
-* infill: with FIM tokens in the vocab (``llama_vocab_fim_pre/suf/mid``):
-  ``[BOS] [extra: FIM_REP "myproject\\n" (FIM_SEP filename "\\n" text)*] FIM_PRE prefix+prompt
-  FIM_SUF suffix FIM_MID`` (llama-server's layout), the prefix truncated on the left and
-  the suffix on the right to fit the context. **Fallback** for vocabularies without FIM
-  tokens: plain continuation of ``extra texts + prefix + prompt`` (the suffix is
-  ignored), so the model still completes the current line.
-* chat: the GGUF's ``tokenizer.chat_template`` (Jinja2), else ChatML.
-
-Stop words are matched on the generated text; text that could be the start of a stop
-word is held back until it is known not to be one, so a stop word never leaks into a
-stream. The prompt, admission and stop-word rules live in ``prompts`` and ``stops``
-(shared with the torch engine).
+Prompts are built by ``text.LlamaPrompts``; how a generation ends is ``Seq``'s
+(``engines/sequence.py``, shared with the torch engine).
 """
 
 from __future__ import annotations
 
-import codecs
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 from llmproxy.backend.engines.base import Engine
-from llmproxy.backend.engines.prompts import (
-    CHATML,
-    admit_tokens,
-    chat_messages,
-    given_tokens,
-    infill_tokens,
-)
-from llmproxy.backend.engines.sequence import Sequence
+from llmproxy.backend.engines.llamacpp.text import LlamaPrompts, Utf8Stream
+from llmproxy.backend.engines.prompts import admit_tokens
+from llmproxy.backend.engines.sequence import Seq
 from llmproxy.backend.model_path import resolve_model
 from llmproxy.backend.protocol import (
     EngineInfo,
@@ -57,26 +40,13 @@ from llmproxy.backend.protocol import (
 )
 
 if TYPE_CHECKING:
+    from llama_cpp import Llama
+
     from llmproxy.backend.settings import BackendSettings
 
 
-class Utf8Stream:
-    """Token ids to text through ``Llama.detokenize`` (bytes), one token at a time; an
-    incremental UTF-8 decoder keeps a split character back until it is complete."""
-
-    def __init__(self, detokenize: Callable[[list[int]], bytes]) -> None:
-        self._detokenize = detokenize
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def push(self, token: int) -> str:
-        return self._decoder.decode(self._detokenize([token]))
-
-    def flush(self) -> str:
-        return self._decoder.decode(b"", final=True)
-
-
 @dataclass(eq=False)
-class LlamaSeq(Sequence):
+class LlamaSeq(Seq):
     """A request of the llama-cpp engine; ``gen`` is its ``Llama.generate`` once sampling."""
 
     gen: Generator[int, None, None] | None = None
@@ -93,24 +63,19 @@ class LlamaCppEngine(Engine):
     def __init__(self, settings: BackendSettings, worker_index: int = 0) -> None:
         self.settings = settings
         self.worker_index = worker_index
-        self.llm: Any = None
+        self.llm: Llama | None = None
         self.model_path = resolve_model(settings.model)
         self.alias = settings.model_alias or self.model_path.stem
         self.n_ctx = int(settings.n_ctx)
         self.n_batch = int(settings.n_batch)
         self.current: LlamaSeq | None = None
         self.pending: deque[LlamaSeq] = deque()
-        self._fim: tuple[int, int, int] | None = None
-        self._fim_rep = -1
-        self._fim_sep = -1
-        self._chat: Any = None
-        self._eog: Callable[[int], bool] = lambda t: False
+        self.prompts: LlamaPrompts | None = None  # set by load
 
     # --- Engine protocol -------------------------------------------------------------
 
     def load(self, progress: Callable[[float], None]) -> EngineInfo:
         import llama_cpp
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         progress(0.05)
         self.llm = llama_cpp.Llama(
@@ -122,26 +87,9 @@ class LlamaCppEngine(Engine):
             verbose=False,
         )
         progress(0.8)
-        llm = self.llm
-        model = llm._model
-        vocab = model.vocab
-        self._eog = lambda t: bool(llama_cpp.llama_vocab_is_eog(vocab, t))
-        pre, suf, mid = model.token_prefix(), model.token_suffix(), model.token_middle()
-        if min(pre, suf, mid) >= 0:
-            self._fim = (pre, suf, mid)
-            self._fim_rep = llama_cpp.llama_vocab_fim_rep(vocab)
-            self._fim_sep = llama_cpp.llama_vocab_fim_sep(vocab)
-        meta = llm.metadata or {}
-        template = meta.get("tokenizer.chat_template") or CHATML
-        bos_id, eos_id = model.token_bos(), model.token_eos()
-        bos = (
-            llm.detokenize([bos_id], special=True).decode("utf-8", "replace") if bos_id >= 0 else ""
+        self.prompts = prompts = LlamaPrompts(
+            self.llm, self.n_ctx, int(self.settings.n_predict_max)
         )
-        eos = (
-            llm.detokenize([eos_id], special=True).decode("utf-8", "replace") if eos_id >= 0 else ""
-        )
-        self._chat = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
-        self._bos_text = bos
         if self.settings.warmup:
             self._warmup()
         progress(1.0)
@@ -149,14 +97,14 @@ class LlamaCppEngine(Engine):
             model_path=str(self.model_path),
             model_alias=self.alias,
             n_ctx=self.n_ctx,
-            has_fim=self._fim is not None,
+            has_fim=prompts.fim is not None,
             n_slots=1,
             extra=(
                 ("engine", "llama-cpp"),
                 ("n_threads", str(self.settings.threads_per_worker())),
                 ("n_batch", str(self.n_batch)),
-                ("chat_template", template),
-                ("infill", "fim" if self._fim else "prefix-only fallback"),
+                ("chat_template", prompts.chat_template),
+                ("infill", "fim" if prompts.fim else "prefix-only fallback"),
             ),
         )
 
@@ -173,10 +121,12 @@ class LlamaCppEngine(Engine):
         return ids
 
     def admit(self, submit: Submit) -> list[Event]:
+        prompts = self.prompts
+        assert prompts is not None
         n_predict = submit.params.n_predict
         admitted = admit_tokens(
             submit.request_id,
-            lambda: self._tokens(submit.prompt, n_predict),
+            lambda: prompts.tokens(submit.prompt, n_predict),
             n_predict,
             self.n_ctx,
             int(self.settings.n_predict_max),
@@ -184,7 +134,7 @@ class LlamaCppEngine(Engine):
         if isinstance(admitted, Failed):
             return [admitted]
         tokens, cap = admitted
-        seq = LlamaSeq(submit, tokens, cap, Utf8Stream(self.llm.detokenize))
+        seq = LlamaSeq(submit, tokens, cap, Utf8Stream(self._llama().detokenize))
         self.pending.append(seq)
         return []
 
@@ -210,7 +160,7 @@ class LlamaCppEngine(Engine):
             return self._fill(seq) if seq.n_predict <= 0 else self._step(seq)
         except Exception as exc:
             self.current = None
-            self.llm.reset()
+            self._llama().reset()
             return [Failed(seq.rid, 500, f"generation failed: {exc}")]
 
     def sleep(self) -> None:  # the GGUF stays mapped; nothing worth freeing
@@ -237,15 +187,21 @@ class LlamaCppEngine(Engine):
         events = self.admit(sub)
         while self.active() and not events:
             events = [e for e in self.step() if not isinstance(e, Token)]
-        self.llm.reset()
+        self._llama().reset()
 
     # --- internals ---------------------------------------------------------------------
 
+    def _llama(self) -> Llama:
+        assert self.llm is not None, "the model is not loaded"
+        return self.llm
+
     def _start(self, seq: LlamaSeq) -> None:
-        llm = self.llm
+        llm = self._llama()
         seq.t_start = time.perf_counter()
         # Prompt-cache reuse; generate() finds this same prefix again and evaluates the rest.
-        lcp = llm.longest_token_prefix(llm._input_ids, seq.tokens[:-1])
+        # _input_ids is an ndarray, which Llama's own generate() passes here too
+        cached = cast("Sequence[int]", llm._input_ids)
+        lcp = llm.longest_token_prefix(cached, seq.tokens[:-1])
         if lcp > 0 and not llm._ctx.kv_cache_seq_rm(-1, lcp, -1):
             lcp = 0
         if lcp == 0:
@@ -261,7 +217,7 @@ class LlamaCppEngine(Engine):
         next real request finds its prefix already evaluated; nothing is sampled."""
         end = min(len(seq.tokens), seq.pos + self.n_batch)
         if seq.pos < end:
-            self.llm.eval(seq.tokens[seq.pos : end])
+            self._llama().eval(seq.tokens[seq.pos : end])
             seq.pos = end
         if seq.pos < len(seq.tokens):
             return []
@@ -269,7 +225,7 @@ class LlamaCppEngine(Engine):
         return seq.finish("limit")
 
     def _step(self, seq: LlamaSeq) -> list[Event]:
-        llm = self.llm
+        llm = self._llama()
         if seq.gen is None:
             remaining = len(seq.tokens) - seq.pos
             if remaining > self.n_batch:  # one prompt chunk per step
@@ -292,42 +248,8 @@ class LlamaCppEngine(Engine):
         except StopIteration:
             self.current = None
             return seq.finish("eos")
-        out, finished = seq.accept(tok, self._eog(tok), llm.n_tokens, self.n_ctx)
+        assert self.prompts is not None
+        out, finished = seq.accept(tok, self.prompts.eog(tok), llm.n_tokens, self.n_ctx)
         if finished:
             self.current = None
         return out
-
-    # --- prompts -----------------------------------------------------------------------
-
-    def _tok(self, text: str, add_bos: bool = False, special: bool = True) -> list[int]:
-        if not text:
-            return []
-        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
-
-    def _add_bos(self) -> list[int]:
-        model = self.llm._model
-        return [model.token_bos()] if model.add_bos_token() and model.token_bos() >= 0 else []
-
-    def _tokens(self, prompt: Prompt, n_predict: int) -> list[int]:
-        if prompt.kind == "completion":
-            if prompt.tokens is not None:
-                return given_tokens(prompt.tokens, self.llm.n_vocab())
-            return self._add_bos() + self._tok(prompt.text)
-        if prompt.kind == "chat":
-            text = self._chat(messages=chat_messages(prompt)).prompt
-            bos = [] if (self._bos_text and text.startswith(self._bos_text)) else self._add_bos()
-            return bos + self._tok(text)
-        return self._infill_tokens(prompt, n_predict)
-
-    def _infill_tokens(self, prompt: Prompt, n_predict: int) -> list[int]:
-        return infill_tokens(
-            prompt,
-            lambda text: self._tok(text, special=False),
-            self._add_bos(),
-            self._fim,
-            self._fim_rep,
-            self._fim_sep,
-            self.n_ctx,
-            n_predict,
-            int(self.settings.n_predict_max),
-        )

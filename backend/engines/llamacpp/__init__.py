@@ -1,0 +1,1 @@
+"""The llama-cpp-python engine: one sequence per worker process, with prompt caching."""
