@@ -19,14 +19,12 @@ import itertools
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 
 from llmproxy.backend.protocol import (
     Cancel,
-    Done,
     Event,
     Failed,
     Prompt,
@@ -35,63 +33,20 @@ from llmproxy.backend.protocol import (
     Token,
     WorkerState,
 )
+from llmproxy.backend.runtime.slots import Request, Slot, Unavailable
 from llmproxy.backend.runtime.supervisor import Supervisor, WorkerHandle
 from llmproxy.backend.settings import WORKER_JOIN_S
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Sequence
+    from collections.abc import Sequence
+    from multiprocessing.connection import Connection
+    from multiprocessing.context import SpawnProcess
 
     from llmproxy.backend.settings import BackendSettings
 
 log = structlog.get_logger("llmproxy.backend.runtime.dispatch")
 
 READER_POLL_S = 0.1
-
-
-class Unavailable(Exception):
-    """No worker can take the request now (loading / restarting): answer 503."""
-
-
-@dataclass
-class Slot:
-    id: int
-    worker: WorkerHandle
-    local: int
-    request: Request | None = None
-    id_task: int = -1
-    n_decoded: int = 0
-    n_prompt: int = 0
-    has_new_line: bool = False
-    params: SamplingParams | None = None
-    last_used: float = 0.0
-    standins: set[str] = field(
-        default_factory=set
-    )  # ids pinned here, running elsewhere (worker down)
-
-    @property
-    def busy(self) -> bool:
-        return self.request is not None
-
-
-@dataclass
-class Request:
-    id: str
-    slot: Slot
-    submit: Submit
-    generation: int
-    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
-    finished: bool = False
-    result: Event | None = None
-    done_event: asyncio.Event = field(default_factory=asyncio.Event)
-    t_submit: float = field(default_factory=time.perf_counter)
-    pinned: Slot | None = None  # the slot its id_slot named, when it runs on another (see acquire)
-
-    async def events(self) -> AsyncIterator[Event]:
-        while True:
-            ev = await self.queue.get()
-            yield ev
-            if isinstance(ev, (Done, Failed)):
-                return
 
 
 class Dispatcher:
@@ -133,7 +88,9 @@ class Dispatcher:
         )
         t.start()
 
-    def _reader(self, w: WorkerHandle, generation: int, conn: Any, proc: Any) -> None:
+    def _reader(
+        self, w: WorkerHandle, generation: int, conn: Connection, proc: SpawnProcess
+    ) -> None:
         """Blocks on one worker's result pipe; EOF (or a dead process) ends it."""
         loop = self.loop
         assert loop is not None
@@ -302,7 +259,7 @@ class Dispatcher:
         slot.params = params
         self.requests[rid] = req
         try:
-            w.inq.put(sub)
+            w.send(sub)
         except Exception as exc:  # queue closed (worker being replaced)
             self._finish(req, Failed(rid, 503, f"worker unavailable: {exc}", "unavailable_error"))
         return req
@@ -329,6 +286,6 @@ class Dispatcher:
         if req.finished:
             return
         try:
-            req.slot.worker.inq.put(Cancel(req.id))
+            req.slot.worker.send(Cancel(req.id))
         except Exception:
             pass

@@ -21,16 +21,21 @@ import asyncio
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from llmproxy.backend.protocol import EngineInfo, Shutdown
+from llmproxy.backend.protocol import EngineInfo, Inbound, Shutdown
 from llmproxy.backend.runtime.worker import worker_main
 from llmproxy.backend.settings import WORKER_JOIN_S, WORKER_KILL_JOIN_S
 
 if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.context import SpawnProcess
+    from multiprocessing.queues import Queue
+
     from llmproxy.backend.settings import BackendSettings
 
 log = structlog.get_logger("llmproxy.backend.runtime.supervisor")
@@ -45,9 +50,9 @@ class WorkerHandle:
     n_slots: int
     slot_base: int  # global id of its local slot 0
     generation: int = 0
-    process: Any = None
-    inq: Any = None
-    outq: Any = None
+    process: SpawnProcess | None = None
+    inq: Queue[Inbound] | None = None
+    outq: Connection | None = None  # the read end of the worker's result pipe
     state: str = "starting"  # starting | loading | ready | sleeping | waking | error | stopped
     progress: float = 0.0
     info: EngineInfo | None = None
@@ -65,6 +70,12 @@ class WorkerHandle:
     def ready(self) -> bool:
         return self.state in ("ready", "sleeping", "waking")  # a sleeping worker takes requests
 
+    def send(self, msg: Inbound) -> None:
+        """Put ``msg`` on the worker's inbound queue (never blocks); raises once it is closed."""
+        if self.inq is None:
+            raise RuntimeError(f"worker {self.index} was never started")
+        self.inq.put(msg)
+
     def describe(self) -> dict[str, Any]:
         return {
             "index": self.index,
@@ -78,7 +89,9 @@ class WorkerHandle:
 
 
 class Supervisor:
-    def __init__(self, settings: BackendSettings, on_started: Any) -> None:
+    def __init__(
+        self, settings: BackendSettings, on_started: Callable[[WorkerHandle], None]
+    ) -> None:
         """``on_started(handle)`` is called on the loop after each (re)start (starts the reader)."""
         self.settings = settings
         self._on_started = on_started
@@ -156,7 +169,7 @@ class Supervisor:
         for w in self.workers:
             if w.process is not None and w.process.is_alive():
                 try:
-                    w.inq.put(Shutdown())
+                    w.send(Shutdown())
                 except Exception:
                     pass
         await asyncio.to_thread(self._join_all, timeout_s)
@@ -177,8 +190,9 @@ class Supervisor:
                 _close_queue(w.inq)
 
 
-def _close_queue(q: Any) -> None:
-    """Close a worker's inbound queue without waiting on its feeder thread (the reader may be dead)."""
+def _close_queue(q: Queue[Inbound]) -> None:
+    """Close a worker's inbound queue without waiting on its feeder thread (the reader may
+    be dead)."""
     try:
         q.cancel_join_thread()
         q.close()

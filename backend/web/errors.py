@@ -17,7 +17,7 @@ import structlog
 from aiohttp import web
 
 from llmproxy.backend.protocol import Failed
-from llmproxy.backend.runtime.dispatch import Unavailable
+from llmproxy.backend.runtime.slots import Unavailable
 
 log = structlog.get_logger("llmproxy.backend.web")
 ERROR_TYPES = {

@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from llmproxy.backend.protocol import Done, Failed, Prompt, SamplingParams, Token
-from llmproxy.backend.runtime.dispatch import Request
+from llmproxy.backend.runtime.slots import Request
 from llmproxy.backend.web.context import DISPATCHER
 from llmproxy.backend.web.errors import dumps, failed_body, failed_response
 
