@@ -16,6 +16,7 @@ from llmproxy.proxy.http import admin
 from llmproxy.proxy.http.handlers import gated
 from llmproxy.proxy.http.middleware import proxy_middleware
 from llmproxy.proxy.http.passthrough import passthrough
+from llmproxy.proxy.reuse.registry import Generations
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import METRICS, REQUEST_LOG, SETTINGS, STATE, UPSTREAM_URL, ProxyState
 from llmproxy.proxy.telemetry.metrics import Metrics
@@ -78,7 +79,10 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         jobs = JobRegistry()
         breaker = CircuitBreaker(s.breaker_threshold, s.breaker_cooldown_s)
         app[METRICS].bind_breaker(breaker)
-        app[STATE] = ProxyState(s, session, adapter, gate, jobs, app[METRICS], breaker)
+        generations = (
+            Generations(s.reuse_ttl_s, s.reuse_grace_s) if s.type_through == "on" else None
+        )
+        app[STATE] = ProxyState(s, session, adapter, gate, jobs, app[METRICS], breaker, generations)
         async with watching(app[STATE]):  # learns what detection could not, while serving
             yield
         gate.close()

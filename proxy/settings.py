@@ -115,6 +115,20 @@ class ProxySettings(LayeredSettings):
     on_disconnect: Policy = Field(
         "auto", description="Client disconnects while in flight: cancel or finish (auto as above)"
     )
+    type_through: Literal["on", "off"] = Field(
+        "on",
+        description="Answer a keystroke that typed what the model is writing from that generation "
+        "(supersede routes /infill, /completion, /completions, /v1/completions)",
+    )
+    reuse_ttl_s: float = Field(
+        30.0, ge=0, description="How long a finished generation may still answer a keystroke"
+    )
+    reuse_grace_s: float = Field(
+        0.25,
+        ge=0,
+        description="How long a generation whose client left runs on, waiting for the next "
+        "keystroke to continue it, before on_disconnect applies",
+    )
 
     # stop confirmation (llamacpp adapter)
     confirm_timeout_s: float = Field(

@@ -12,6 +12,7 @@ from llmproxy.common.server import StopRequest
 from llmproxy.proxy.gating.breaker import CircuitBreaker
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.registry import JobRegistry
+from llmproxy.proxy.reuse.registry import Generations
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.telemetry.metrics import Metrics
 from llmproxy.proxy.telemetry.record import RequestRecord
@@ -28,6 +29,7 @@ class ProxyState:
     jobs: JobRegistry
     metrics: Metrics
     breaker: CircuitBreaker
+    generations: Generations | None = None  # type-through; None when off
 
     def policy(
         self,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from aiohttp import web
 
@@ -26,6 +27,8 @@ from llmproxy.proxy.gating.sessions import is_warmup, session_key
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.http.bodies import parse_json_object, read_body
 from llmproxy.proxy.http.security import auth_headers_to_strip
+from llmproxy.proxy.reuse.answer import reused
+from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import RECORD, STATE, ProxyState
 from llmproxy.proxy.upstream.adapters.base import Adapter
 from llmproxy.proxy.upstream.headers import request_headers
@@ -66,7 +69,11 @@ async def gated(request: web.Request) -> web.StreamResponse:
         path=request.path,
         body=parsed,
     )
-    supersedable = s.supersede and request.path in s.supersede_routes and not is_warmup(parsed)
+    supersedable = _continuable(s, request.path, parsed)
+    if supersedable and st.generations is not None:
+        follow = await st.generations.follow(rec.session, request.path, parsed)  # may wait
+        if follow is not None:
+            return await reused(st, request, follow)
     sizing = _Sizing(st, request.path, parsed)
     rec.permits = permits = sizing(st.gate.total)  # or BadRequest
     probe = st.breaker.admit()  # raises UpstreamUnavailable (503) while the breaker is open
@@ -84,6 +91,11 @@ async def gated(request: web.Request) -> web.StreamResponse:
         raise
     rec.permits = ticket.permits
     return await _forward(st, sizing.adapter, ticket, request, raw, probe)
+
+
+def _continuable(s: ProxySettings, path: str, parsed: Any) -> bool:
+    """May later keystrokes continue this request's generation (type-through)?"""
+    return s.supersede and path in s.supersede_routes and not is_warmup(parsed)
 
 
 async def _wait_for_permit(st: ProxyState, ticket: Ticket, request: web.Request) -> None:
@@ -140,6 +152,7 @@ async def _forward(
             ),
             disconnect_policy=st.policy(s.on_disconnect, request.path, adapter, rec.parsed_body),
             unconfirmed_hold_s=s.unconfirmed_cancel_hold_s,
+            generations=st.generations if _continuable(s, request.path, rec.parsed_body) else None,
         )
     except BaseException:
         st.breaker.neutral(probe)

@@ -15,6 +15,7 @@ caller then tells the registry the reader left.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -22,6 +23,8 @@ from aiohttp import web
 
 from llmproxy.proxy.errors import ProxyError
 from llmproxy.proxy.reuse.generation import Generation
+from llmproxy.proxy.reuse.registry import Follow
+from llmproxy.proxy.state import RECORD, ProxyState
 from llmproxy.proxy.upstream.assemble import CONTENT_TYPE, Assembler
 from llmproxy.proxy.upstream.responder import stream_error_bytes
 
@@ -45,6 +48,24 @@ def whole(generation: Generation, skip: int) -> tuple[int, bytes]:
     else:
         obj["content"] = obj["content"][skip:]
     return status, json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+async def reused(st: ProxyState, request: web.Request, follow: Follow) -> web.StreamResponse:
+    """Answer a request that continues ``follow.generation`` (the gated handler's branch:
+    no permit, no queue); the generation is left once the answer is written or the client
+    left."""
+    rec = request[RECORD]
+    generation = follow.generation
+    try:
+        resp = await answer(request, generation, follow.skip)
+    except asyncio.CancelledError:
+        rec.client_gone = True
+        raise
+    finally:
+        generation.leave()
+    rec.outcome = "reused"
+    rec.reused_tokens = generation.tokens_after(follow.skip)
+    return resp
 
 
 async def answer(request: web.Request, generation: Generation, skip: int) -> web.StreamResponse:

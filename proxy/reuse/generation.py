@@ -6,10 +6,17 @@ upstream job that owns the request feeds it (``feed``, then ``end``); requests t
 continue it read it (``follow``), each from its own offset, and wait for more with
 ``changed``.
 
-Concurrency contract: used on the event loop's thread only. ``feed`` and ``end`` never
-block; ``changed()`` blocks until the next ``feed`` or ``end`` and is cancelled by its
-caller (a reader whose client left). A generation holds no permit and no task: the job
-that feeds it owns both, and ends it (``end``) on every path, so no reader waits forever.
+Liveness: a generation runs for its readers, the request that started it and those that
+follow it (``join``). When the last one leaves (``leave``), ``on_orphaned`` (set by the job
+that owns it) runs after ``grace_s`` unless a new reader came meanwhile: the job then
+applies its disconnect policy. The grace lets an editor that closes its previous request
+just before sending the next keystroke's continue the generation instead of cancelling it.
+
+Concurrency contract: used on the event loop's thread only. ``feed``, ``end``, ``join`` and
+``leave`` never block; ``changed()`` blocks until the next ``feed`` or ``end`` and is
+cancelled by its caller (a reader whose client left). A generation holds no permit and no
+task: the job that feeds it owns both, and ends it (``end``) on every path, so no reader
+waits forever. Its one timer is a loop handle, cancelled by ``join`` and ``end``.
 
 Events are the upstream's SSE events (``data: {...}``), llama-server's native form (a
 piece is ``content`` of an event with ``"stop": false``) or OpenAI's (``choices[0].text``).
@@ -20,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from llmproxy.proxy.errors import ProxyError
@@ -52,8 +60,20 @@ def _piece(obj: dict[str, Any], oai: bool) -> str:
 class Generation:
     """One upstream generation of ``route`` for ``body`` (the client's parsed body)."""
 
-    def __init__(self, route: str, body: dict[str, Any], *, oai: bool, stream: bool) -> None:
+    def __init__(
+        self,
+        route: str,
+        body: dict[str, Any],
+        *,
+        oai: bool,
+        stream: bool,
+        grace_s: float = 0.0,
+        on_orphaned: Callable[[], None] | None = None,
+    ) -> None:
         self.route, self.body, self.oai, self.stream = route, body, oai, stream
+        self.grace_s, self.on_orphaned = grace_s, on_orphaned
+        self.live = 1  # readers still there: the request that started it, and followers
+        self._timer: asyncio.TimerHandle | None = None
         self.events: list[Event] = []
         self.text = ""
         self.done = False
@@ -101,7 +121,30 @@ class Generation:
             self._pending = b""
         self.done, self.error = True, error
         self.ended_at = time.monotonic()
+        self._cancel_timer()
         self._wake()
+
+    def join(self) -> None:
+        """One more reader."""
+        self.live += 1
+        self.readers += 1
+        self._cancel_timer()
+
+    def leave(self) -> None:
+        """A reader is gone (its client left, or it read its answer to the end)."""
+        self.live -= 1
+        if self.live <= 0 and not self.done and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.grace_s, self._orphaned)
+
+    def _orphaned(self) -> None:
+        self._timer = None
+        if self.live <= 0 and not self.done and self.on_orphaned is not None:
+            self.on_orphaned()
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _wake(self) -> None:
         self._changed.set()

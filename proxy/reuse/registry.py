@@ -1,25 +1,17 @@
-"""Each session's latest generation, and who reads it (type-through).
+"""Each session's latest generation (type-through).
 
 ``Generations.begin`` records the generation a session's newest request starts (replacing
 the session's previous one); ``Generations.follow`` decides whether a new request of the
 session continues it and, when the user typed ahead of the model, waits until its text
 confirms or contradicts what was typed.
 
-Liveness: a generation runs for its readers, the request that started it and those that
-follow it. When the last one leaves (``leave``), the generation's ``on_orphaned`` callback
-runs after ``grace_s`` unless a new reader came meanwhile: the owning job then applies its
-disconnect policy. The grace lets an editor that closes its previous request just before
-sending the next keystroke's continue the generation instead of cancelling it.
-
 Concurrency contract: event loop thread only. ``follow`` blocks only while the user typed
 ahead of the model, until the next piece of text or the generation's end; its caller
-cancels it when its client leaves. Timers are loop handles owned here, cancelled when a
-reader comes back or the generation is replaced; no task is started.
+cancels it when its client leaves. Nothing here starts a task or holds a permit.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -27,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmproxy.proxy.reuse.generation import Generation
-from llmproxy.proxy.reuse.match import typed
+from llmproxy.proxy.reuse.match import eligible, typed
+from llmproxy.proxy.upstream.assemble import OAI_ROUTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,99 +31,78 @@ class Follow:
     skip: int
 
 
-class _Entry:
-    __slots__ = ("generation", "live", "orphaned", "timer")
-
-    def __init__(self, generation: Generation, orphaned: Callable[[], None]) -> None:
-        self.generation = generation
-        self.live = 1  # the request that started it
-        self.orphaned = orphaned
-        self.timer: asyncio.TimerHandle | None = None
-
-
 class Generations:
     """The latest generation per session, at most ``max_sessions`` (least recently used
     first out); a finished one is kept ``ttl_s``."""
 
-    def __init__(self, ttl_s: float, grace_s: float, max_sessions: int = 4096) -> None:
+    def __init__(self, ttl_s: float, grace_s: float = 0.0, max_sessions: int = 4096) -> None:
         self.ttl_s, self.grace_s, self.max_sessions = ttl_s, grace_s, max_sessions
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._latest: OrderedDict[str, Generation] = OrderedDict()
+
+    def start(
+        self,
+        session: str,
+        route: str,
+        body: Any,
+        *,
+        streamed: bool,
+        on_orphaned: Callable[[], None],
+    ) -> Generation | None:
+        """The generation a request of ``session`` starts, recorded as the session's latest;
+        None when it cannot be continued (its route or body, or an answer that will not be
+        an event stream: ``streamed`` says the proxy asks for one where the client did not).
+        A request that cannot be continued still ends the session's previous generation's
+        turn: it is forgotten."""
+        stream = isinstance(body, dict) and body.get("stream") is True
+        if not eligible(route, body) or not (stream or streamed):
+            self._latest.pop(session, None)
+            return None
+        generation = Generation(
+            route,
+            body,
+            oai=route in OAI_ROUTES,
+            stream=stream,
+            grace_s=self.grace_s,
+            on_orphaned=on_orphaned,
+        )
+        self.begin(session, generation)
+        return generation
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._latest)
 
-    def begin(self, session: str, generation: Generation, on_orphaned: Callable[[], None]) -> None:
+    def begin(self, session: str, generation: Generation) -> None:
         """``generation`` is the session's newest; the previous one is forgotten."""
-        old = self._entries.pop(session, None)
-        if old is not None and old.timer is not None:
-            old.timer.cancel()
-        self._entries[session] = _Entry(generation, on_orphaned)
-        while len(self._entries) > self.max_sessions:
-            _, dropped = self._entries.popitem(last=False)
-            if dropped.timer is not None:
-                dropped.timer.cancel()
+        self._latest.pop(session, None)
+        self._latest[session] = generation
+        while len(self._latest) > self.max_sessions:
+            self._latest.popitem(last=False)
 
     def latest(self, session: str) -> Generation | None:
-        entry = self._entries.get(session)
-        if entry is None:
+        generation = self._latest.get(session)
+        if generation is not None and generation.expired(self.ttl_s, time.monotonic()):
+            del self._latest[session]
             return None
-        if entry.generation.expired(self.ttl_s, time.monotonic()):
-            del self._entries[session]
-            return None
-        return entry.generation
+        return generation
 
     async def follow(self, session: str, route: str, body: Any) -> Follow | None:
-        """A ``Follow`` when ``body`` continues the session's latest generation: the user
-        typed ``d`` and the generation wrote ``d``. While the generation has written less
-        than ``d`` (typing ahead), waits for more; None as soon as it writes something else
-        or ends short (the caller then goes through the gate, superseding it)."""
+        """A ``Follow`` (the generation joined) when ``body`` continues the session's latest
+        generation: the user typed ``d`` and the generation wrote ``d``. While it has written
+        less than ``d`` (typing ahead), waits for more; None as soon as it writes something
+        else or ends short (the caller then goes through the gate, superseding it)."""
         generation = self.latest(session)
         if generation is None or generation.route != route or generation.error is not None:
             return None
         d = typed(route, generation.body, body)
         if d is None:
             return None
-        while True:
-            if generation.text.startswith(d):
-                break
+        while not generation.text.startswith(d):
             if generation.done or not d.startswith(generation.text):
                 return None
             await generation.changed()
         if generation.error is not None and len(generation.text) <= len(d):
             return None  # cut before it wrote anything past what was typed
-        entry = self._entries.get(session)
-        if entry is None or entry.generation is not generation:
+        if self._latest.get(session) is not generation:
             return None  # replaced while waiting
-        self.join(session, generation)
-        generation.readers += 1
+        generation.join()
         return Follow(generation, len(d))
-
-    def join(self, session: str, generation: Generation) -> None:
-        entry = self._entries.get(session)
-        if entry is None or entry.generation is not generation:
-            return
-        entry.live += 1
-        if entry.timer is not None:
-            entry.timer.cancel()
-            entry.timer = None
-
-    def leave(self, session: str, generation: Generation) -> None:
-        """A reader of ``generation`` is gone (its client left or it read to the end)."""
-        entry = self._entries.get(session)
-        if entry is None or entry.generation is not generation:
-            return
-        entry.live -= 1
-        if entry.live <= 0 and not generation.done and entry.timer is None:
-            loop = asyncio.get_running_loop()
-            entry.timer = loop.call_later(self.grace_s, self._orphaned, session, entry)
-
-    def _orphaned(self, session: str, entry: _Entry) -> None:
-        entry.timer = None
-        if entry.live <= 0 and not entry.generation.done:
-            entry.orphaned()
-
-    def close(self) -> None:
-        for entry in self._entries.values():
-            if entry.timer is not None:
-                entry.timer.cancel()
-        self._entries.clear()

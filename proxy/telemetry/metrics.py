@@ -66,6 +66,11 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.reused_tokens = Counter(
+            "llmproxy_reused_tokens",
+            "Tokens answered from a running or recent generation (type-through)",
+            registry=r,
+        )
         self.confirm_timeouts = Counter(
             "llmproxy_confirm_timeouts",
             "Stop confirmations that timed out (the slot is quarantined until idle)",
@@ -99,6 +104,8 @@ class Metrics:
         if not rec.gated:
             return
         self.requests.labels(outcome=rec.outcome, route=rec.path).inc()
+        if rec.reused_tokens:
+            self.reused_tokens.inc(rec.reused_tokens)
         for histogram, value in (
             (self.queue_wait, rec.queue_wait_s),
             (self.upstream_ttfb, rec.upstream_ttfb_s),

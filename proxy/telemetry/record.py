@@ -47,6 +47,7 @@ class RequestRecord:
     confirm_wait_s: float | None = None
     confirm_timed_out: bool = False
     superseded_inflight: bool = False
+    reused_tokens: int | None = None  # answered from a running generation (type-through)
     client_gone: bool = False
     error: str | None = None
     ended_at: float | None = None  # wall clock, for the line's timestamp
@@ -113,6 +114,8 @@ class RequestRecord:
         }
         if self.assembled:
             fields["assembled"] = True
+        if self.reused_tokens is not None:
+            fields["reused_tokens"] = self.reused_tokens
         if self.confirm_timed_out:
             fields["confirm_timed_out"] = True
         error = self.error or (

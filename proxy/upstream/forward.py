@@ -39,6 +39,7 @@ async def forward(
     on_end: Callable[[], None] | None = None,
     on_head: Callable[[], None] | None = None,
     assembler: Assembler | None = None,
+    observe: Callable[[bytes], None] | None = None,
 ) -> None:
     """``method raw_path`` on the adapter's upstream, its response written through ``out``.
 
@@ -53,7 +54,10 @@ async def forward(
     ``assembler``: the request was sent with ``stream: true`` for a client that did not ask
     for a stream (assemble.py). An event stream (200, ``text/event-stream``) is fed to it and
     its rendering written in one piece once the upstream's body ended; any other answer (an
-    error the upstream gave before streaming) is relayed as it came."""
+    error the upstream gave before streaming) is relayed as it came.
+
+    ``observe``: called with each piece of a 200 event stream's body as it is read, before
+    it is written (type-through records the generation with it). Never for other answers."""
     start = time.monotonic()
     last: bytes | None = None  # the body's last piece (all of it, if it came whole with the head)
     assembled = False
@@ -67,18 +71,22 @@ async def forward(
                 if on_head is not None:
                     on_head()
                 head = response_headers(resp.headers, adapter.base_url)
-                if (
-                    assembler is not None
-                    and status == 200
-                    and head.get("Content-Type", "").startswith("text/event-stream")
-                ):
+                events = status == 200 and head.get("Content-Type", "").startswith(
+                    "text/event-stream"
+                )
+                seen = observe if events else None
+                if assembler is not None and events:
                     assembled = True
                     async for data in content.iter_any():
                         if rec.upstream_ttfb_s is None:
                             rec.upstream_ttfb_s = time.monotonic() - start
                         assembler.feed(data)
-                elif content.is_eof():  # a non-streamed answer
+                        if seen is not None:
+                            seen(data)
+                elif content.is_eof():  # a non-streamed answer, or a stream that came whole
                     last = content.read_nowait()
+                    if seen is not None:
+                        seen(last)
                 else:
                     await out.head(status, head, resp.content_length)
                     pieces = 0
@@ -89,6 +97,8 @@ async def forward(
                         else:  # the mean gap since the first piece: about a token's time
                             rec.piece_gap_s = (now - start - rec.upstream_ttfb_s) / pieces
                         pieces += 1
+                        if seen is not None:
+                            seen(data)
                         if content.is_eof():  # the last piece: it goes out with the terminator
                             last = data
                             break

@@ -33,6 +33,11 @@ Concurrency contract:
   ``on_disconnect`` as for any client that left. Once the client is gone every write is a
   no-op, so a job that drains a generation never blocks on a dead reader. Errors go to the
   handler through ``Responder.fail``; the handler writes or answers them.
+- Type-through (``generations``): the job records its event stream in a ``Generation``
+  that later keystrokes of its session may be answered from (proxy/reuse/). While such
+  readers remain, its own client leaving stops nothing; the disconnect policy applies once
+  the last reader left (after the generation's grace). A stop ends the generation for
+  every reader.
 """
 
 from __future__ import annotations
@@ -44,16 +49,18 @@ from dataclasses import dataclass
 import structlog
 from multidict import CIMultiDict
 
-from llmproxy.proxy.errors import ProxyError, ShuttingDown, Superseded
+from llmproxy.proxy.errors import ProxyError, ShuttingDown, Superseded, UpstreamFailed
 from llmproxy.proxy.gating.breaker import CircuitBreaker
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.ticket import Ticket
+from llmproxy.proxy.reuse.registry import Generations
 from llmproxy.proxy.telemetry.metrics import Metrics
 from llmproxy.proxy.telemetry.record import RequestRecord
 from llmproxy.proxy.upstream.adapters.base import Adapter
 from llmproxy.proxy.upstream.assemble import Assembler
 from llmproxy.proxy.upstream.confirm import confirm_stop
 from llmproxy.proxy.upstream.forward import forward
+from llmproxy.proxy.upstream.health import report_health, stopped_error, upstream_failed
 from llmproxy.proxy.upstream.responder import Responder
 
 log = structlog.get_logger("llmproxy.job")
@@ -66,11 +73,6 @@ class UpstreamRequest:
     raw_path: str
     headers: CIMultiDict[str]
     body: bytes
-
-
-def _upstream_failed(status: int) -> bool:
-    """An upstream status the breaker counts as a failure."""
-    return status >= 500 and status != 501
 
 
 class UpstreamJob:
@@ -89,8 +91,21 @@ class UpstreamJob:
         supersede_policy: str,
         disconnect_policy: str,
         unconfirmed_hold_s: float,
+        generations: Generations | None = None,
     ) -> None:
         self.gate, self.ticket, self.adapter = gate, ticket, adapter
+        # type-through: the record later keystrokes of the session may be answered from
+        self.generation = (
+            generations.start(
+                record.session,
+                request.path,
+                record.parsed_body,
+                streamed=adapter.assembles(request.path, record.parsed_body),
+                on_orphaned=self._orphaned,
+            )
+            if generations is not None and record.session is not None
+            else None
+        )
         self.request, self.out = request, out
         self.record, self.metrics = record, metrics
         self.breaker, self.breaker_probe = breaker, breaker_probe
@@ -118,6 +133,16 @@ class UpstreamJob:
 
     def client_gone(self) -> None:
         self.out.detach()
+        if self.generation is not None and not self.generation.done and not self.out.stalled:
+            # a typist's next keystroke may continue it: the policy applies once the last
+            # reader left and the grace passed (_orphaned); a client dropped for taking
+            # nothing is no typist
+            self.generation.leave()
+            return
+        self._orphaned()
+
+    def _orphaned(self) -> None:
+        """No client reads this generation any more: the disconnect policy applies."""
         if self.disconnect_policy == "cancel" or not self.record.sent:
             self.stop("client_disconnect")
 
@@ -126,6 +151,8 @@ class UpstreamJob:
             return
         self._stop_reason = reason
         self.gate.mark_stopping(self.ticket)
+        if self.generation is not None:
+            self.generation.end(stopped_error(reason))
         if self._task is not None and not self._stop_cancelled:
             if self._cancel_on_head and self.record.sent and self.record.upstream_status is None:
                 return  # sent, not answered yet: cut when the head arrives (_on_head)
@@ -138,7 +165,7 @@ class UpstreamJob:
         head (``_cancel_on_head``) cuts now, in the job's own task, before anything goes to
         the client (the transfer scope takes the CancelledError as its stop's)."""
         status = self.record.upstream_status
-        if status is not None and not _upstream_failed(status):
+        if status is not None and not upstream_failed(status):
             self.breaker.success(self.breaker_probe)
             self._success_reported = True
         if self._stop_reason is not None and not self._stop_cancelled:
@@ -171,7 +198,7 @@ class UpstreamJob:
             if task is not None and task.cancelling() and not ended:  # cut at the shutdown deadline
                 rec.outcome = rec.outcome or "cancelled_inflight"
                 self.out.fail(ShuttingDown("llmproxy shut down before the upstream finished"))
-            self._report_health()
+            report_health(self.breaker, self.breaker_probe, rec, self._success_reported)
             if not self.out.ended:
                 self.out.fail(ProxyError("upstream job ended without a response"))
             # dropped mid-way (the handler applied on_disconnect) or after the end
@@ -179,6 +206,8 @@ class UpstreamJob:
                 rec.client_gone = True
                 rec.error = rec.error or "client took nothing of its response in time: dropped"
             self._release()
+            if self.generation is not None:  # ended here unless it ended above
+                self.generation.end(rec.upstream_error or ProxyError("upstream job ended"))
             if rec.piece_gap_s is not None:
                 self.adapter.note_piece_gap(rec.piece_gap_s)
             rec.end_ref()
@@ -209,6 +238,9 @@ class UpstreamJob:
         """The upstream's body was read to its end: nothing left to stop, permit back."""
         self._finished = True
         self._release()
+        if self.generation is not None:
+            answered = self.record.upstream_status == 200 and self.generation.events
+            self.generation.end(None if answered else UpstreamFailed("no event stream"))
 
     async def _transfer_scope(self) -> None:
         """Run the transfer where ``stop()`` may cancel it (see the module's contract)."""
@@ -240,20 +272,6 @@ class UpstreamJob:
         failed = rec.upstream_error is not None or self._crashed
         return self._stop_reason is not None or (failed and not self._finished)
 
-    def _report_health(self) -> None:
-        """Tell the breaker how the upstream did (a success may have been told at the head)."""
-        rec = self.record
-        status = rec.upstream_status
-        probe = self.breaker_probe and not self._success_reported  # the probe slot is freed once
-        if rec.upstream_error is not None or (status is not None and _upstream_failed(status)):
-            self.breaker.failure(probe)
-        elif self._success_reported:
-            pass
-        elif status is not None:
-            self.breaker.success(probe)
-        else:  # never answered (cancelled before headers): no evidence either way
-            self.breaker.neutral(probe)
-
     async def _transfer_body(self) -> None:
         rec, req = self.record, self.request
         if len(self.ticket.slots) > 1:  # n_cmpl: see LlamaCppAdapter.settle
@@ -274,6 +292,7 @@ class UpstreamJob:
                 self._upstream_ended,
                 self._on_head,
                 assembler,
+                self.generation.feed if self.generation is not None else None,
             )
         except ProxyError as exc:
             rec.upstream_error = exc

@@ -86,10 +86,17 @@ def test_a_cut_generation_raises_its_error_for_a_non_streaming_reader() -> None:
 BODY = {"prompt": "x = ", "n_predict": 8}
 
 
+def begin(reg: Generations, grace_s: float = 0.05) -> tuple[Generation, asyncio.Event]:
+    orphaned = asyncio.Event()
+    gen = Generation("/completion", BODY, oai=False, stream=True, grace_s=grace_s)
+    gen.on_orphaned = orphaned.set
+    reg.begin("s", gen)
+    return gen, orphaned
+
+
 async def test_follow_waits_while_the_user_types_ahead_then_attaches() -> None:
-    reg = Generations(ttl_s=30, grace_s=0.05)
-    gen = Generation("/completion", BODY, oai=False, stream=True)
-    reg.begin("s", gen, on_orphaned=lambda: None)
+    reg = Generations(ttl_s=30)
+    gen, _ = begin(reg)
     gen.feed(native("4"))
     follow = asyncio.ensure_future(reg.follow("s", "/completion", {**BODY, "prompt": "x = 42"}))
     await asyncio.sleep(0)
@@ -97,12 +104,12 @@ async def test_follow_waits_while_the_user_types_ahead_then_attaches() -> None:
     gen.feed(native("2 +"))
     got = await follow
     assert got is not None and got.generation is gen and got.skip == 2
+    assert gen.live == 2 and gen.readers == 1
 
 
 async def test_follow_gives_up_when_the_model_writes_something_else() -> None:
-    reg = Generations(ttl_s=30, grace_s=0.05)
-    gen = Generation("/completion", BODY, oai=False, stream=True)
-    reg.begin("s", gen, on_orphaned=lambda: None)
+    reg = Generations(ttl_s=30)
+    gen, _ = begin(reg)
     gen.feed(native("4"))
     follow = asyncio.ensure_future(reg.follow("s", "/completion", {**BODY, "prompt": "x = 42"}))
     await asyncio.sleep(0)
@@ -113,24 +120,21 @@ async def test_follow_gives_up_when_the_model_writes_something_else() -> None:
 
 
 async def test_an_orphaned_generation_is_reported_after_the_grace_unless_followed() -> None:
-    reg = Generations(ttl_s=30, grace_s=0.01)
-    orphaned = asyncio.Event()
-    gen = Generation("/completion", BODY, oai=False, stream=True)
-    reg.begin("s", gen, on_orphaned=orphaned.set)
+    reg = Generations(ttl_s=30)
+    gen, orphaned = begin(reg, grace_s=0.01)
     gen.feed(native("42"))
-    reg.leave("s", gen)  # the client that started it left...
+    gen.leave()  # the client that started it left...
     follow = await reg.follow("s", "/completion", {**BODY, "prompt": "x = 4"})
     assert follow is not None  # ...and the next keystroke continued it within the grace
     await asyncio.sleep(0.05)
     assert not orphaned.is_set()
-    reg.leave("s", gen)
+    gen.leave()
     await asyncio.wait_for(orphaned.wait(), 5)
 
 
 async def test_a_finished_generation_is_kept_for_the_ttl_only() -> None:
-    reg = Generations(ttl_s=0.01, grace_s=0.01)
-    gen = Generation("/completion", BODY, oai=False, stream=True)
-    reg.begin("s", gen, on_orphaned=lambda: None)
+    reg = Generations(ttl_s=0.01)
+    gen, _ = begin(reg)
     gen.feed(native("42") + FINAL)
     gen.end()
     assert await reg.follow("s", "/completion", {**BODY, "prompt": "x = 4"}) is not None

@@ -1,0 +1,191 @@
+"""Type-through through the proxy: a keystroke that types what the model is writing is
+answered from that generation, on a fake llama-server with deterministic output.
+
+The fake writes ``t0 t1 t2 ...`` whatever the prompt, so the typist knows the output in
+advance and types it one character per request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+
+from llmproxy.bench.fake.upstream import FakeUpstream, Script
+from tests.helpers.net import wait_until
+from tests.helpers.proxy import RunningProxy, run_proxy
+
+TOKENS = 12
+OUTPUT = "".join(f"t{i} " for i in range(TOKENS))
+HEADERS = {"X-LLMProxy-Session": "editor"}
+ROUTES = ["/infill", "/completion", "/v1/completions"]
+
+
+def body(route: str, typed: str, stream: bool, **extra: Any) -> dict[str, Any]:
+    """The request an editor sends once it typed ``typed`` after the cursor's start."""
+    if route == "/infill":
+        base = {"input_prefix": "def f():\n", "prompt": "    " + typed, "input_suffix": "\n"}
+        return {**base, "n_predict": TOKENS, "stream": stream, **extra}
+    if route == "/completion":
+        prompt = "<fim_prefix>x = " + typed + "<fim_suffix>\n<fim_middle>"
+        return {"prompt": prompt, "n_predict": TOKENS, "stream": stream, **extra}
+    return {"model": "m", "prompt": "x = " + typed, "max_tokens": TOKENS, "stream": stream, **extra}
+
+
+async def answer_text(route: str, resp: aiohttp.ClientResponse, stream: bool) -> str:
+    """The completion text of a response, stream or not."""
+    assert resp.status == 200, await resp.text()
+    if not stream:
+        raw = await resp.read()
+        obj = json.loads(raw)
+        if route == "/v1/completions":
+            return str(obj["choices"][0]["text"])
+        assert re.search(rb'"content"\s*:"', raw)  # llama.vim finds the text this way
+        return str(obj["content"])
+    text = []
+    async for line in resp.content:
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+            obj = json.loads(line[6:])
+            assert "error" not in obj, obj
+            if route == "/v1/completions":
+                text.append(obj["choices"][0]["text"])
+            else:
+                text.append(obj["content"])
+    return "".join(text)
+
+
+@asynccontextmanager
+async def setup(
+    type_through: str, delay_s: float = 0.03
+) -> AsyncIterator[tuple[FakeUpstream, RunningProxy]]:
+    def script(_path: str, _body: dict[str, Any]) -> Script:
+        return Script(tokens=TOKENS, token_delay_s=delay_s)
+
+    async with (
+        FakeUpstream(kind="llamacpp", slots=1, script=script, abort_linger_s=0.01) as fake,
+        run_proxy(fake.url, type_through=type_through) as px,
+    ):
+        yield fake, px
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", ROUTES)
+async def test_a_typist_typing_the_output_is_answered_from_one_generation(
+    http: aiohttp.ClientSession, route: str, stream: bool
+) -> None:
+    """Every keystroke's request, sent while the generation runs and read to its end, gets
+    the output's remainder; the upstream runs one generation in all."""
+    async with setup("on") as (fake, px):
+
+        async def keystroke(n: int) -> str:
+            async with http.post(
+                px.url + route, json=body(route, OUTPUT[:n], stream), headers=HEADERS
+            ) as r:
+                return await answer_text(route, r, stream)
+
+        first = asyncio.ensure_future(keystroke(0))
+        await fake.wait_for(lambda f: len(f.generations) == 1)
+        rest = [asyncio.ensure_future(keystroke(n)) for n in range(1, 8)]
+        answers = await asyncio.gather(first, *rest)
+        assert answers == [OUTPUT[n:] for n in range(8)]
+        # after the generation ended, a later keystroke is answered from what it wrote
+        assert await keystroke(9) == OUTPUT[9:]
+        assert len(fake.generations) == 1
+        await wait_until(lambda: px.state.gate.free == 1, what="permit back")
+
+
+@pytest.mark.parametrize("type_through", ["on", "off"])
+async def test_an_editor_that_drops_each_request_for_the_next(
+    http: aiohttp.ClientSession, type_through: str
+) -> None:
+    """llama.vim's way: each keystroke closes the previous request and sends the next. With
+    type-through the generation survives the drops; without, each keystroke starts one."""
+    route, keys = "/infill", 6
+    async with setup(type_through) as (fake, px):
+        pending: asyncio.Future[str] | None = None
+
+        async def keystroke(n: int) -> str:
+            async with http.post(
+                px.url + route, json=body(route, OUTPUT[:n], False), headers=HEADERS
+            ) as r:
+                return await answer_text(route, r, False)
+
+        for n in range(keys):
+            if pending is not None:
+                pending.cancel()
+            pending = asyncio.ensure_future(keystroke(n))
+            # off: each keystroke's request reaches the upstream before the next is typed
+            want = n + 1 if type_through == "off" else 1
+            await fake.wait_for(lambda f, want=want: len(f.generations) >= want)
+            await asyncio.sleep(0.04)  # the typist's pace
+        assert pending is not None
+        # the last keystroke gets the remainder, or a whole generation of its own
+        assert await pending == (OUTPUT[keys - 1 :] if type_through == "on" else OUTPUT)
+        await wait_until(lambda: px.state.gate.free == 1 and fake.concurrent == 0, what="idle")
+        if type_through == "on":
+            assert len(fake.generations) == 1
+        else:
+            assert len(fake.generations) == keys
+
+
+@pytest.mark.parametrize("at", [0, 5, len(OUTPUT) - 1])
+async def test_typing_something_else_supersedes_the_generation(
+    http: aiohttp.ClientSession, at: int
+) -> None:
+    route = "/completion"
+    async with setup("on") as (fake, px):
+        first = asyncio.ensure_future(
+            http.post(px.url + route, json=body(route, "", True), headers=HEADERS)
+        )
+        await fake.wait_for(lambda f: len(f.generations) == 1)
+        diverged = OUTPUT[:at] + "X"
+        async with http.post(
+            px.url + route, json=body(route, diverged, False), headers=HEADERS
+        ) as r:
+            assert await answer_text(route, r, False) == OUTPUT  # a generation of its own
+        assert len(fake.generations) == 2
+        resp = await first
+        resp.close()
+        await wait_until(lambda: px.state.gate.free == 1, what="permit back")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"typed": "t"},  # the first request typed "t0"; this one took the "0" back
+        {"input_suffix": "\n\nmore\n"},
+        {"n_predict": TOKENS - 1},
+        {"temperature": 0.5},
+    ],
+)
+async def test_never_reused(http: aiohttp.ClientSession, change: dict[str, Any]) -> None:
+    route = "/infill"
+    async with setup("on", delay_s=0.001) as (fake, px):
+        async with http.post(px.url + route, json=body(route, "t0", False), headers=HEADERS) as r:
+            assert await answer_text(route, r, False) == OUTPUT
+        typed = change.pop("typed", "t0 t")
+        async with http.post(
+            px.url + route, json=body(route, typed, False, **change), headers=HEADERS
+        ) as r:  # a generation of its own (the fake writes n_predict tokens)
+            n = change.get("n_predict", TOKENS)
+            assert await answer_text(route, r, False) == "".join(f"t{i} " for i in range(n))
+        assert len(fake.generations) == 2
+
+
+async def test_reuse_is_logged_and_counted(http: aiohttp.ClientSession) -> None:
+    route = "/infill"
+    async with setup("on", delay_s=0.001) as (fake, px):
+        async with http.post(px.url + route, json=body(route, "", False), headers=HEADERS) as r:
+            await answer_text(route, r, False)
+        async with http.post(px.url + route, json=body(route, "t0 t", False), headers=HEADERS) as r:
+            assert await answer_text(route, r, False) == OUTPUT[4:]
+        async with http.get(px.url + "/llmproxy/metrics") as r:
+            metrics = await r.text()
+        assert re.search(r"^llmproxy_reused_tokens_total 11\.0$", metrics, re.M), metrics
+        assert re.search(r'^llmproxy_requests_total\{.*outcome="reused".*\} 1\.0$', metrics, re.M)
+        assert len(fake.generations) == 1
