@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.backend import Backend, parallel_flags
+from tests.helpers.backend.server import Backend, parallel_flags
 
 ENGINES = ["llama-cpp", "torch"]
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from llmproxy.common.children import child_preexec
-from tests.helpers.backend import parallel_flags, pid_alive, processes_in, wait_until
+from tests.helpers.backend.server import parallel_flags, pid_alive, processes_in, wait_until
 
 
 def test_sigterm_drains_and_leaves_no_workers(engine: str, start_backend: Any) -> None:
@@ -57,7 +57,7 @@ import subprocess, sys, time
 from pathlib import Path
 repo, tmp, how = sys.argv[1:4]
 sys.path.insert(0, repo)
-from tests.helpers.backend import Backend
+from tests.helpers.backend.server import Backend
 if how == "helper":  # as the tests start their servers
     pid = Backend(Path(tmp), "llama-cpp", cwd=Path(tmp)).wait_ready().proc.pid
 elif how == "bench":  # as llmproxy bench engine starts its server

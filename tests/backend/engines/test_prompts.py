@@ -18,6 +18,5 @@ def test_infill_prompt_keeps_most_of_the_context_whatever_n_predict(n_predict: i
     tokens = infill_tokens(prompt, plain, [1], (2, 3, 4), -1, -1, 2048, n_predict, 4096)
     reserve = min(n_predict if n_predict > 0 else 4096, 2048 // 4)
     assert len(tokens) == 2048 - reserve - 1
-    assert (
-        tokens[:2] == [1, 2] and 3 in tokens and tokens[-1] == 4
-    )  # BOS FIM_PRE ... FIM_SUF ... FIM_MID
+    # BOS FIM_PRE ... FIM_SUF ... FIM_MID
+    assert tokens[:2] == [1, 2] and 3 in tokens and tokens[-1] == 4

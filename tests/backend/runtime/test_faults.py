@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from llmproxy.bench.child import cpu_seconds
-from tests.helpers.backend import kill_worker_mid_stream, parallel_flags, wait_until
+from tests.helpers.backend.server import kill_worker_mid_stream, parallel_flags, wait_until
 
 
 def log_events(backend: Any, event: str) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.helpers.backend import (
+from tests.helpers.backend.server import (
     LONG,
     kill_worker_mid_stream,
     parallel_flags,

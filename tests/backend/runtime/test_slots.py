@@ -14,7 +14,7 @@ import pytest
 
 from llmproxy.backend.protocol import Done, Failed, Prompt, SamplingParams
 from llmproxy.backend.settings import BackendSettings
-from tests.helpers.backend import LONG, parallel_flags
+from tests.helpers.backend.server import LONG, parallel_flags
 from tests.helpers.proxy import run_proxy
 
 

@@ -33,10 +33,10 @@ async def test_unhandled_errors() -> None:
         early = await raw_exchange(url, get("/boom"))
         assert early.startswith(b"HTTP/1.1 500 ")
         assert early.endswith(
-            b'{"error":{"code":500,"message":"internal server error: KeyError","type":"server_error"}}'
+            b'{"error":{"code":500,"message":"internal server error: KeyError",'
+            b'"type":"server_error"}}'
         )
         raw = await raw_exchange(url, get("/late"))
         assert raw.startswith(b"HTTP/1.1 200 ") and b'data: {"content":"x"}' in raw
-        assert raw.count(b"HTTP/1.1") == 1 and not raw.endswith(
-            b"0\r\n\r\n"
-        )  # cut, not ended cleanly
+        # cut, not ended cleanly
+        assert raw.count(b"HTTP/1.1") == 1 and not raw.endswith(b"0\r\n\r\n")

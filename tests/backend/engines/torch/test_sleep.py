@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.helpers.backend import parallel_flags
+from tests.helpers.backend.server import parallel_flags
 
 HAVE_TORCH = all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers", "gguf"))
 pytestmark = [

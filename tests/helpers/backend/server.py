@@ -1,4 +1,5 @@
-"""Helpers for the backend tests (imported by conftest and the test modules)."""
+"""Backend server processes for tests: start one, wait for it, kill its workers, find
+what it left running."""
 
 from __future__ import annotations
 

@@ -1,0 +1,2 @@
+"""Helpers for the backend tests: server processes (``server``), the HTTP API's response
+shapes (``api``) and in-process engine drivers (``engine``)."""
