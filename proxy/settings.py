@@ -42,7 +42,8 @@ class ProxySettings(LayeredSettings):
         "auto",
         description="llamacpp: send non-streaming completions upstream as streams and answer them "
         "whole, so that a cancelled one stops at its next token (llama-server does not notice a "
-        "dropped non-streaming client); auto = on except for llmproxy's own backend",
+        "dropped non-streaming client); auto = on, except for llmproxy's own backend with "
+        "type_through off",
     )
     upstream_kind: Literal["auto", "llamacpp", "openai", "ollama"] = Field(
         "auto",

@@ -62,6 +62,7 @@ RULES = {
             "llmproxy.proxy.http",
             "llmproxy.proxy.upstream",
             "llmproxy.proxy.telemetry",
+            "llmproxy.proxy.reuse",
             "llmproxy.proxy.state",
         ),
         (),
@@ -70,6 +71,8 @@ RULES = {
     "proxy/telemetry": (("llmproxy.proxy.http", "llmproxy.proxy.upstream"), ()),
     # the upstream side never reaches back into the HTTP face
     "proxy/upstream": (("llmproxy.proxy.http",), ()),
+    # type-through answers from generations the upstream side records; no HTTP handlers
+    "proxy/reuse": (("llmproxy.proxy.http", "llmproxy.proxy.gating"), ()),
     # engines run only inside worker processes: no web layer, no dispatcher, no event loop
     "backend/engines": (("aiohttp", "llmproxy.backend.web", "llmproxy.backend.runtime"), ()),
     # the web process never loads an engine

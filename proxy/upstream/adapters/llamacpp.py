@@ -90,13 +90,16 @@ class LlamaCppAdapter(SlotPollingAdapter):
         self.client.reuse_after_stream = False
 
     def learn_props(self, props: Any) -> None:
-        """What /props tells: the slot count, and whether this is llmproxy's own backend,
-        which notices a dropped non-streaming client itself (``upstream_stream`` auto)."""
+        """What /props tells: the slot count, and whether this is llmproxy's own backend.
+        ``upstream_stream`` auto streams on llama-server (for its stops) and, with
+        type-through on, on llmproxy's own backend too, whose stops need no stream but whose
+        text type-through reads as it is generated."""
         self.slots = total_slots(props)
         self.own = own = isinstance(props, dict) and props.get("build_info") == OWN_BACKEND
         self.client.reuse_after_stream = own  # llama-server closes a connection after a stream
         self.streams = self.settings.upstream_stream == "on" or (
-            self.settings.upstream_stream == "auto" and not own
+            self.settings.upstream_stream == "auto"
+            and (not own or self.settings.type_through == "on")
         )
 
     def assembles(self, path: str, parsed: Any) -> bool:

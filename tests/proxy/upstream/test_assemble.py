@@ -197,19 +197,23 @@ def test_which_requests_are_sent_as_streams(path: str, body: Any, expected: bool
     assert assembles(path, body) is expected
 
 
-async def test_own_backend_and_the_off_switch_are_not_streamed() -> None:
+async def test_which_upstreams_are_asked_for_streams() -> None:
+    """llama-server always (its stops need it); llmproxy's own backend only for type-through,
+    which reads the text as it is generated; nothing with the off switch."""
     async with aiohttp.ClientSession() as session:
-        for setting, build_info, expected in [
-            ("auto", "b4000-abc", True),
-            ("auto", "llmproxy-backend", False),
-            ("on", "llmproxy-backend", True),
-            ("off", "b4000-abc", False),
+        for setting, type_through, build_info, expected in [
+            ("auto", "on", "b4000-abc", True),
+            ("auto", "off", "b4000-abc", True),
+            ("auto", "off", "llmproxy-backend", False),
+            ("auto", "on", "llmproxy-backend", True),
+            ("on", "off", "llmproxy-backend", True),
+            ("off", "on", "b4000-abc", False),
         ]:
-            adapter = LlamaCppAdapter(
-                "http://127.0.0.1:9", session, ProxySettings(upstream_stream=setting)
-            )
+            settings = ProxySettings(upstream_stream=setting, type_through=type_through)
+            adapter = LlamaCppAdapter("http://127.0.0.1:9", session, settings)
             adapter.learn_props({"total_slots": 1, "build_info": build_info})
-            assert adapter.assembles("/infill", {"prompt": "x"}) is expected, (setting, build_info)
+            got = adapter.assembles("/infill", {"prompt": "x"})
+            assert got is expected, (setting, type_through, build_info)
 
 
 async def test_superseded_non_streaming_request_is_cut_at_the_next_token(
