@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 OUTCOMES = (
     "completed",
+    "reused",
     "superseded",
     "cancelled_queued",
     "cancelled_inflight",

@@ -1,10 +1,12 @@
 """Property-based stress of the gate's invariants under random load (real loopback servers).
 
-Random arrivals, sessions, client aborts, upstream errors, slow aborts and requests on
-several slots at once (``n_cmpl``). Invariants (docs/design.md): generations at the upstream
-(each ``n_cmpl`` completion counts) <= N at every instant; all N permits free at
-quiescence; exactly one outcome per request; what the proxy says reached the upstream is
-exactly what the upstream saw, so superseded / queue-cancelled requests never reach it.
+Random arrivals, sessions, client aborts, upstream errors, slow aborts, requests on
+several slots at once (``n_cmpl``) and keystrokes that type what the session's previous
+request was answered (type-through continuations). Invariants (docs/design.md):
+generations at the upstream (each ``n_cmpl`` completion counts) <= N at every instant; all
+N permits free at quiescence; exactly one outcome per request; what the proxy says reached
+the upstream is exactly what the upstream saw, so superseded, queue-cancelled and reused
+requests never reach it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Op:
     upstream: str  # "ok" | "500" | "reset"
     warmup: bool
     n_cmpl: int  # completions at once (slots); more than the capacity must be refused (400)
+    typed: int  # > 0: type this many more characters of the session's previous request's output
 
 
 ops_strategy = st.lists(
@@ -46,6 +49,7 @@ ops_strategy = st.lists(
         upstream=st.sampled_from(["ok", "ok", "ok", "500", "reset"]),
         warmup=st.booleans(),
         n_cmpl=st.sampled_from([1, 1, 1, 2, 3]),
+        typed=st.sampled_from([0, 0, 1, 2, 4]),
     ),
     min_size=1,
     max_size=14,
@@ -63,7 +67,9 @@ def script_for(_path: str, body: dict) -> Script:
     )
 
 
-async def scenario(ops: list[Op], capacity: int, linger: float, policy: str) -> None:
+async def scenario(
+    ops: list[Op], capacity: int, linger: float, policy: str
+) -> list[dict[str, object]]:
     async with (
         FakeUpstream(slots=capacity, abort_linger_s=linger, script=script_for) as fake,
         run_proxy(
@@ -76,11 +82,13 @@ async def scenario(ops: list[Op], capacity: int, linger: float, policy: str) -> 
         aiohttp.ClientSession() as http,
     ):
         statuses: dict[int, int] = {}
+        last: dict[int, tuple[dict[str, object], int]] = {}  # session -> (first body, typed)
+        sent: dict[int, dict[str, object]] = {}  # what each client sent
         with structlog.testing.capture_logs() as logs:
 
             async def client(i: int, op: Op) -> None:
                 await asyncio.sleep(op.delay_ms / 1000 * i)
-                body = {
+                body: dict[str, object] = {
                     "prompt": "p",
                     "seq": i,
                     "stream": op.stream,
@@ -89,6 +97,15 @@ async def scenario(ops: list[Op], capacity: int, linger: float, policy: str) -> 
                     "n_predict": 0 if op.warmup else 64,
                     "n_cmpl": op.n_cmpl,
                 }
+                if op.typed and op.session in last:  # the user types the previous suggestion
+                    first, typed = last[op.session]
+                    output = "".join(f"t{k} " for k in range(int(str(first["tokens"]))))
+                    typed = min(typed + op.typed, len(output))
+                    body = {**first, "prompt": str(first["prompt"]) + output[:typed]}
+                    last[op.session] = (first, typed)
+                else:
+                    last[op.session] = (body, 0)
+                sent[i] = body
 
                 async def call() -> None:
                     async with http.post(
@@ -125,18 +142,21 @@ async def scenario(ops: list[Op], capacity: int, linger: float, policy: str) -> 
         assert must <= set(ids) <= {f"r{i}" for i in range(len(ops))}
         assert all(e["outcome"] in OUTCOMES for e in events)
         reached_proxy = {int(e["request_id"][1:]) for e in events if e["reached_upstream"]}
-        reached_fake = {r.body["seq"] for r in fake.generations}
+        reached_fake = {int(r.headers["X-Request-Id"][1:]) for r in fake.generations}
         # Everything the upstream saw, the proxy says it sent (a send cancelled while connecting
         # may be counted as sent without arriving: that direction is harmless).
         assert reached_fake <= reached_proxy, (reached_fake, reached_proxy)
         for e in events:
             if not e["reached_upstream"]:
-                assert e["outcome"] in ("superseded", "cancelled_queued", "rejected"), e
-        too_wide = {i for i, op in enumerate(ops) if op.n_cmpl > capacity}
+                assert e["outcome"] in ("superseded", "cancelled_queued", "rejected", "reused"), e
+            if e["outcome"] == "reused":
+                assert not e["reached_upstream"], e
+        too_wide = {i for i, body in sent.items() if int(str(body["n_cmpl"])) > capacity}
         assert all(statuses[i] == 400 for i in too_wide if i in statuses), statuses
         # answered at once
         assert all(i in statuses for i in too_wide if ops[i].abort_ms is None), statuses
         assert not too_wide & reached_fake
+        return events
 
 
 @settings(
@@ -155,3 +175,16 @@ def test_gate_invariants_under_random_load(
     ops: list[Op], capacity: int, linger: float, policy: str
 ) -> None:
     asyncio.run(scenario(ops, capacity, linger, policy))
+
+
+def test_the_mix_includes_reused_continuations() -> None:
+    """The random load's continuations do take the type-through path: one session's
+    request, then keystrokes typing its output while it runs, among other sessions."""
+
+    def op(delay_ms: int, session: int, tokens: int, typed: int) -> Op:
+        return Op(delay_ms, session, None, False, tokens, "ok", False, 1, typed)
+
+    ops = [op(0, 0, 12, 0), op(5, 1, 3, 0), op(5, 0, 12, 2), op(5, 0, 12, 1)]
+    events = asyncio.run(scenario(ops, capacity=2, linger=0.0, policy="auto"))
+    outcomes = {e["request_id"]: e["outcome"] for e in events}
+    assert outcomes == {"r0": "completed", "r1": "completed", "r2": "reused", "r3": "reused"}
