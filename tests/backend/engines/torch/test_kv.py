@@ -21,8 +21,13 @@ pytestmark = [
 
 
 def _model(layers: int = 2, heads: int = 2, head_dim: int = 4) -> SimpleNamespace:
-    cfg = SimpleNamespace(num_hidden_layers=layers, num_key_value_heads=heads, num_attention_heads=heads,
-                          head_dim=head_dim, hidden_size=heads * head_dim)  # fmt: skip
+    cfg = SimpleNamespace(
+        num_hidden_layers=layers,
+        num_key_value_heads=heads,
+        num_attention_heads=heads,
+        head_dim=head_dim,
+        hidden_size=heads * head_dim,
+    )
     return SimpleNamespace(config=SimpleNamespace(get_text_config=lambda decoder=True: cfg))
 
 
