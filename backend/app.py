@@ -1,14 +1,14 @@
-"""The backend's web layer wiring: a llama-server compatible HTTP API (subset) over the dispatcher.
+"""The backend's web app: a llama-server compatible HTTP API (subset) over the dispatcher.
 
-Routes: POST /completion /completions /infill (web_llama.py), /v1/completions
-/v1/chat/completions /chat/completions (web_openai.py); GET /health /v1/health /props
-/slots /v1/models /models (web_info.py). Request parsing is web_requests.py, error
-envelopes and the middleware web_errors.py, generation driving and SSE web_gen.py, the
-typed app keys web_context.py.
+Routes: POST /completion /completions /infill (web/llama.py), /v1/completions
+/v1/chat/completions /chat/completions (web/openai.py); GET /health /v1/health /props
+/slots /v1/models /models (web/info.py). Request parsing is web/requests.py, error
+envelopes and the middleware web/errors.py, generation driving and SSE web/gen.py, the
+typed app keys web/context.py.
 
 Lifecycle: the dispatcher (and its workers) starts with the app and stops in its
 ``cleanup_ctx``. The app is meant to run with ``handler_cancellation=True`` (server.py);
-a client that goes away cancels its handler, which cancels its generation (web_gen.py).
+a client that goes away cancels its handler, which cancels its generation (web/gen.py).
 """
 
 from __future__ import annotations

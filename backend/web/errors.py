@@ -1,4 +1,4 @@
-"""Error replies of the backend's web layer: the JSON envelope, ``BadRequest`` and the middleware.
+"""Error replies of the web layer: the JSON envelope, ``BadRequest`` and the middleware.
 
 Errors use llama-server's envelope ``{"error": {"code", "message", "type"}}`` (with any
 extra top-level keys a caller adds, e.g. /health's ``status``). ``error_middleware`` turns

@@ -1,7 +1,7 @@
-"""Driving one generation for the backend's web layer, and the response pieces every route shares.
+"""Driving one generation for the web layer, and the response pieces every route shares.
 
 ``Gen`` starts a request on the dispatcher and relays its events, collecting the text and
-the final ``Done``/``Failed`` for the response builders in web_llama.py / web_openai.py.
+the final ``Done``/``Failed`` for the response builders in llama.py / openai.py.
 
 Concurrency contract: the app runs with ``handler_cancellation=True``; when a client goes
 away its handler is cancelled and ``Gen.__aexit__`` sends ``Cancel`` to the worker and

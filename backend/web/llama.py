@@ -1,4 +1,4 @@
-"""llama-server native generation routes of the backend: POST /completion(s) and /infill.
+"""llama-server native generation routes: POST /completion(s) and /infill.
 
 Response shapes follow llama-server: a non-streamed request gets one JSON object with
 ``content``, ``stop_type``, ``timings`` and the ``generation_settings``; a streamed one
@@ -7,11 +7,11 @@ gets SSE events with one ``content`` piece each and then the same final object (
 gets a JSON array of that many final objects (``index`` 0..n-1), generated at once on that
 many slots, as llama-server does: the request's ``id_slot`` (or the lowest free slot) runs
 the first, the lowest other free slots the rest, all started together once all are free
-(the proxy holds one permit per slot and grants the same slots); not streamed. A stream that fails before its first token gets a plain JSON error with the
-right status; after the first token, an SSE event ``data: {"error": {...}}``.
-A request's ``response_fields`` (llama.vim sends them) narrows each final object, not the
-partial events of a stream, to those paths (``select_fields``), as llama-server does.
-Cancellation is ``Gen``'s (web_gen.py).
+(the proxy holds one permit per slot and grants the same slots); not streamed. A stream
+that fails before its first token gets a plain JSON error with the right status; after
+the first token, an SSE event ``data: {"error": {...}}``. A request's ``response_fields``
+(llama.vim sends them) narrows each final object, not the partial events of a stream, to
+those paths (``select_fields``), as llama-server does. Cancellation is ``Gen``'s (gen.py).
 """
 
 from __future__ import annotations
@@ -169,8 +169,13 @@ async def _several(
     async with contextlib.AsyncExitStack() as stack:
         for g in gens:
             await stack.enter_async_context(g)
+
+        def cancel_all() -> None:
+            for r in reqs:
+                dispatcher.cancel(r)
+
         # unwound first: on any early exit every request is told to stop before any Gen waits
-        stack.callback(lambda: [dispatcher.cancel(r) for r in reqs])
+        stack.callback(cancel_all)
         async with asyncio.TaskGroup() as tg:
             runs = [tg.create_task(run(g)) for g in gens]
     failed = next((f for f in (r.result() for r in runs) if f is not None), None)

@@ -1,10 +1,10 @@
-"""OpenAI-compatible generation routes of the backend: POST /v1/completions and /v1/chat/completions.
+"""OpenAI-compatible generation routes: POST /v1/completions and /v1/chat/completions.
 
 Non-streamed: one ``text_completion`` / ``chat.completion`` object with ``usage`` and
 llama-server's ``timings``. Streamed: SSE chunks (chat starts with a ``role`` delta), a
 last chunk carrying ``finish_reason``, ``usage`` and ``timings``, then ``data: [DONE]``.
 Errors before the first token are plain JSON; after it, an SSE error event. Cancellation
-is ``Gen``'s (web_gen.py).
+is ``Gen``'s (gen.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Request parsing for the backend's web layer: JSON bodies into ``Prompt`` and ``SamplingParams``.
+"""Request parsing for the web layer: JSON bodies into ``Prompt`` and ``SamplingParams``.
 
 Every function here raises ``BadRequest`` (answered as a 400/404 envelope by the
 middleware) on a malformed field; nothing here touches the dispatcher beyond reading
@@ -32,9 +32,7 @@ async def read_body(request: web.Request) -> dict[str, Any]:
     if b"\\u" in raw:  # only an escape can carry a lone surrogate (raw bytes are valid UTF-8)
         try:
             json.dumps(body, ensure_ascii=False).encode("utf-8")
-        except (
-            UnicodeEncodeError
-        ):  # as llama-server's JSON parser: an unpaired \\uD8xx is malformed
+        except UnicodeEncodeError:  # as llama-server's parser: an unpaired \\uD8xx is malformed
             raise BadRequest(
                 "malformed JSON body: a \\u escape is an unpaired UTF-16 surrogate"
             ) from None
@@ -108,7 +106,7 @@ def sampling_params(body: dict[str, Any], openai: bool = False) -> SamplingParam
 
 def response_fields(body: dict[str, Any]) -> tuple[str, ...]:
     """The ``response_fields`` of a /completion or /infill request: "/"-separated paths
-    into the final answer (``web_llama.select_fields``); empty when absent."""
+    into the final answer (``llama.select_fields``); empty when absent."""
     v = body.get("response_fields")
     if v is None:
         return ()
