@@ -22,9 +22,8 @@ class SamplingParams:
     min_p: float = 0.05
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    t_max_predict_ms: int | None = (
-        None  # llama.vim: past this long, stop on the next token with a newline
-    )
+    # llama.vim: past this long, stop on the next token with a newline
+    t_max_predict_ms: int | None = None
     n_indent: int = 0  # llama.vim: stop at (and cut) the first new line indented less than this
     ignore_eos: bool = False  # llama-server's ignore_eos: generate through end-of-generation tokens
 
@@ -123,9 +122,8 @@ class EngineInfo:
 class WorkerState:
     """Worker-level state change (not tied to a request): drives /health and /props."""
 
-    state: Literal[
-        "loading", "ready", "sleeping", "waking", "failed"
-    ]  # waking: reloading after sleep
+    # waking: reloading after sleep
+    state: Literal["loading", "ready", "sleeping", "waking", "failed"]
     progress: float = 0.0  # model load progress 0..1 while loading
     info: EngineInfo | None = None  # set once loaded
     message: str = ""

@@ -37,11 +37,13 @@ class BackendSettings(LayeredSettings):
     port: int = Field(8012, ge=0, le=65535, description="Port to bind; 0 picks a free port")
     port_file: Path | None = Field(
         None,
-        description="Write the bound port to this file once listening (cleared at start, removed at exit)",
+        description="Write the bound port to this file once listening "
+        "(cleared at start, removed at exit)",
     )
     loop: LoopChoice = Field(
         "auto",
-        description="Event loop: uvloop (the 'speedups' extra), asyncio, or auto = uvloop when installed",
+        description="Event loop: uvloop (the 'speedups' extra), asyncio, "
+        "or auto = uvloop when installed",
     )
 
     # model and engine
@@ -60,9 +62,10 @@ class BackendSettings(LayeredSettings):
     n_batch: int = Field(
         16,
         ge=8,
-        description="llama-cpp: prompt tokens per step, i.e. how soon a cancel lands during a long prompt "
-        "(on a 2-core CPU long-prompt prefill runs as fast at 16 as at 512, but each extra chunk of a "
-        "short prompt costs about one decode step of first-token time; raise it on fast hardware)",
+        description="llama-cpp: prompt tokens per step, i.e. how soon a cancel lands during a "
+        "long prompt (on a 2-core CPU long-prompt prefill runs as fast at 16 as at 512, but "
+        "each extra chunk of a short prompt costs about one decode step of first-token time; "
+        "raise it on fast hardware)",
     )
     n_threads: int | None = Field(
         None, ge=1, description="CPU threads per worker (default: cores / workers)"
@@ -78,12 +81,13 @@ class BackendSettings(LayeredSettings):
     )
     sigint: bool = Field(
         True,
-        description="Stop on SIGINT (Ctrl-C) too; llmproxy serve turns it off for its embedded backend, whose Ctrl-C it handles",
+        description="Stop on SIGINT (Ctrl-C) too; llmproxy serve turns it off for its embedded "
+        "backend, whose Ctrl-C it handles",
     )
     exit_with_parent: bool = Field(
         False,
-        description="Stop as on SIGTERM when the process that started this one exits, even killed (Linux): "
-        "for a wrapper that runs it and may die without stopping it",
+        description="Stop as on SIGTERM when the process that started this one exits, even "
+        "killed (Linux): for a wrapper that runs it and may die without stopping it",
     )
     restart_backoff_min_s: float = Field(
         0.5, ge=0, description="First delay before restarting a dead worker"
@@ -98,7 +102,7 @@ class BackendSettings(LayeredSettings):
         None, description="JSON log lines (default: when stderr is not a TTY)"
     )
 
-    # torch engine (backend/engines/torch_*.py)
+    # torch engine (backend/engines/torch/)
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="torch: device (auto = cuda if available)"
     )
@@ -132,7 +136,8 @@ class BackendSettings(LayeredSettings):
     # --- derived -------------------------------------------------------------------
 
     def slot_layout(self) -> list[int]:
-        """Slots per worker process: llama-cpp = ``parallel`` x 1, torch = 1 x ``max_batch_size``."""
+        """Slots per worker process: llama-cpp = ``parallel`` x 1, torch = 1 x
+        ``max_batch_size``."""
         if self.engine == "torch":
             return [self.max_batch_size]
         return [1] * self.parallel

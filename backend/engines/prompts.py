@@ -21,7 +21,8 @@ from llmproxy.backend.protocol import Failed, Prompt
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
-    " + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    " + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 
@@ -45,7 +46,10 @@ def given_tokens(tokens: tuple[int, ...], n_vocab: int) -> list[int]:
 
 
 def too_long(n: int, n_ctx: int) -> str:
-    return f"the request exceeds the available context size: the prompt has {n} tokens, the context is {n_ctx}"
+    return (
+        "the request exceeds the available context size: "
+        f"the prompt has {n} tokens, the context is {n_ctx}"
+    )
 
 
 def chat_messages(prompt: Prompt) -> list[dict[str, str]]:

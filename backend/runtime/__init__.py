@@ -1,1 +1,2 @@
-"""Worker processes and the bridge to them: dispatcher (event loop side), supervisor, worker loop."""
+"""Worker processes and the bridge to them: dispatcher (event loop side), slot table,
+supervisor, worker loop."""

@@ -102,9 +102,7 @@ class Dispatcher:
                             continue
                         break
                     batch = conn.recv()
-                except (
-                    Exception
-                ):  # EOFError: the worker is gone; OSError/unpickling: a torn message
+                except Exception:  # EOFError: the worker is gone; OSError, unpickling: torn
                     break
                 loop.call_soon_threadsafe(self._on_events, w, generation, batch)
             proc.join(1.0)

@@ -72,7 +72,7 @@ class LlamaCppEngine(Engine):
         self.pending: deque[LlamaSeq] = deque()
         self.prompts: LlamaPrompts | None = None  # set by load
 
-    # --- Engine protocol -------------------------------------------------------------
+    # --- Engine interface -------------------------------------------------------------
 
     def load(self, progress: Callable[[float], None]) -> EngineInfo:
         import llama_cpp

@@ -1,7 +1,7 @@
 """Torch engine: the running batch, its KV slots and the model forward passes.
 
 Every sequence that is prefilling or decoding owns one slot of the pre-allocated KV
-store (``torch_kv.SlotCache``), tokens left-aligned. The *decode rows* are always slots
+store (``kv.SlotCache``), tokens left-aligned. The *decode rows* are always slots
 ``0 .. B-1`` (row i in slot i), so a decode step's attention reads a view of the store;
 a prefilling sequence takes the highest free slot. Position ids are each row's real
 positions and the 4-D attention mask hides every column past a row's own position, so a
@@ -42,9 +42,8 @@ class Buffers:
     def __init__(self, max_batch: int, n_ctx: int, device: torch.device) -> None:
         pin = device.type == "cuda"
         self.device = device
-        self.host = torch.zeros(
-            (2, max_batch), dtype=torch.long, pin_memory=pin
-        )  # tokens, positions
+        # row 0: tokens, row 1: positions
+        self.host = torch.zeros((2, max_batch), dtype=torch.long, pin_memory=pin)
         self.dev = torch.zeros((2, max_batch), dtype=torch.long, device=device)
         self.mask = torch.zeros(max_batch * (n_ctx + 1), dtype=torch.bool, device=device)
         self.arange = torch.arange(n_ctx + 1, dtype=torch.long, device=device)
@@ -66,9 +65,7 @@ class Batch:
 
     def __init__(self, model: Any, device: torch.device, max_batch: int, n_ctx: int) -> None:
         self.model = model
-        self.cache_keyword = cache_keyword(
-            model
-        )  # past_key_values | cache (by transformers release)
+        self.cache_keyword = cache_keyword(model)  # past_key_values | cache (by release)
         self.device = device
         self.buffers = Buffers(max_batch, n_ctx, device)
         dtype = next(model.parameters()).dtype
@@ -98,7 +95,8 @@ class Batch:
 
     @torch.inference_mode()
     def prefill(self, parts: list[tuple[TorchSeq, list[int]]]) -> torch.Tensor:
-        """Feed each ``(seq, ids)`` chunk after its ``fill`` columns, all in one forward; (n, vocab) last logits."""
+        """Feed each ``(seq, ids)`` chunk after its ``fill`` columns, all in one forward;
+        returns the (n, vocab) logits of each chunk's last token."""
         n, t = len(parts), max(len(ids) for _, ids in parts)
         ids_rows, cols, slots = [], [], []
         for seq, ids in parts:
@@ -116,9 +114,13 @@ class Batch:
         slot_t = torch.as_tensor(slots, dtype=torch.long, device=dev)
         self.kv.plan(slot_t, pos, width, contiguous=slots == list(range(n)))
         out = self.model(
-            input_ids=x, position_ids=pos, attention_mask=mask, use_cache=True, **{self.cache_keyword: self.kv},
+            input_ids=x,
+            position_ids=pos,
+            attention_mask=mask,
+            use_cache=True,
+            **{self.cache_keyword: self.kv},
             logits_to_keep=1,
-        )  # fmt: skip
+        )
         return out.logits[:, -1].float().cpu()
 
     def join(self, seq: TorchSeq) -> None:
@@ -158,9 +160,13 @@ class Batch:
         ids, pos, mask = self.buffers.inputs(tokens, self.lens, width)
         self.kv.plan(self.slots[:b], pos, width, contiguous=True)
         out = self.model(
-            input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **{self.cache_keyword: self.kv},
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=mask,
+            use_cache=True,
+            **{self.cache_keyword: self.kv},
             logits_to_keep=1,
-        )  # fmt: skip
+        )
         self.lens = [n + 1 for n in self.lens]
         self.fill[:b] = self.lens
         return out.logits[:, -1].float().cpu()

@@ -10,7 +10,7 @@ Request life: ``admit`` tokenizes and validates (too long -> ``Failed(400)``) an
 the request (*waiting*). The scheduler moves it to *prefilling* (its own KV slot, one
 chunk per step, interleaved with the batch's decode steps: stall-free) and, once its
 prompt is in, samples its first token and joins it to the running *batch*
-(``torch_batch.Batch``). A finished or cancelled sequence leaves the batch at once.
+(``batch.Batch``). A finished or cancelled sequence leaves the batch at once.
 
 Batching (``settings.batching``):
 * ``continuous`` (default): a waiting request starts prefilling at the next step, as
@@ -82,7 +82,7 @@ class TorchEngine(Engine):
         self.load_count = 0
         self.last_load: dict[str, Any] = {}
 
-    # --- Engine protocol ---------------------------------------------------------------
+    # --- Engine interface ---------------------------------------------------------------
 
     def load(self, progress: Callable[[float], None]) -> EngineInfo:
         import torch

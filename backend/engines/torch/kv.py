@@ -5,7 +5,7 @@ of every slot; slot ``s`` keeps its tokens *left-aligned* in columns ``0 .. len-
 forward pass writes its new keys/values in place (one ``index_put_`` per layer, at
 per-row columns) instead of concatenating the whole cache every step the way
 ``DynamicCache`` does; the columns grow by doubling (one copy per doubling), so a decode
-step's cost no longer scales with the batch's KV size. Columns that no row owns hold
+step's cost does not scale with the batch's KV size. Columns that no row owns hold
 zeros or keys/values that the attention mask hides (never NaN: the store starts zeroed).
 
 ``SlotCache`` is the ``transformers`` ``Cache`` the model sees for one forward: ``plan``
@@ -13,7 +13,7 @@ says which slots the input rows are, which column each input token is written to
 how many columns attention reads. Decode rows are slots ``0 .. B-1`` (attention reads a
 view, no copy); a prefill may name any slots (attention reads a gathered copy).
 
-Single-threaded: owned by ``torch_batch.Batch``, used from the worker loop's thread.
+Single-threaded: owned by ``batch.Batch``, used from the worker loop's thread.
 """
 
 from __future__ import annotations
@@ -89,9 +89,8 @@ class SlotCache(Cache):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         n_layers = cfg.num_hidden_layers
         super().__init__(layers=[SlotLayer(self, i) for i in range(n_layers)])
-        with (
-            torch.inference_mode()
-        ):  # an inference tensor: every in-place write runs in inference mode
+        # an inference tensor: every in-place write runs in inference mode
+        with torch.inference_mode():
             self.store = torch.zeros(
                 (n_layers, 2, slots, heads, cap, head_dim), dtype=dtype, device=device
             )

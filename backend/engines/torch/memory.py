@@ -4,7 +4,7 @@ On CUDA, after the weights are loaded: run the largest forward passes the schedu
 ever issue (one prompt chunk of ``prefill_chunk`` tokens, one decode step of
 ``max_batch_size`` rows over a full-context cache) and record the activation peak; what
 is left of the free memory (minus a safety margin) is the KV budget, expressed in
-tokens (columns x slots of the store in torch_kv.py). The store grows by doubling, and
+tokens (columns x slots of the store in kv.py). The store grows by doubling, and
 while it copies the old and the new store coexist (1.5x the new size); the budget counts
 that. On CPU there is no budget (``None``): the batch size alone bounds memory.
 """

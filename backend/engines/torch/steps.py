@@ -14,11 +14,9 @@ worker loop between inbound drains; bounded work per call):
 3. one decode step for every row of the batch (greedy rows sampled with one argmax);
    rows that finish leave at once.
 
-Token handling (``accept``) follows the llama-cpp engine (``stops``): EOS (unless ``ignore_eos``),
-stop words with held-back partial matches, ``n_indent`` (text after a newline held until
-its indentation is decided; an under-indented line is cut and ends the generation),
-``n_predict``/context limit, and ``t_max_predict_ms`` (past it, stop on the next token
-that has a newline).
+Each sampled token goes through ``Seq.accept`` (``engines/sequence.py``, shared with the
+llama-cpp engine): EOS (unless ``ignore_eos``), stop words and ``n_indent``, the
+``n_predict``/context limit, and ``t_max_predict_ms``.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ def _reserve(seq: TorchSeq) -> int:
 
 
 def _kv_fits(engine: TorchEngine, seq: TorchSeq) -> bool:
-    """The KV store (torch_kv.py) always has ``max_batch`` slots of equal width: admitting
+    """The KV store (kv.py) always has ``max_batch`` slots of equal width: admitting
     ``seq`` may widen it to its longest reservation, by doubling; that must fit the budget."""
     if engine.kv_budget is None:
         return True
