@@ -1,9 +1,9 @@
 """Shared fixtures: real backend servers (subprocesses, real model) per engine.
 
 ``engine`` is parametrized over ["llama-cpp", "torch"]; torch is skipped while torch or
-``llmproxy.backend.engines.torch.engine`` cannot be imported, so the torch engine joins
-this suite automatically once it lands. Servers are started as
-``python -m llmproxy.backend --port 0 --port-file F`` and are session/module scoped.
+``llmproxy.backend.engines.torch.engine`` cannot be imported. Servers are started as
+``python -m llmproxy.backend --port 0 --port-file F`` and are session/module scoped;
+``start_backend`` stops every server it started at the end of the session.
 """
 
 from __future__ import annotations

@@ -67,8 +67,9 @@ elif how == "bench":  # as llmproxy bench engine starts its server
     pid = Server(argparse.Namespace(model=None, n_ctx=2048, n_batch=16), 1).proc.pid
 else:  # a wrapper that sets nothing up for its child: the backend's own flag
     port_file = Path(tmp) / "port"
-    proc = subprocess.Popen([sys.executable, "-m", "llmproxy.backend", "--port", "0", "--port-file", str(port_file),
-                             "--exit-with-parent", "--n-threads", "1", "--log-level", "warning"], cwd=tmp)
+    proc = subprocess.Popen([sys.executable, "-m", "llmproxy.backend", "--port", "0",
+                             "--port-file", str(port_file), "--exit-with-parent",
+                             "--n-threads", "1", "--log-level", "warning"], cwd=tmp)
     while not port_file.exists():
         if proc.poll() is not None:
             sys.exit(f"the backend exited: {proc.returncode}")

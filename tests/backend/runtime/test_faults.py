@@ -27,7 +27,8 @@ def log_events(backend: Any, event: str) -> list[dict[str, Any]]:
 async def test_worker_sigsegv_fails_stream_and_recovers(engine: str, start_backend: Any) -> None:
     if engine != "llama-cpp":
         pytest.skip(
-            "the supervisor's path is engine-independent (SIGKILL is covered for both); torch reloads are slow"
+            "the supervisor's path is engine-independent (SIGKILL is covered for both); "
+            "torch reloads are slow"
         )
     b = start_backend(engine, *parallel_flags(engine, 1))
     old_pid = b.worker_pids()[0]

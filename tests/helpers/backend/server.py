@@ -66,24 +66,13 @@ class Backend:
         self.engine = engine
         defaults = {
             "--log-level": "warning",
-            "--n-threads": os.environ.get(
-                "LLMPROXY_TEST_THREADS", "1"
-            ),  # shared CI boxes: 1 thread is steadier
+            # shared CI boxes: 1 thread is steadier
+            "--n-threads": os.environ.get("LLMPROXY_TEST_THREADS", "1"),
             "--n-predict-max": "512",
             "--restart-backoff-min-s": "0.2",
         }
-        cmd = [
-            sys.executable,
-            "-m",
-            "llmproxy.backend",
-            "--port",
-            "0",
-            "--port-file",
-            str(self.port_file),
-            "--engine",
-            engine,
-            "--log-json",
-        ]
+        cmd = [sys.executable, "-m", "llmproxy.backend", "--port", "0",
+               "--port-file", str(self.port_file), "--engine", engine, "--log-json"]  # fmt: skip
         cmd += [
             part for flag, value in defaults.items() if flag not in args for part in (flag, value)
         ]

@@ -80,7 +80,7 @@ def _fields(p: SamplingParams) -> dict[str, Any]:
 
 def test_min_p_above_one_keeps_the_likeliest_token() -> None:
     """min_p > 1 filters out every token but the likeliest, as llama.cpp (min_keep 1): no
-    empty distribution (which raised in the worker and took every client's generation down)."""
+    empty distribution (which would raise in the worker, failing every request it runs)."""
     import torch
 
     from llmproxy.backend.engines.torch.sampling import Sampler
