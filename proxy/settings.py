@@ -125,7 +125,7 @@ class ProxySettings(LayeredSettings):
         30.0, ge=0, description="How long a finished generation may still answer a keystroke"
     )
     reuse_grace_s: float = Field(
-        0.25,
+        0.1,
         ge=0,
         description="How long a generation whose client left runs on, waiting for the next "
         "keystroke to continue it, before on_disconnect applies",

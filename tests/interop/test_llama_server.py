@@ -166,7 +166,9 @@ async def test_a_dropped_non_streaming_client_stops_its_generation_within_a_few_
         async with run_proxy(srv.url, upstream_stream="off") as px:
             _, _, off_s = await decoded_when_idle_after_disconnect(srv.url, px.url)
             assert srv.stopped_tasks() == 0  # llama-server never noticed: it ran to the end
-        async with run_proxy(srv.url) as px:
+        # reuse_grace_s=0: with type-through a generation whose client left runs that long
+        # for the next keystroke to continue it; this measures the stop that follows
+        async with run_proxy(srv.url, reuse_grace_s=0) as px:
             at_drop, _, streamed_s = await decoded_when_idle_after_disconnect(srv.url, px.url)
             assert srv.stopped_tasks() == 1
             await wait_until(lambda: px.state.gate.free == parallel, 10, what="all permits free")
