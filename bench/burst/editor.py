@@ -6,6 +6,11 @@
 previous one's task (which closes its connection); with ``serial`` the next request, for
 the text as it is then, goes out only when the previous one has finished. The burst's
 latency is from its last keystroke to the end of the final completion.
+
+``run_follow`` (``--typist follow``) is a user who reads the suggestion and types it: it
+asks for a completion, then types the text that came back, one character per keystroke,
+each keystroke a request (abandoning the previous as ``run_burst`` does). Each burst
+starts from a different text, so no burst can be answered from another's generation.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 
 import aiohttp
 
-from llmproxy.bench.burst.profiles import Profile, delivered_tokens, typed_text
+from llmproxy.bench.burst.profiles import Profile, delivered_text, delivered_tokens, typed_text
 from llmproxy.bench.burst.report import Burst, Req, TargetResult
 from llmproxy.bench.burst.settings import BurstSettings
 
@@ -35,18 +40,18 @@ class Client:
         self.http = aiohttp.ClientSession(timeout=timeout)
         self.extra = json.loads(settings.extra_body) if settings.extra_body else None
 
-    async def send(self, req: Req, keystroke: int) -> None:
-        """POST the completion for ``keystroke``; cancelling this closes the connection."""
-        body = self.profile.encode(
-            typed_text(keystroke), self.settings.n_predict, self.settings.model, self.extra
-        )
+    async def send(self, req: Req, keystroke: int, typed: str | None = None) -> bytes:
+        """POST the completion for ``keystroke`` (or for the text ``typed``); returns the
+        body read (empty unless 200). Cancelling this closes the connection."""
+        text = typed_text(keystroke) if typed is None else typed
+        body = self.profile.encode(text, self.settings.n_predict, self.settings.model, self.extra)
+        data = bytearray()
         req.t_sent = time.perf_counter()
         try:
             async with self.http.post(
                 self.url + self.profile.route, data=body, headers=self.headers
             ) as resp:
                 try:
-                    data = bytearray()
                     async for chunk in resp.content.iter_any():  # streams read as they arrive
                         data += chunk
                 except asyncio.CancelledError:
@@ -61,6 +66,7 @@ class Client:
             raise
         except (aiohttp.ClientError, TimeoutError):
             req.t_done, req.outcome = time.perf_counter(), "error"
+        return bytes(data) if req.outcome == "ok" else b""
 
 
 def send_times(settings: BurstSettings, start: float) -> list[tuple[int, float]]:
@@ -104,3 +110,31 @@ async def run_burst(client: Client, result: TargetResult, burst: int) -> None:
             await client.send(final, sent)
     if final is not None and final.outcome == "ok" and final.t_done is not None:
         out.latency_s = final.t_done - out.t_last_key
+
+
+async def run_follow(client: Client, result: TargetResult, burst: int) -> None:
+    """One suggestion, then the user types it; see the module docstring."""
+    settings = client.settings
+    base = typed_text(burst)  # a text of its own per burst
+    first = Req(client.editor, burst, 0, 0.0)
+    result.reqs.append(first)
+    suggestion = delivered_text(await client.send(first, 0, base))
+    keys = min(settings.keystrokes, len(suggestion))
+    start = time.perf_counter()
+    out = Burst(client.editor, burst, start + max(0, keys - 1) * settings.interval_ms / 1000)
+    result.bursts.append(out)
+    final: Req | None = None
+    async with asyncio.TaskGroup() as tg:
+        previous: asyncio.Task[bytes] | None = None
+        for k in range(1, keys + 1):
+            await _sleep_until(start + (k - 1) * settings.interval_ms / 1000)
+            if previous is not None:
+                if client.profile.abandon == "abort":
+                    previous.cancel()
+                else:
+                    await asyncio.wait([previous])
+            final = Req(client.editor, burst, k, 0.0)
+            result.reqs.append(final)
+            previous = tg.create_task(client.send(final, k, base + suggestion[:k]))
+    if final is not None and final.outcome == "ok" and final.t_done is not None:
+        out.latency_s = final.t_done - max(out.t_last_key, final.t_sent)

@@ -161,24 +161,43 @@ def _count(obj: Any) -> tuple[int | None, int]:
     return None, 1 if piece else 0
 
 
+def _objects(body: bytes) -> list[Any]:
+    """The JSON objects of a response: the body, or its SSE / NDJSON lines."""
+    try:
+        return [json.loads(body)]
+    except ValueError:
+        pass
+    objs = []
+    for line in body.splitlines():
+        line = line.strip()
+        if line.startswith(b"data:"):
+            line = line[5:].strip()
+        if not line or line == b"[DONE]":
+            continue
+        try:
+            objs.append(json.loads(line))
+        except ValueError:
+            continue
+    return objs
+
+
+def delivered_text(body: bytes) -> str:
+    """The completion text a finished response delivered, whatever its format."""
+    text = []
+    for obj in _objects(body):
+        if not isinstance(obj, dict):
+            continue
+        choices = obj.get("choices") or [{}]
+        choice = choices[0] if isinstance(choices[0], dict) else {}
+        piece = obj.get("content", obj.get("response", choice.get("text", "")))
+        text.append(piece if isinstance(piece, str) else "")
+    return "".join(text)
+
+
 def delivered_tokens(body: bytes) -> int:
     """Tokens a finished response delivered: its own count if it reports one, else its pieces."""
-    try:
-        objs = [json.loads(body)]
-    except ValueError:
-        objs = []
-        for line in body.splitlines():
-            line = line.strip()
-            if line.startswith(b"data:"):
-                line = line[5:].strip()
-            if not line or line == b"[DONE]":
-                continue
-            try:
-                objs.append(json.loads(line))
-            except ValueError:
-                continue
     explicit, pieces = None, 0
-    for obj in objs:
+    for obj in _objects(body):
         n, p = _count(obj)
         explicit = n if n is not None else explicit
         pieces += p

@@ -41,6 +41,16 @@ class TargetResult:
         lat = sorted(b.latency_s for b in self.bursts if b.latency_s is not None)
         return lat[max(1, math.ceil(q / 100 * len(lat))) - 1] * 1000 if lat else math.nan
 
+    def keystroke_ms(self, q: float) -> float:
+        """Percentile of the keystrokes' own completion times (request sent to answer read);
+        ``--typist follow`` only counts the typed keystrokes, not the suggestion."""
+        lat = sorted(
+            r.t_done - r.t_sent
+            for r in self.reqs
+            if r.outcome == "ok" and r.t_done is not None and r.keystroke > 0
+        )
+        return lat[max(1, math.ceil(q / 100 * len(lat))) - 1] * 1000 if lat else math.nan
+
     def summary(self) -> dict[str, Any]:
         delivered = sum(r.tokens for r in self.reqs if r.outcome == "ok")
         slots = self.slots or {}
@@ -59,7 +69,14 @@ class TargetResult:
             "ratio_p50": self.pct_ms(50) / (self.baseline_s * 1000)
             if self.baseline_s
             else math.nan,
+            "keystroke_p50_ms": self.keystroke_ms(50),
+            "keystroke_p95_ms": self.keystroke_ms(95),
             "generations": slots.get("generations"),
+            "generations_per_burst": (
+                slots["generations"] / len(self.bursts)
+                if slots.get("generations") is not None and self.bursts
+                else None
+            ),
             "max_running": slots.get("max_running"),
             "tokens_decoded": generated,
             "tokens_delivered": delivered,
@@ -67,7 +84,28 @@ class TargetResult:
         }
 
 
-def format_table(results: list[TargetResult]) -> str:
+def follow_goals(sums: list[dict[str, Any]]) -> list[str]:
+    """``--typist follow``: the first target has type-through on, the second off."""
+    on, off = sums[0], sums[1]
+    per_burst, p50 = on["generations_per_burst"], on["keystroke_p50_ms"]
+    ratio = (
+        on["tokens_decoded"] / off["tokens_decoded"]
+        if on["tokens_decoded"] is not None and off["tokens_decoded"]
+        else None
+    )
+    checks = [
+        ("generations per burst <= 1.2", per_burst, per_burst is not None and per_burst <= 1.2),
+        ("keystroke p50 <= 20 ms", p50, not math.isnan(p50) and p50 <= 20),
+        ("tokens decoded <= 1/5 of the second target's", ratio, ratio is not None and ratio <= 0.2),
+    ]
+    lines = []
+    for name, value, ok in checks:
+        shown = "n/a" if value is None else format(value, ".2f")
+        lines.append(f"goal: {name:<46} {shown:>8}  {'PASS' if ok else 'FAIL'}")
+    return lines
+
+
+def format_table(results: list[TargetResult], follow: bool = False) -> str:
     """Side-by-side table, one column per target."""
     sums = [r.summary() for r in results]
 
@@ -87,7 +125,10 @@ def format_table(results: list[TargetResult]) -> str:
         ("last completion p95 ms", lambda s: num(s["last_p95_ms"], ".0f")),
         ("p50 / uncontended", lambda s: num(s["ratio_p50"], ".2f") + "x"),
         ("failed bursts", lambda s: str(s["failed_bursts"])),
+        ("keystroke p50 ms", lambda s: num(s["keystroke_p50_ms"], ".1f")),
+        ("keystroke p95 ms", lambda s: num(s["keystroke_p95_ms"], ".1f")),
         ("backend generations", lambda s: num(s["generations"], "d")),
+        ("  per burst", lambda s: num(s["generations_per_burst"], ".2f")),
         ("backend max at once", lambda s: num(s["max_running"], "d")),
         ("tokens decoded (>=)", lambda s: num(s["tokens_decoded"], "d")),
         ("tokens delivered", lambda s: num(s["tokens_delivered"], "d")),
@@ -98,6 +139,9 @@ def format_table(results: list[TargetResult]) -> str:
     lines.append("")
     lines.append(
         "last completion = from the burst's last keystroke to the end of the final completion; "
+        "keystroke = a typed keystroke's request to its answer; "
         "backend counts from GET /slots polling (n/a: not available)"
     )
+    if follow and len(sums) >= 2:
+        lines.extend(follow_goals(sums))
     return "\n".join(lines) + "\n"

@@ -9,8 +9,9 @@ of the same prompt (measured first, on an idle target). A background poller read
 ``GET /slots`` (llama-server, the embedded backend, also through the proxy) to count the
 generations the backend really ran, how many ran at once and how many tokens it decoded,
 and which of those tokens went to a generation whose response nobody read (see slots.py).
-``--compare URL2`` runs the same script against a second target and prints both side by
-side; ``--plot FILE.png`` draws latency over time (needs matplotlib, the ``plot`` extra).
+``--compare URL2,URL3`` runs the same script against more targets and prints them side by
+side; ``--typist follow`` types the suggestion that came back instead (type-through);
+``--plot FILE.png`` draws latency over time (needs matplotlib, the ``plot`` extra).
 
 Concurrency contract: one target at a time. Editors run in one TaskGroup; an editor's
 requests are tasks in its own TaskGroup, and "abandoning" a request cancels its task,
@@ -32,7 +33,7 @@ from dataclasses import asdict
 
 import aiohttp
 
-from llmproxy.bench.burst.editor import Client, run_burst
+from llmproxy.bench.burst.editor import Client, run_burst, run_follow
 from llmproxy.bench.burst.profiles import PROFILES, Profile
 from llmproxy.bench.burst.report import Req, TargetResult, format_table
 from llmproxy.bench.burst.settings import BurstSettings
@@ -115,9 +116,10 @@ async def run_target(url: str, settings: BurstSettings) -> TargetResult:
                 result = TargetResult(url, profile.name, baseline, time.perf_counter())
                 for b in range(settings.bursts):
                     await _settle(poller, settings)
+                    typist = run_follow if settings.typist == "follow" else run_burst
                     async with asyncio.TaskGroup() as editors:
                         for c in clients:
-                            editors.create_task(run_burst(c, result, b))
+                            editors.create_task(typist(c, result, b))
                 await _settle(poller, settings)
                 stop.set()
         finally:
@@ -129,17 +131,14 @@ async def run_target(url: str, settings: BurstSettings) -> TargetResult:
 
 
 async def _main(url: str, settings: BurstSettings) -> list[TargetResult]:
-    results = [await run_target(url, settings)]
-    if settings.compare:
-        results.append(await run_target(settings.compare, settings))
-    return results
+    return [await run_target(target, settings) for target in (url, *settings.compare)]
 
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(BurstSettings, args)
     configure_logging(settings.log_level)
     results = asyncio.run(_main(args.url, settings))
-    sys.stdout.write(format_table(results))
+    sys.stdout.write(format_table(results, follow=settings.typist == "follow"))
     if settings.json_out is not None:
         data = [{**r.summary(), "bursts": [asdict(b) for b in r.bursts]} for r in results]
         settings.json_out.write_text(json.dumps(data, indent=1))

@@ -65,8 +65,14 @@ class BurstSettings(LayeredSettings):
         description="JSON object whose fields are set in every request body, "
         'e.g. \'{"stream": false, "ignore_eos": true}\'',
     )
-    compare: str | None = Field(
-        default=None, description="Second target URL: run the same script against it too"
+    compare: list[str] = Field(
+        default=[],
+        description="More target URLs (comma-separated): run the same script against each",
+    )
+    typist: Literal["burst", "follow"] = Field(
+        default="burst",
+        description="burst: type TYPED keystrokes; follow: ask for a suggestion, then type it "
+        "(type-through: compare a proxy with it on, one with it off, and the backend)",
     )
     plot: Path | None = Field(
         default=None, description="Write a latency-over-time PNG here (needs matplotlib)"

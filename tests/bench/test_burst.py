@@ -20,6 +20,8 @@ from llmproxy.bench.burst.settings import BurstSettings
 from llmproxy.bench.burst.slots import SlotsPoller
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.common.children import child_preexec
+from llmproxy.proxy.state import METRICS
+from tests.helpers.proxy import run_proxy
 from tests.helpers.serve import serve
 
 KEYS = 5
@@ -164,3 +166,26 @@ def test_tokens_for_nobody_skips_the_tasks_that_served_a_client() -> None:
     # responses read to the end at 2.1 (task 2) and 4.2 (task 4): tasks 1 and 3 were for nobody
     assert poller.unmatched_tokens([2.1, 4.2]) == 5
     assert poller.unmatched_tokens([]) == 25
+
+
+@pytest.mark.parametrize("type_through", ["on", "off"])
+async def test_a_follow_typist_runs_one_generation_per_burst_with_type_through(
+    type_through: str,
+) -> None:
+    """``--typist follow`` asks for a suggestion, then types it a character per keystroke:
+    through a proxy with type-through the backend runs the suggestion's generation only."""
+    async with (
+        FakeUpstream(slots=1, script=SCRIPT) as fake,
+        run_proxy(fake.url, type_through=type_through) as px,
+    ):
+        settings = _settings(profile="llama-vim", typist="follow", bursts=2)
+        s = (await run_target(px.url, settings)).summary()
+        bursts = 2
+        typed = bursts * KEYS  # the suggestions are longer than KEYS characters
+        assert (s["requests"], s["completed"], s["errors"]) == (bursts + typed, bursts + typed, 0)
+        after_baseline = [g for g in fake.generations if g.path == "/infill"][4:]
+        assert len(after_baseline) == (bursts if type_through == "on" else bursts + typed)
+        assert s["generations"] == len(after_baseline)
+        px.flush_log()  # metrics are observed as the request log is written
+        reused = px.app[METRICS].requests.labels(outcome="reused", route="/infill")._value.get()
+        assert reused == (typed if type_through == "on" else 0)
