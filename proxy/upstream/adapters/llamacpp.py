@@ -35,6 +35,7 @@ from llmproxy.proxy.gating.routes import (
     RERANK_ROUTES,
     SLOT_ROUTES,
 )
+from llmproxy.proxy.reuse.match import eligible
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import get_json, log
 from llmproxy.proxy.upstream.adapters.body import set_top_level
@@ -87,6 +88,7 @@ class LlamaCppAdapter(SlotPollingAdapter):
         self.slots_pending = False  # /slots failed in a way that may pass (timeout, refused, 5xx)
         self.streams = settings.upstream_stream != "off"  # until /props says which server it is
         self.own: bool | None = None  # llmproxy's own backend? (None: /props not read yet)
+        self.streams_for_reuse = False
         self.client.reuse_after_stream = False
 
     def learn_props(self, props: Any) -> None:
@@ -97,15 +99,19 @@ class LlamaCppAdapter(SlotPollingAdapter):
         self.slots = total_slots(props)
         self.own = own = isinstance(props, dict) and props.get("build_info") == OWN_BACKEND
         self.client.reuse_after_stream = own  # llama-server closes a connection after a stream
+        auto = self.settings.upstream_stream == "auto"
         self.streams = self.settings.upstream_stream == "on" or (
-            self.settings.upstream_stream == "auto"
-            and (not own or self.settings.type_through == "on")
+            auto and (not own or self.settings.type_through == "on")
         )
+        # own backend, auto: streamed only where type-through may continue the request
+        self.streams_for_reuse = auto and own
 
     def assembles(self, path: str, parsed: Any) -> bool:
         """A non-streaming completion is sent as a stream (assemble.py): llama-server notices
         a dropped streaming client at its next token, a non-streaming one only when another
         completion request arrives."""
+        if self.streams_for_reuse and not eligible(path, parsed):
+            return False
         return self.streams and assembles(path, parsed)
 
     def answers_at_start(self, path: str, parsed: Any) -> bool:
