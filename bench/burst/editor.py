@@ -90,7 +90,7 @@ async def run_burst(client: Client, result: TargetResult, burst: int) -> None:
     final: Req | None = None
     if client.profile.abandon == "abort":
         async with asyncio.TaskGroup() as tg:
-            previous: asyncio.Task[None] | None = None
+            previous: asyncio.Task[bytes] | None = None
             for k, when in send_times(settings, start):
                 await _sleep_until(when)
                 if previous is not None:
