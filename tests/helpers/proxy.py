@@ -51,3 +51,8 @@ async def run_proxy(upstream: str, **overrides: Any) -> AsyncIterator[RunningPro
         yield RunningProxy(f"http://127.0.0.1:{port}", app)
     finally:
         await runner.cleanup()
+
+
+def request_events(logs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The canonical request lines of captured logs, by request id."""
+    return {e["request_id"]: e for e in logs if e.get("event") == "request"}

@@ -12,11 +12,7 @@ import structlog
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.proxy.gating.gate import Gate
 from tests.helpers.net import wait_until
-from tests.helpers.proxy import run_proxy
-
-
-def request_events(logs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {e["request_id"]: e for e in logs if e.get("event") == "request"}
+from tests.helpers.proxy import request_events, run_proxy
 
 
 async def test_n_cmpl_holds_one_permit_per_slot_it_runs_on(http: aiohttp.ClientSession) -> None:

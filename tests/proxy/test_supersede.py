@@ -18,7 +18,7 @@ from llmproxy.proxy.telemetry.record import RequestRecord
 from llmproxy.proxy.upstream.job import UpstreamJob, UpstreamRequest
 from llmproxy.proxy.upstream.responder import Responder
 from tests.helpers.net import dechunk, serve_app, wait_until
-from tests.helpers.proxy import run_proxy
+from tests.helpers.proxy import request_events, run_proxy
 
 
 def infill(seq: int, **extra: Any) -> dict[str, Any]:
@@ -33,10 +33,6 @@ def infill(seq: int, **extra: Any) -> dict[str, Any]:
         "seq": seq,
         **extra,
     }
-
-
-def request_events(logs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {e["request_id"]: e for e in logs if e.get("event") == "request"}
 
 
 async def test_runs_on_the_loop_its_id_names(request: pytest.FixtureRequest) -> None:

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from llmproxy.proxy.upstream.client import UpstreamClient
-from tests.proxy.upstream.servers import client, fetch, recorder, scripted_server
+from tests.helpers.upstreams import client, fetch, recorder, scripted_server
 
 
 async def test_leaving_early_closes_the_connection_and_the_upstream_sees_the_abort() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from llmproxy.proxy.errors import UpstreamFailed, UpstreamUnreachable, map_client_errors
 from tests.helpers.net import closed_port
-from tests.proxy.upstream.servers import client, fetch, read_request, scripted_server
+from tests.helpers.upstreams import client, fetch, read_request, scripted_server
 
 
 async def test_a_reused_connection_closed_under_a_request_is_retried_only_when_idempotent() -> None:

@@ -12,7 +12,7 @@ from yarl import URL
 
 from tests.helpers.net import wait_until
 from tests.helpers.proxy import run_proxy
-from tests.proxy.upstream.servers import client, fetch, read_request, recorder, scripted_server
+from tests.helpers.upstreams import client, fetch, read_request, recorder, scripted_server
 
 
 async def test_keep_alive_reuses_one_connection_and_sends_the_request_as_given() -> None:

@@ -14,9 +14,9 @@ import structlog
 
 from llmproxy.bench.fake.upstream import Script
 from llmproxy.proxy.upstream import watch
+from tests.helpers.llama_fakes import LoadingFake, SlotsLaterFake
 from tests.helpers.net import wait_until
 from tests.helpers.proxy import run_proxy
-from tests.proxy.upstream.fakes import LoadingFake, SlotsLaterFake
 
 
 async def test_detection_waits_while_llama_server_loads(http: aiohttp.ClientSession) -> None:

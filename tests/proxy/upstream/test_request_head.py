@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from yarl import URL
 
-from tests.proxy.upstream.servers import client, fetch, recorder
+from tests.helpers.upstreams import client, fetch, recorder
 
 
 async def test_base_path_prefixes_the_target() -> None:

@@ -14,7 +14,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from llmproxy.proxy.errors import UpstreamFailed, map_client_errors
 from tests.helpers.net import wait_until
 from tests.helpers.proxy import run_proxy
-from tests.proxy.upstream.servers import client, fetch, raw_server, read_request, scripted_server
+from tests.helpers.upstreams import client, fetch, raw_server, read_request, scripted_server
 
 
 async def test_body_delimited_by_close_is_read_to_the_end() -> None:

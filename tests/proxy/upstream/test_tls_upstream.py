@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.proxy.upstream.servers import client, fetch
+from tests.helpers.upstreams import client, fetch
 
 
 @pytest.fixture

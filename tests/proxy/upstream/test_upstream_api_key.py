@@ -11,8 +11,8 @@ import structlog
 from pydantic import ValidationError
 
 from llmproxy.proxy.settings import ProxySettings
+from tests.helpers.llama_fakes import KeyedFake
 from tests.helpers.proxy import run_proxy
-from tests.proxy.upstream.fakes import KeyedFake
 
 
 async def test_upstream_api_key_drives_a_keyed_llama_server(http: aiohttp.ClientSession) -> None:
