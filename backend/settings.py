@@ -63,9 +63,8 @@ class BackendSettings(LayeredSettings):
         16,
         ge=8,
         description="llama-cpp: prompt tokens per step, i.e. how soon a cancel lands during a "
-        "long prompt (on a 2-core CPU long-prompt prefill runs as fast at 16 as at 512, but "
-        "each extra chunk of a short prompt costs about one decode step of first-token time; "
-        "raise it on fast hardware)",
+        "long prompt; each extra chunk of a prompt costs about one decode step of first-token "
+        "time (raise it on fast hardware; llmproxy bench engine shows the trade-off)",
     )
     n_threads: int | None = Field(
         None, ge=1, description="CPU threads per worker (default: cores / workers)"
