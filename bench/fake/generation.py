@@ -68,6 +68,9 @@ def _cut(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
     return resp
 
 
+ERROR_EVENT = {"code": 500, "message": "the fake failed mid-stream", "type": "server_error"}
+
+
 class Generation:
     """One POST to a generation route of ``upstream``; see the module docstring."""
 
@@ -157,6 +160,8 @@ class Generation:
             await self.table.tick(slots, start + (i + 1) * delay)
             if script.fail == "reset_mid_stream" and i == max(1, n // 2):
                 return self._reset(resp)
+            if script.fail == "error_event" and i == max(1, n // 2) and not shape.ndjson:
+                return await self._error_event(resp, release)
             await resp.write(
                 b"".join(
                     shape.frame(indexed(shape.chunk(i, rid, s), j)) for j, s in enumerate(slots)
@@ -192,6 +197,9 @@ class Generation:
         for i in range(n):
             await self.table.tick(slots, start + (i + 1) * delay)
         payload = dumps(self.shape.whole_all(n, rid, slots, inputs(self.body))).encode()
+        if script.fail == "error_event":
+            resp.set_status(500)
+            payload = dumps({"error": ERROR_EVENT}).encode()
         if script.fail == "malformed":
             payload = payload[: len(payload) // 2]
         resp.content_type = "application/json"
@@ -208,6 +216,16 @@ class Generation:
         self.up.completed.append(rid)
         release()
         await resp.write(payload)
+        await resp.write_eof()
+        return resp
+
+    async def _error_event(
+        self, resp: web.StreamResponse, release: Callable[[], None]
+    ) -> web.StreamResponse:
+        """End a started stream with llama-server's in-stream error event."""
+        self.up.failed.append(self.rec.id)
+        release()
+        await resp.write(b"data: " + dumps({"error": ERROR_EVENT}).encode() + b"\n\n")
         await resp.write_eof()
         return resp
 

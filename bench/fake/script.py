@@ -15,7 +15,9 @@ from typing import Any, Literal
 from multidict import CIMultiDict
 
 Kind = Literal["llamacpp", "openai", "ollama"]
-FailMode = Literal[None, "reset_mid_stream", "hang_before_headers", "hang_mid_body", "malformed"]
+FailMode = Literal[
+    None, "reset_mid_stream", "hang_before_headers", "hang_mid_body", "malformed", "error_event"
+]
 
 
 @dataclass
@@ -29,7 +31,9 @@ class Script:
     - ``reset_mid_stream``: the connection is aborted half-way through the body;
     - ``hang_before_headers`` / ``hang_mid_body``: nothing more is sent until the client
       leaves or ``FakeUpstream.stop()`` runs;
-    - ``malformed``: the body (or one stream event) is cut JSON.
+    - ``malformed``: the body (or one stream event) is cut JSON;
+    - ``error_event``: an SSE stream ends half-way with llama-server's error event
+      (``data: {"error": {...}}``); a whole answer is that error with status 500.
     """
 
     tokens: int = 8

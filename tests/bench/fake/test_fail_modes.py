@@ -87,3 +87,24 @@ async def test_wait_for_timeout_explains_state() -> None:
                 return False
 
             await up.wait_for(never_true, timeout=0.05)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_error_event(session: aiohttp.ClientSession, stream: bool) -> None:
+    """llama-server's way of failing a started stream: an error event, then the end."""
+    async with FakeUpstream(
+        script=lambda _p, _b: Script(tokens=6, fail="error_event", token_delay_s=0)
+    ) as up:
+        async with session.post(
+            up.url + "/completion", json={"prompt": "x", "stream": stream}
+        ) as r:
+            body = await r.read()
+        if stream:
+            assert r.status == 200
+            events = [json.loads(b[6:]) for b in body.split(b"\n\n") if b.startswith(b"data: ")]
+            assert [e["content"] for e in events[:-1]] == ["t0 ", "t1 ", "t2 "]
+            assert events[-1]["error"]["code"] == 500
+        else:
+            assert r.status == 500 and json.loads(body)["error"]["code"] == 500
+        await up.wait_for(lambda u: u.concurrent == 0)
+        assert up.slot_busy == [False]

@@ -189,3 +189,31 @@ async def test_reuse_is_logged_and_counted(http: aiohttp.ClientSession) -> None:
         assert re.search(r"^llmproxy_reused_tokens_total 11\.0$", metrics, re.M), metrics
         assert re.search(r'^llmproxy_requests_total\{.*outcome="reused".*\} 1\.0$', metrics, re.M)
         assert len(fake.generations) == 1
+
+
+async def test_an_error_event_in_the_generation_reaches_every_request_on_it(
+    http: aiohttp.ClientSession,
+) -> None:
+    route = "/completion"
+
+    def script(_path: str, _body: dict[str, Any]) -> Script:
+        return Script(tokens=TOKENS, token_delay_s=0.03, fail="error_event")
+
+    async def keystroke(n: int) -> bytes:
+        async with http.post(
+            px.url + route, json=body(route, OUTPUT[:n], True), headers=HEADERS
+        ) as r:
+            assert r.status == 200
+            return await r.read()
+
+    async with (
+        FakeUpstream(kind="llamacpp", slots=1, script=script) as fake,
+        run_proxy(fake.url) as px,
+    ):
+        first = asyncio.ensure_future(keystroke(0))
+        await fake.wait_for(lambda f: len(f.generations) == 1)
+        answers = await asyncio.gather(first, *(keystroke(n) for n in (1, 2, 4)))
+        for raw in answers:
+            last = json.loads(raw.rstrip(b"\n").rsplit(b"\n\n", 1)[-1][6:])
+            assert last["error"]["code"] == 500, raw
+        assert len(fake.generations) == 1
