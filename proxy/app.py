@@ -74,7 +74,12 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         headers={"Authorization": auth} if (auth := upstream_authorization(s)) else None,
     ) as session:
         adapter = await create_adapter(session, s, app[UPSTREAM_URL])
-        gate = Gate(gate_capacity(s, adapter), s.max_queue, retry_after_s=s.retry_after_s)
+        gate = Gate(
+            gate_capacity(s, adapter),
+            s.max_queue,
+            retry_after_s=s.retry_after_s,
+            affinity_wait_s=s.affinity_wait_s,
+        )
         app[METRICS].bind_gate(gate)
         jobs = JobRegistry()
         breaker = CircuitBreaker(s.breaker_threshold, s.breaker_cooldown_s)

@@ -116,6 +116,12 @@ class ProxySettings(LayeredSettings):
     on_disconnect: Policy = Field(
         "auto", description="Client disconnects while in flight: cancel or finish (auto as above)"
     )
+    affinity_wait_s: float = Field(
+        0.3,
+        ge=0,
+        description="How long a request may wait for the slot its session's superseded request "
+        "is being stopped on (its prompt is cached there) instead of taking another free slot",
+    )
     type_through: Literal["on", "off"] = Field(
         "on",
         description="Answer a keystroke that typed what the model is writing from that generation "

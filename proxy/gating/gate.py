@@ -14,7 +14,10 @@ Pure asyncio logic, no sockets (tested directly). Concurrency contract:
   ``release``, and only after the upstream is known idle. No client-side event releases a
   permit.
 - Permits are slot ids 0..N-1. A grant prefers the slot the session used last when it is
-  free (prompt-cache affinity); FIFO order between waiters is never changed by that.
+  free (prompt-cache affinity). When that slot is being stopped for the session's own
+  superseded request, the grant waits for it, at most ``affinity_wait_s`` from admission
+  (the queue behind waits too): the new request then finds its prompt in that slot's
+  cache instead of prefilling it on another. FIFO order between waiters never changes.
 - A ticket may need several permits at once (``permits``: llama-server's ``n_cmpl``, which
   runs one request on that many slots). It is granted all of them together or waits; the
   queue stays strictly FIFO, so a smaller request behind it waits too (no overtaking, so a
@@ -48,11 +51,18 @@ from llmproxy.proxy.gating.ticket import Ticket as Ticket  # upstream/ imports i
 
 
 class Gate:
-    def __init__(self, capacity: int, max_queue: int, *, retry_after_s: int = 1) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        max_queue: int,
+        *,
+        retry_after_s: int = 1,
+        affinity_wait_s: float = 0.0,
+    ) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
-        self.max_queue = max_queue
-        self.retry_after_s = retry_after_s
+        self.max_queue, self.retry_after_s = max_queue, retry_after_s
+        self.affinity_wait_s = affinity_wait_s
         self._slots = Slots(capacity)
         self.closing = asyncio.Event()  # set by close()
         self._queue: list[Ticket] = []
@@ -142,7 +152,7 @@ class Gate:
             self._queue[replaced] = ticket  # the newcomer takes the old one's position
             old.end(Superseded("superseded by a newer request from the same session"))
             self._grant_waiters()  # the newcomer may need fewer permits than the one it replaced
-        elif grant_now:
+        elif grant_now and not self._waits_for_its_slot(ticket):
             self._grant(ticket)
         else:
             self._queue.append(ticket)
@@ -174,27 +184,11 @@ class Gate:
         return ticket.slot
 
     def settle_extras(self, ticket: Ticket, pinned: Callable[[Ticket], bool]) -> set[int]:
-        """Before a wide ticket's request is sent: its extra slots become the lowest among
-        them and the free ones (a free permit is an idle slot, and llama-server puts extra
-        completions on the lowest idle slots), and until ``settled`` it gets the first pick
-        of slots freed meanwhile (so two wide tickets settling at once never wait on each
-        other: the later one's slots are all above the earlier one's extras). Returns the
-        slots below its highest extra that other ``pinned`` requests (those the server runs
-        on their own slot) hold: each must be busy at the server before the send, or the
-        server, seeing it idle, would put an extra completion there."""
+        """Before a wide ticket's request is sent: see ``Slots.settle_extras``."""
         if len(ticket.slots) < 2 or ticket.state != "running":
             self._slots.settled(ticket)
             return set()
-        self._slots.settle(ticket)
-        top = max(ticket.slots[1:])
-        mine = set(ticket.slots)
-        return {
-            s
-            for t in self._inflight.values()
-            if t is not ticket and pinned(t)
-            for s in t.slots
-            if s < top and s not in mine
-        }
+        return self._slots.settle_extras(ticket, self._inflight.values(), pinned)
 
     def settled(self, ticket: Ticket) -> None:
         """The settling ticket's request was sent (or given up): its slots are fixed now."""
@@ -282,10 +276,15 @@ class Gate:
                     self._queue.pop(0)
                     ticket.end(exc)
                     continue
-            if self.free < ticket.permits:
-                return  # strict FIFO: nobody overtakes a waiter that needs more permits
+            if self.free < ticket.permits or self._waits_for_its_slot(ticket):
+                return  # strict FIFO: nobody overtakes the head
             self._queue.pop(0)
             self._grant(ticket)
+
+    def _waits_for_its_slot(self, ticket: Ticket) -> bool:
+        return self._slots.waits_for_affinity(
+            ticket, self._inflight.values(), self.affinity_wait_s, self._advance
+        )
 
     def _grant(self, ticket: Ticket) -> None:
         ticket.slots = self._slots.take(ticket.session, ticket.permits)

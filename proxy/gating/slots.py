@@ -1,7 +1,8 @@
 """The gate's slot pool: which slot ids are free or quarantined, and which slots a grant gets.
 
-Bookkeeping only: no waiting, no order between requests (the gate owns both), no locks
-(the event loop's thread only). Slot ids are 0..``total`` - 1; at any time each one is
+Bookkeeping only: no waiting and no order between requests (the gate owns both; an
+affinity wait only arms a loop timer that wakes the gate), no locks (the event loop's
+thread only). Slot ids are 0..``total`` - 1; at any time each one is
 free, quarantined, or held by exactly one ticket (the pool tracks the first two). A wide
 ticket being settled (``settle`` .. ``settled``, see ``Gate.settle_extras``) gets the first
 pick of slots put back meanwhile: its extras become the lowest of its own and the free ones.
@@ -9,8 +10,10 @@ pick of slots put back meanwhile: its extras become the lowest of its own and th
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from llmproxy.proxy.gating.ticket import Ticket
 
@@ -49,6 +52,48 @@ class Slots:
         if len(self._affinity) > _AFFINITY_MAX:
             self._affinity.popitem(last=False)
         return (slot, *extra)
+
+    def waits_for_affinity(
+        self, ticket: Ticket, inflight: Iterable[Ticket], wait_s: float, wake: Callable[[], None]
+    ) -> bool:
+        """Should ``ticket`` wait for the slot its session was granted last, which the
+        session's superseded request is being stopped on? At most ``wait_s`` from the
+        ticket's admission; ``wake`` is called when that time is up."""
+        slot = self._affinity.get(ticket.session)
+        if ticket.permits != 1 or slot is None or slot in self.free:
+            return False
+        left = ticket.created + wait_s - time.monotonic()
+        stopping = any(
+            t.state == "stopping" and t.session == ticket.session and slot in t.slots
+            for t in inflight
+        )
+        if not stopping or left <= 0:
+            return False
+        if ticket.affinity_timer is None:
+            ticket.affinity_timer = asyncio.get_running_loop().call_later(left, wake)
+        return True
+
+    def settle_extras(
+        self, ticket: Ticket, inflight: Iterable[Ticket], pinned: Callable[[Ticket], bool]
+    ) -> set[int]:
+        """A wide ``ticket`` about to be sent: its extra slots become the lowest among them
+        and the free ones (a free permit is an idle slot, and llama-server puts extra
+        completions on the lowest idle slots), and until ``settled`` it gets the first pick
+        of slots freed meanwhile (so two wide tickets settling at once never wait on each
+        other: the later one's slots are all above the earlier one's extras). Returns the
+        slots below its highest extra that other ``pinned`` requests of ``inflight`` (those
+        the server runs on their own slot) hold: each must be busy at the server before the
+        send, or the server, seeing it idle, would put an extra completion there."""
+        self.settle(ticket)
+        top = max(ticket.slots[1:])
+        mine = set(ticket.slots)
+        return {
+            s
+            for t in inflight
+            if t is not ticket and pinned(t)
+            for s in t.slots
+            if s < top and s not in mine
+        }
 
     def settle(self, ticket: Ticket) -> None:
         """``ticket`` (holding several slots) lowers its extras now and whenever slots are

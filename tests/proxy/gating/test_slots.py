@@ -110,3 +110,42 @@ async def test_a_quarantined_slot_is_out_of_the_grants_until_given_back() -> Non
         and gate.quarantined == []
         and gate.capacity == 2
     )
+
+
+def superseding(gate: Gate) -> Ticket:
+    """Session "a" runs on slot 0 while slot 1 is free; its job stops when superseded."""
+    old = gate.submit("a", supersedable=True)
+    assert old.slot == 0
+    gate.take(old, on_supersede=lambda: gate.mark_stopping(old))
+    return old
+
+
+async def test_a_superseding_request_waits_for_its_sessions_stopping_slot() -> None:
+    """Slot 0 holds session a's prompt: the request that supersedes a's running one gets it
+    once the old one is confirmed stopped, not the free slot 1 with a cold cache."""
+    gate = Gate(2, 5, affinity_wait_s=30)
+    old = superseding(gate)
+    new = gate.submit("a", supersedable=True)
+    assert old.state == "stopping" and not new.future.done() and gate.free == 1
+    other = gate.submit("b", supersedable=True)  # strict FIFO: behind the waiting head
+    assert not other.future.done()
+    gate.release(old)  # confirmed stopped
+    assert await new.wait() == 0 and await other.wait() == 1
+
+
+async def test_the_wait_for_a_stopping_slot_is_bounded() -> None:
+    gate = Gate(2, 5, affinity_wait_s=0.05)
+    old = superseding(gate)
+    new = gate.submit("a", supersedable=True)
+    assert await asyncio.wait_for(new.wait(), 5) == 1  # the stop took too long: slot 1
+    gate.release(old)
+
+
+async def test_no_wait_without_a_stop_or_without_the_setting() -> None:
+    gate = Gate(2, 5, affinity_wait_s=30)
+    old = gate.submit("a", supersedable=True)
+    gate.take(old)  # policy finish: superseding does not stop it
+    assert await gate.submit("a", supersedable=True).wait() == 1
+    gate = Gate(2, 5)  # affinity_wait_s 0
+    superseding(gate)
+    assert await gate.submit("a", supersedable=True).wait() == 1
