@@ -9,10 +9,10 @@ Per route:
 - ``/infill``: ``input_prefix + prompt`` grew by ``d`` (llama.vim moves whole lines from
   ``prompt`` into ``input_prefix``, so only the concatenation counts), ``input_suffix`` is
   equal; ``input_extra`` may differ (it is context around the cursor, not the cursor's text).
-- ``/completion``, ``/completions``: the old prompt is ``A + B`` and the new one
-  ``A + d + B``: one insertion at the cursor. ``B`` is what follows the cursor in a prompt the
-  client built itself (fill-in-the-middle), empty for a plain continuation.
-- ``/v1/completions``: ``prompt`` grew by ``d`` at its end; ``suffix`` is equal.
+- ``/completion``, ``/completions``, ``/v1/completions``: the old prompt is ``A + B`` and
+  the new one ``A + d + B``: one insertion at the cursor. ``B`` is what follows the cursor
+  in a prompt the client built itself (fill-in-the-middle, as llm-ls and Continue send),
+  empty for a plain continuation; ``/v1/completions``' ``suffix`` is equal.
 
 Every other field must be equal (sampling parameters, ``n_predict``, ``stream``, ...).
 Never a continuation: other routes (chat), a prompt that is not a string, warm-ups
@@ -87,9 +87,4 @@ def typed(route: str, old: Any, new: Any) -> str | None:
         if not before_new.startswith(before_old):
             return None
         return before_new[len(before_old) :] or None
-    if route == "/v1/completions":
-        prompt_old, prompt_new = old.get("prompt", ""), new.get("prompt", "")
-        if not prompt_new.startswith(prompt_old):
-            return None
-        return prompt_new[len(prompt_old) :] or None
     return _inserted(old.get("prompt", ""), new.get("prompt", ""))

@@ -63,6 +63,9 @@ def test_completion_plain_continuation() -> None:
 def test_openai_completions_prompt_grows_and_suffix_stays() -> None:
     old = {"prompt": "def f(", "suffix": "):", "max_tokens": 8}
     assert typed("/v1/completions", old, {**old, "prompt": "def f(x"}) == "x"
+    fim = {"prompt": "<fim_prefix>x = <fim_suffix>\n<fim_middle>", "max_tokens": 8}  # llm-ls
+    grown = {**fim, "prompt": "<fim_prefix>x = 42<fim_suffix>\n<fim_middle>"}
+    assert typed("/v1/completions", fim, grown) == "42"
     assert typed("/v1/completions", old, {**old, "prompt": "def f(x", "suffix": ""}) is None
     assert typed("/v1/completions", old, {**old, "prompt": "def f(x", "n": 2}) is None
     assert typed("/v1/completions", old, {**old, "prompt": "def f(x", "logprobs": 1}) is None
