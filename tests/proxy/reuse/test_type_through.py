@@ -23,7 +23,7 @@ from tests.helpers.proxy import RunningProxy, run_proxy
 TOKENS = 12
 OUTPUT = "".join(f"t{i} " for i in range(TOKENS))
 HEADERS = {"X-LLMProxy-Session": "editor"}
-ROUTES = ["/infill", "/completion", "/v1/completions"]
+ROUTES = ["/infill", "/completion", "/completion (plain)", "/v1/completions"]
 
 
 def body(route: str, typed: str, stream: bool, **extra: Any) -> dict[str, Any]:
@@ -31,9 +31,11 @@ def body(route: str, typed: str, stream: bool, **extra: Any) -> dict[str, Any]:
     if route == "/infill":
         base = {"input_prefix": "def f():\n", "prompt": "    " + typed, "input_suffix": "\n"}
         return {**base, "n_predict": TOKENS, "stream": stream, **extra}
-    if route == "/completion":
+    if route == "/completion":  # a fill-in-the-middle prompt the client built (Continue)
         prompt = "<fim_prefix>x = " + typed + "<fim_suffix>\n<fim_middle>"
         return {"prompt": prompt, "n_predict": TOKENS, "stream": stream, **extra}
+    if route == "/completion (plain)":  # plain continuation: the cursor at the prompt's end
+        return {"prompt": "x = " + typed, "n_predict": TOKENS, "stream": stream, **extra}
     return {"model": "m", "prompt": "x = " + typed, "max_tokens": TOKENS, "stream": stream, **extra}
 
 
@@ -81,12 +83,13 @@ async def test_a_typist_typing_the_output_is_answered_from_one_generation(
     """Every keystroke's request, sent while the generation runs and read to its end, gets
     the output's remainder; the upstream runs one generation in all."""
     async with setup("on") as (fake, px):
+        path = route.split()[0]
 
         async def keystroke(n: int) -> str:
             async with http.post(
-                px.url + route, json=body(route, OUTPUT[:n], stream), headers=HEADERS
+                px.url + path, json=body(route, OUTPUT[:n], stream), headers=HEADERS
             ) as r:
-                return await answer_text(route, r, stream)
+                return await answer_text(path, r, stream)
 
         first = asyncio.ensure_future(keystroke(0))
         await fake.wait_for(lambda f: len(f.generations) == 1)
