@@ -32,10 +32,11 @@ class Follow:
 
 
 class Generations:
-    """The latest generation per session, at most ``max_sessions`` (least recently used
-    first out); a finished one is kept ``ttl_s``."""
+    """The latest generation per session, at most ``max_sessions`` (least recently started
+    first out); a finished one is kept ``ttl_s`` (expired ones are dropped as new ones
+    begin). Each holds its events, so memory is bounded by ``max_sessions`` generations."""
 
-    def __init__(self, ttl_s: float, grace_s: float = 0.0, max_sessions: int = 4096) -> None:
+    def __init__(self, ttl_s: float, grace_s: float = 0.0, max_sessions: int = 256) -> None:
         self.ttl_s, self.grace_s, self.max_sessions = ttl_s, grace_s, max_sessions
         self._latest: OrderedDict[str, Generation] = OrderedDict()
 
@@ -74,6 +75,12 @@ class Generations:
     def begin(self, session: str, generation: Generation) -> None:
         """``generation`` is the session's newest; the previous one is forgotten."""
         self._latest.pop(session, None)
+        now = time.monotonic()
+        while self._latest:  # the oldest first: drop those expired
+            oldest = next(iter(self._latest.values()))
+            if not (oldest.done and oldest.expired(self.ttl_s, now)):
+                break
+            self._latest.popitem(last=False)
         self._latest[session] = generation
         while len(self._latest) > self.max_sessions:
             self._latest.popitem(last=False)

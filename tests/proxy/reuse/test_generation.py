@@ -141,3 +141,17 @@ async def test_a_finished_generation_is_kept_for_the_ttl_only() -> None:
     await asyncio.sleep(0.02)
     assert await reg.follow("s", "/completion", {**BODY, "prompt": "x = 4"}) is None
     assert len(reg) == 0
+
+
+def test_the_registry_is_bounded_and_drops_expired_generations() -> None:
+    reg = Generations(ttl_s=30, max_sessions=3)
+    gens = [Generation("/completion", BODY, oai=False, stream=True) for _ in range(5)]
+    for i, gen in enumerate(gens):
+        reg.begin(f"s{i}", gen)
+    assert len(reg) == 3 and reg.latest("s0") is None and reg.latest("s4") is gens[4]
+    expired = Generations(ttl_s=-1)  # every ended one has expired
+    old = Generation("/completion", BODY, oai=False, stream=True)
+    expired.begin("a", old)
+    old.end()
+    expired.begin("b", Generation("/completion", BODY, oai=False, stream=True))
+    assert len(expired) == 1  # "a" ended and expired: dropped as "b" began
