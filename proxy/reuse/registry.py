@@ -104,7 +104,10 @@ class Generations:
         if d is None:
             return None
         while not generation.text.startswith(d):
-            if generation.done or not d.startswith(generation.text):
+            # typing ahead: wait only once the model wrote some of it (what the user can have
+            # read); waiting on a generation still reading its prompt would hold up every
+            # keystroke that is no continuation at all
+            if generation.done or not generation.text or not d.startswith(generation.text):
                 return None
             await generation.changed()
         if generation.error is not None and len(generation.text) <= len(d):

@@ -155,3 +155,11 @@ def test_the_registry_is_bounded_and_drops_expired_generations() -> None:
     old.end()
     expired.begin("b", Generation("/completion", BODY, oai=False, stream=True))
     assert len(expired) == 1  # "a" ended and expired: dropped as "b" began
+
+
+async def test_no_wait_on_a_generation_that_wrote_nothing_yet() -> None:
+    """Still reading its prompt, it has shown the user nothing to type along with: the
+    keystroke goes through the gate at once instead of waiting for its first piece."""
+    reg = Generations(ttl_s=30)
+    begin(reg)
+    assert await reg.follow("s", "/completion", {**BODY, "prompt": "x = 4"}) is None

@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
+from llmproxy.proxy.gating.sessions import session_key
 from tests.helpers.net import wait_until
 from tests.helpers.proxy import RunningProxy, run_proxy
 
@@ -61,6 +62,16 @@ async def answer_text(route: str, resp: aiohttp.ClientResponse, stream: bool) ->
     return "".join(text)
 
 
+def read_so_far(px: RunningProxy, path: str) -> int:
+    """Characters of the session's generation the proxy has read from the upstream."""
+    key = session_key(
+        parts=[], header_name="X-LLMProxy-Session", headers=HEADERS, peer=None, path=path, body=None
+    )
+    assert px.state.generations is not None
+    generation = px.state.generations.latest(key)
+    return 0 if generation is None else len(generation.text)
+
+
 @asynccontextmanager
 async def setup(
     type_through: str, delay_s: float = 0.03
@@ -93,6 +104,8 @@ async def test_a_typist_typing_the_output_is_answered_from_one_generation(
 
         first = asyncio.ensure_future(keystroke(0))
         await fake.wait_for(lambda f: len(f.generations) == 1)
+        # the user types what the model wrote (what an editor showed them)
+        await wait_until(lambda: read_so_far(px, path) >= 8, what="8 characters")
         rest = [asyncio.ensure_future(keystroke(n)) for n in range(1, 8)]
         answers = await asyncio.gather(first, *rest)
         assert answers == [OUTPUT[n:] for n in range(8)]
@@ -122,9 +135,10 @@ async def test_an_editor_that_drops_each_request_for_the_next(
             if pending is not None:
                 pending.cancel()
             pending = asyncio.ensure_future(keystroke(n))
-            # off: each keystroke's request reaches the upstream before the next is typed
-            want = n + 1 if type_through == "off" else 1
-            await fake.wait_for(lambda f, want=want: len(f.generations) >= want)
+            if type_through == "off":  # each keystroke's request reaches the upstream first
+                await fake.wait_for(lambda f, want=n + 1: len(f.generations) >= want)
+            else:  # the user types what the model wrote so far
+                await wait_until(lambda n=n: read_so_far(px, route) > n, what="the next piece")
             await asyncio.sleep(0.04)  # the typist's pace
         assert pending is not None
         # the last keystroke gets the remainder, or a whole generation of its own
@@ -215,6 +229,7 @@ async def test_an_error_event_in_the_generation_reaches_every_request_on_it(
     ):
         first = asyncio.ensure_future(keystroke(0))
         await fake.wait_for(lambda f: len(f.generations) == 1)
+        await wait_until(lambda: read_so_far(px, route) >= 4, what="4 characters")
         answers = await asyncio.gather(first, *(keystroke(n) for n in (1, 2, 4)))
         for raw in answers:
             last = json.loads(raw.rstrip(b"\n").rsplit(b"\n\n", 1)[-1][6:])
