@@ -101,42 +101,31 @@ def _default_llama_server() -> Path:
     return found[-1]
 
 
+def llama_server_argv(
+    binary: Path, model: Path, port: int, parallel: int, threads: int, ctx_per_slot: int = 2048
+) -> list[str]:
+    """llama-server on 127.0.0.1:``port`` with ``parallel`` slots (also the interop suite's)."""
+    return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)] + [
+        "-np", str(parallel), "-c", str(ctx_per_slot * parallel), "-t", str(threads),
+        "--no-webui",
+    ]  # fmt: skip
+
+
+def llama_cpp_python_argv(model: Path, port: int, threads: int) -> list[str]:
+    """llama-cpp-python's server on 127.0.0.1:``port`` (also the interop suite's)."""
+    return [sys.executable, "-m", "llama_cpp.server", "--model", str(model)] + [
+        "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048",
+        "--n_threads", str(threads),
+    ]  # fmt: skip
+
+
 def _backend_argv(
     s: BackendsSettings, model: Path, port: int, parallel: int
 ) -> tuple[list[str], str]:
     if s.server == "llama-server":
         binary = s.llama_server or _default_llama_server()
-        return [
-            str(binary),
-            "-m",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "-np",
-            str(parallel),
-            "-c",
-            str(2048 * parallel),
-            "-t",
-            str(s.threads),
-            "--no-webui",
-        ], "/health"
-    return [
-        sys.executable,
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--n_ctx",
-        "2048",
-        "--n_threads",
-        str(s.threads),
-    ], "/v1/models"
+        return llama_server_argv(binary, model, port, parallel, s.threads), "/health"
+    return llama_cpp_python_argv(model, port, s.threads), "/v1/models"
 
 
 def _burst_settings(s: BackendsSettings, mode: str) -> BurstSettings:

@@ -16,14 +16,17 @@ import asyncio
 import contextlib
 import os
 import socket
-import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
 from llmproxy.backend.model_path import default_model_path
+from llmproxy.bench.backends import llama_cpp_python_argv as bench_llama_cpp_python_argv
+from llmproxy.bench.backends import llama_server_argv as bench_llama_server_argv
 from llmproxy.bench.child import child_server
+
+THREADS = os.cpu_count() or 2
 
 VERSION = "11434.0.0"  # tests/interop/build_llama_server.sh's default
 FIM_TOKENS = {
@@ -112,37 +115,8 @@ async def running(
 def llama_server_argv(
     binary: Path, model: Path, port: int, parallel: int, ctx_per_slot: int = 2048
 ) -> list[str]:
-    return [
-        str(binary),
-        "-m",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "-np",
-        str(parallel),
-        "-c",
-        str(ctx_per_slot * parallel),
-        "-t",
-        str(os.cpu_count() or 2),
-        "--no-webui",
-    ]
+    return bench_llama_server_argv(binary, model, port, parallel, THREADS, ctx_per_slot)
 
 
 def llama_cpp_python_argv(model: Path, port: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--n_ctx",
-        "2048",
-        "--n_threads",
-        str(os.cpu_count() or 2),
-    ]
+    return bench_llama_cpp_python_argv(model, port, THREADS)
