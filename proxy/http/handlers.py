@@ -73,7 +73,9 @@ async def gated(request: web.Request) -> web.StreamResponse:
     if supersedable and st.generations is not None:
         follow = await st.generations.follow(rec.session, request.path, parsed)  # may wait
         if follow is not None:
-            return await reused(st, request, follow)
+            resp = await reused(st, request, follow)
+            if resp is not None:
+                return resp  # else the generation failed first: this request runs on its own
     sizing = _Sizing(st, request.path, parsed)
     rec.permits = permits = sizing(st.gate.total)  # or BadRequest
     probe = st.breaker.admit()  # raises UpstreamUnavailable (503) while the breaker is open

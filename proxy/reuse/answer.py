@@ -8,6 +8,10 @@ and gets the body the upstream's final event gives (``Assembler``) with the type
 taken off the front of ``content`` (``choices[0].text`` on ``/v1/completions``), written
 compactly as the upstream writes it.
 
+A generation that fails before this request was sent a byte (the upstream reset, or the
+generation was cut) answers nothing: ``reused`` returns None and the request goes through
+the gate as one of its own, so a keystroke is never failed for a request it did not send.
+
 Concurrency contract: runs in the request's handler task; it blocks on the generation
 (``Generation.changed``) and on the client's writes. A client that leaves cancels it; the
 caller then tells the registry the reader left.
@@ -50,10 +54,10 @@ def whole(generation: Generation, skip: int) -> tuple[int, bytes]:
     return status, json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-async def reused(st: ProxyState, request: web.Request, follow: Follow) -> web.StreamResponse:
+async def reused(st: ProxyState, request: web.Request, follow: Follow) -> web.StreamResponse | None:
     """Answer a request that continues ``follow.generation`` (the gated handler's branch:
     no permit, no queue); the generation is left once the answer is written or the client
-    left."""
+    left. None: the generation failed before the client was sent anything (see above)."""
     rec = request[RECORD]
     generation = follow.generation
     try:
@@ -63,28 +67,40 @@ async def reused(st: ProxyState, request: web.Request, follow: Follow) -> web.St
         raise
     finally:
         generation.leave()
+    if resp is None:
+        return None
     rec.outcome = "reused"
     rec.reused_tokens = generation.tokens_after(follow.skip)
     return resp
 
 
-async def answer(request: web.Request, generation: Generation, skip: int) -> web.StreamResponse:
-    """Write the answer; returns the response (aiohttp's handler result)."""
+async def answer(
+    request: web.Request, generation: Generation, skip: int
+) -> web.StreamResponse | None:
+    """Write the answer; returns the response (aiohttp's handler result), or None when the
+    generation failed before anything was written."""
     if not generation.stream:
         while not generation.done:
             await generation.changed()
-        status, body = whole(generation, skip)  # or the ProxyError the generation ended with
+        if generation.error is not None:
+            return None
+        status, body = whole(generation, skip)
         return web.Response(status=status, body=body, headers={"Content-Type": CONTENT_TYPE})
     resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
-    await resp.prepare(request)
     sent = 0
     while True:
         data, sent = generation.stream_from(sent, skip)
         if data:
+            if not resp.prepared:
+                await resp.prepare(request)
             await resp.write(data)
         if generation.done and sent == len(generation.events):
             break
         await generation.changed()
+    if not resp.prepared:
+        if generation.error is not None:
+            return None
+        await resp.prepare(request)
     if generation.error is not None:
         await resp.write(_error_event(generation.error))
     await resp.write_eof()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import aiohttp
 import structlog
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
@@ -170,6 +170,16 @@ async def scenario(
     capacity=st.integers(1, 3),
     linger=st.sampled_from([0.0, 0.02, 0.08]),
     policy=st.sampled_from(["auto", "cancel", "finish"]),
+)
+@example(  # a keystroke typing a generation the upstream then reset: it runs on its own
+    ops=[
+        Op(6, 1, None, False, 11, "500", False, 3, 1),
+        Op(18, 0, 3, False, 4, "reset", False, 1, 1),
+        Op(18, 0, 3, False, 4, "reset", False, 1, 1),
+    ],
+    capacity=2,
+    linger=0.02,
+    policy="cancel",
 )
 def test_gate_invariants_under_random_load(
     ops: list[Op], capacity: int, linger: float, policy: str

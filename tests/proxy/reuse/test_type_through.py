@@ -235,3 +235,32 @@ async def test_an_error_event_in_the_generation_reaches_every_request_on_it(
             last = json.loads(raw.rstrip(b"\n").rsplit(b"\n\n", 1)[-1][6:])
             assert last["error"]["code"] == 500, raw
         assert len(fake.generations) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_keystroke_on_a_generation_that_fails_first_runs_on_its_own(
+    http: aiohttp.ClientSession, stream: bool
+) -> None:
+    """The upstream resets the generation after 6 tokens, before it wrote anything past what
+    the next keystroke typed: that keystroke is sent to the upstream as a request of its
+    own and gets a whole answer, not the failed generation's error."""
+    route, cut = "/completion", len(OUTPUT[: 6 * 3])  # "t0 " .. "t5 "
+
+    def script(_path: str, req: dict[str, Any]) -> Script:
+        first = req["prompt"] == body(route, "", stream)["prompt"]
+        return Script(tokens=TOKENS, token_delay_s=0.03, fail="reset_mid_stream" if first else None)
+
+    async with (
+        FakeUpstream(kind="llamacpp", slots=1, script=script) as fake,
+        run_proxy(fake.url) as px,
+    ):
+        first = asyncio.ensure_future(
+            http.post(px.url + route, json=body(route, "", stream), headers=HEADERS)
+        )
+        await wait_until(lambda: read_so_far(px, route) >= 4, what="4 characters")
+        typed = OUTPUT[:cut] if stream else OUTPUT[:4]  # a stream types what it will all write
+        async with http.post(px.url + route, json=body(route, typed, stream), headers=HEADERS) as r:
+            assert await answer_text(route, r, stream) == OUTPUT
+        (await first).close()
+        assert len(fake.generations) == 2
+        await wait_until(lambda: px.state.gate.free == 1, what="permit back")
