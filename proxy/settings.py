@@ -40,10 +40,10 @@ class ProxySettings(LayeredSettings):
     )
     upstream_stream: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="llamacpp: send non-streaming completions upstream as streams and answer them "
-        "whole, so that a cancelled one stops at its next token (llama-server does not notice a "
-        "dropped non-streaming client); auto = on, except for llmproxy's own backend with "
-        "type_through off",
+        description="Send non-streaming completions upstream as streams and answer them whole, so "
+        "that a cancelled one stops at its next token (llama-server and llama-cpp-python do not "
+        "notice a dropped non-streaming client): llamacpp's completion routes, openai's "
+        "/v1/completions; auto = on, except for llmproxy's own backend with type_through off",
     )
     upstream_kind: Literal["auto", "llamacpp", "openai", "ollama"] = Field(
         "auto",

@@ -40,11 +40,13 @@ class ProxyState:
     ) -> str:
         """Resolve 'auto': cancel where the adapter (``adapter``, else the one in use) can
         confirm the stop (on ``path``), or where closing a stream stops its generation at the
-        next token (``Adapter.stops_streams``, a request body asking for a stream); else finish."""
+        next token (``Adapter.stops_streams``, a request asking for a stream or sent as one,
+        ``Adapter.assembles``); else finish."""
         if configured == "auto":
             a = adapter or self.adapter
             confirms = a.confirms(path) if path else a.can_confirm
             stream = isinstance(parsed, dict) and parsed.get("stream") is True
+            stream = stream or (path is not None and a.assembles(path, parsed))  # sent as one
             return "cancel" if confirms or (stream and a.stops_streams) else "finish"
         return configured
 

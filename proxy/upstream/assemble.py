@@ -14,7 +14,9 @@ same request, assembled from the stream's events:
   itself (flat keys such as ``"timings/prompt_n"``). Several completions (``n_cmpl``) give
   a JSON array in ``index`` order, one object for one.
 - ``/v1/completions``: the final chunk (``finish_reason`` set) is the body with an empty
-  ``choices[0].text``; several completions are merged into the first one's ``choices``.
+  ``choices[0].text``; several completions are merged into the first one's ``choices``. A
+  stream that ends with ``[DONE]`` but gave no ``finish_reason`` (some OpenAI-compatible
+  servers) takes each completion's last chunk as its final one.
 - An error event (``data: {"error": {...}}``) becomes the status its ``code`` names with
   ``{"error": {...}}``, as llama-server answers a failed non-streaming request.
 
@@ -66,13 +68,15 @@ class Assembler:
 
     Also keeps the text generated so far per completion (``text``). Pure bookkeeping: no I/O."""
 
-    __slots__ = ("oai", "_pending", "_texts", "_finals", "_last_index", "error")
+    __slots__ = ("oai", "_pending", "_texts", "_finals", "_lasts", "_done", "_last_index", "error")
 
     def __init__(self, path: str) -> None:
         self.oai = path in OAI_ROUTES
         self._pending = b""  # an unfinished line
         self._texts: dict[int, list[str]] = {}
         self._finals: list[tuple[int, dict[str, Any]]] = []
+        self._lasts: dict[int, dict[str, Any]] = {}  # OpenAI: each completion's last chunk
+        self._done = False  # OpenAI: [DONE] came
         self._last_index = 0
         self.error: dict[str, Any] | None = None
 
@@ -81,7 +85,8 @@ class Assembler:
 
     @property
     def complete(self) -> bool:
-        return bool(self._finals) or self.error is not None
+        done = self.oai and self._done and bool(self._lasts)
+        return bool(self._finals) or done or self.error is not None
 
     def feed(self, data: bytes) -> None:
         lines = (self._pending + data).split(b"\n")
@@ -91,6 +96,8 @@ class Assembler:
                 self._event(line[5:].strip())
 
     def _event(self, payload: bytes) -> None:
+        if payload == b"[DONE]":
+            self._done = True
         if not payload or payload == b"[DONE]":
             return
         try:
@@ -131,6 +138,7 @@ class Assembler:
         piece = choice.get("text")
         if isinstance(piece, str) and piece:
             self._texts.setdefault(index, []).append(piece)
+        self._lasts[index] = obj
         if choice.get("finish_reason") is not None:
             self._finals.append((index, obj))
 
@@ -141,9 +149,12 @@ class Assembler:
             code = self.error.get("code")
             status = code if isinstance(code, int) and 400 <= code <= 599 else 500
             return status, _dumps({"error": self.error})
-        if not self._finals:
+        finals = self._finals
+        if not finals and self.oai and self._done:
+            finals = list(self._lasts.items())
+        if not finals:
             raise UpstreamFailed("upstream stream ended before its final event")
-        finals = sorted(self._finals, key=lambda item: item[0])
+        finals = sorted(finals, key=lambda item: item[0])
         if self.oai:
             return 200, _dumps(self._oai_body(finals))
         bodies = [self._native_body(index, obj) for index, obj in finals]

@@ -76,10 +76,14 @@ async def forward(
                 )
                 seen = observe if events else None
                 if assembler is not None and events:
-                    assembled = True
+                    assembled, pieces = True, 0
                     async for data in content.iter_any():
+                        now = time.monotonic()
                         if rec.upstream_ttfb_s is None:
-                            rec.upstream_ttfb_s = time.monotonic() - start
+                            rec.upstream_ttfb_s = now - start
+                        else:  # as below: the permit hold after a cut stream follows it
+                            rec.piece_gap_s = (now - start - rec.upstream_ttfb_s) / pieces
+                        pieces += 1
                         assembler.feed(data)
                         if seen is not None:
                             seen(data)

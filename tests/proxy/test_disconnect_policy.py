@@ -54,7 +54,7 @@ async def test_finish_policy_drains_without_cancelling(http: aiohttp.ClientSessi
     script = lambda _p, _b: Script(tokens=20, token_delay_s=0.01)  # noqa: E731
     async with (
         FakeUpstream(kind="openai", slots=1, script=script) as fake,
-        run_proxy(fake.url) as px,
+        run_proxy(fake.url, upstream_stream="off") as px,  # sent as it is: nothing stops it
     ):
         assert px.state.policy(px.state.settings.on_disconnect) == "finish"
         task = asyncio.create_task(

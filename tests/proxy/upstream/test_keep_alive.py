@@ -113,7 +113,10 @@ async def test_idle_connections_are_closed_when_they_expire_without_more_request
 
 
 async def test_proxy_relays_through_one_kept_alive_connection(http: aiohttp.ClientSession) -> None:
-    async with recorder() as (rec, url), run_proxy(url, upstream_kind="openai") as px:
+    async with (
+        recorder() as (rec, url),
+        run_proxy(url, upstream_kind="openai", upstream_stream="off") as px,
+    ):
         for _ in range(3):
             async with http.post(px.url + "/v1/completions", data=b'{"prompt":"x"}') as r:
                 assert r.status == 200 and await r.read() == b'echo:{"prompt":"x"}'

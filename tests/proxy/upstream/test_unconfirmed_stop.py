@@ -1,5 +1,6 @@
 """Stops nothing can confirm (OpenAI-compatible upstreams): a superseded stream is cut and its
-permit held about one token's time; a non-streaming request is left to finish.
+permit held about one token's time; so is a non-streaming ``/v1/completions`` request, sent
+upstream as a stream; one sent as it is (``upstream_stream`` off) is left to finish.
 
 llama-cpp-python's server notices a dropped streaming client after its next chunk and a
 dropped non-streaming one never (tests/interop/test_llama_cpp_python.py checks it)."""
@@ -26,7 +27,12 @@ def script(_path: str, body: dict[str, Any]) -> Script:
 
 
 async def supersede(
-    http: aiohttp.ClientSession, stream: bool, *, after: int = 5, warm: bool = False
+    http: aiohttp.ClientSession,
+    stream: bool,
+    *,
+    after: int = 5,
+    warm: bool = False,
+    upstream_stream: str = "auto",
 ) -> tuple[FakeUpstream, list[dict[str, Any]]]:
     """A long generation superseded once the fake has sent ``after`` tokens of it; with
     ``warm``, after a short stream ran to its end first (``after=1``: once its first piece
@@ -34,7 +40,7 @@ async def supersede(
     # the fake's slot stays busy one more token after a dropped client, as llama-cpp-python's
     async with (
         FakeUpstream(kind="openai", slots=1, script=script, abort_linger_s=TOKEN_S) as fake,
-        run_proxy(fake.url) as px,
+        run_proxy(fake.url, upstream_stream=upstream_stream) as px,
     ):
         headers = {"X-LLMProxy-Session": "editor"}
 
@@ -91,10 +97,22 @@ async def test_a_stream_cut_after_its_first_piece_is_held_the_upstreams_recent_t
     assert first["confirm_wait_ms"] < 1000 * 10 * TOKEN_S  # not unconfirmed_cancel_hold_s (1 s)
 
 
-async def test_superseded_non_streaming_request_runs_to_its_end(
+async def test_superseded_non_streaming_request_is_cut_as_a_stream(
     http: aiohttp.ClientSession,
 ) -> None:
-    fake, (first, _second) = await supersede(http, stream=False)
+    """Sent upstream as a stream: cut at once and held about one token, like a stream."""
+    fake, (first, second) = await supersede(http, stream=False)
+    assert fake.generations[0].body["stream"] is True
+    assert len(fake.aborted) == 1 and fake.max_concurrent == 1
+    assert first["outcome"] == "superseded" and second["status"] == 200
+    assert first["confirm_wait_ms"] < 1000 * 10 * TOKEN_S
+
+
+async def test_superseded_non_streaming_request_sent_as_it_is_runs_to_its_end(
+    http: aiohttp.ClientSession,
+) -> None:
+    fake, (first, _second) = await supersede(http, stream=False, upstream_stream="off")
+    assert fake.generations[0].body["stream"] is False
     assert fake.aborted == [] and len(fake.completed) == 2 and fake.max_concurrent == 1
     assert (
         first["outcome"] == "completed" and first["status"] == 200
