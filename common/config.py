@@ -116,6 +116,20 @@ class _Once(argparse._StoreAction):
         super().__call__(parser, ns, values, option)
 
 
+class _Joined(argparse.Action):
+    """A flag that may be repeated: its values are joined with commas (a comma list)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        ns: argparse.Namespace,
+        values: Any,
+        option: Any = None,
+    ) -> None:
+        earlier = getattr(ns, self.dest, None)
+        setattr(ns, self.dest, f"{earlier},{values}" if earlier else values)
+
+
 class _BoolOnce(argparse.BooleanOptionalAction):
     """``--x/--no-x``, remembering a second occurrence of either for ``settings_from_args``."""
 
@@ -134,7 +148,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettin
     """Add one ``--flag`` per settings field (defaults suppressed: unset means "not given").
 
     Each flag, ``--config`` included, may be given once: ``settings_from_args`` rejects a
-    repeat (a list setting takes its items comma-separated in one flag)."""
+    repeat (a list setting takes its items comma-separated in one flag), except a string
+    field marked ``json_schema_extra={"repeatable": True}``, whose repeats make a comma list."""
     env_prefix = cls.model_config.get("env_prefix", "")
     for name, field in cls.model_fields.items():
         tp = _unwrap_optional(field.annotation)
@@ -153,7 +168,9 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettin
             kwargs["type"] = lambda s: [x.strip() for x in s.split(",") if x.strip()]
         elif typing.get_origin(tp) is typing.Literal:
             kwargs["choices"] = [str(c) for c in typing.get_args(tp)]
-        parser.add_argument(_flag(name), action=_Once, **kwargs)
+        extra = field.json_schema_extra
+        repeatable = isinstance(extra, dict) and extra.get("repeatable") is True
+        parser.add_argument(_flag(name), action=_Joined if repeatable else _Once, **kwargs)
     parser.add_argument(
         "--config",
         action=_Once,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import aiohttp
 import structlog
 from aiohttp import web
 
@@ -16,14 +15,16 @@ from llmproxy.proxy.http import admin
 from llmproxy.proxy.http.handlers import gated
 from llmproxy.proxy.http.middleware import proxy_middleware
 from llmproxy.proxy.http.passthrough import passthrough
+from llmproxy.proxy.pool.lifecycle import running_pool
+from llmproxy.proxy.pool.specs import settings_for, upstream_specs
 from llmproxy.proxy.reuse.registry import Generations
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import METRICS, REQUEST_LOG, SETTINGS, STATE, UPSTREAM_URL, ProxyState
 from llmproxy.proxy.telemetry.metrics import Metrics
 from llmproxy.proxy.telemetry.request_log import RequestLog
-from llmproxy.proxy.upstream.adapters.base import upstream_authorization
 from llmproxy.proxy.upstream.detect import create_adapter
 from llmproxy.proxy.upstream.embedded import embedded_backend
+from llmproxy.proxy.upstream.session import open_session
 from llmproxy.proxy.upstream.watch import gate_capacity, watching
 
 log = structlog.get_logger("llmproxy.app")
@@ -45,7 +46,7 @@ async def dispatch_gated(request: web.Request) -> web.StreamResponse:
     else passed through."""
     st = request.app[STATE]
     st.jobs.track_current()  # a graceful stop waits for this response too
-    if request.path not in st.adapter.gated_routes:
+    if request.path not in st.gated_routes():
         return await passthrough(request)
     return await gated(request)
 
@@ -60,34 +61,36 @@ async def _request_log_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     s = app[SETTINGS]
-    timeout = aiohttp.ClientTimeout(
-        total=None, sock_connect=s.connect_timeout_s, sock_read=s.read_timeout_s
-    )
-    connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=True)
-    async with aiohttp.ClientSession(
-        timeout=timeout,
-        connector=connector,
-        auto_decompress=False,
-        cookie_jar=aiohttp.DummyCookieJar(),  # one session serves every client: keep none of theirs
-        skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
-        # the session's own requests: probes and polls
-        headers={"Authorization": auth} if (auth := upstream_authorization(s)) else None,
-    ) as session:
-        adapter = await create_adapter(session, s, app[UPSTREAM_URL])
+    specs = upstream_specs(s)
+    jobs = JobRegistry()
+    generations = Generations(s.reuse_ttl_s, s.reuse_grace_s) if s.type_through == "on" else None
+    if len(specs) > 1:
+        async with running_pool(s, specs) as pool:
+            first = pool.members[0]
+            app[STATE] = ProxyState(
+                s, first.session, first.adapter, first.gate, jobs, app[METRICS], first.breaker,
+                generations, pool=pool,
+            )  # fmt: skip
+            app[METRICS].bind_pool(pool)
+            yield
+            pool.close()
+            await jobs.drain(0)  # on_shutdown drained already: cut anything that started since
+        return
+    own = settings_for(s, specs[0]) if specs else s  # none: the embedded backend's
+    async with open_session(own) as session:
+        adapter = await create_adapter(session, own, app[UPSTREAM_URL])
         gate = Gate(
-            gate_capacity(s, adapter),
-            s.max_queue,
-            retry_after_s=s.retry_after_s,
-            affinity_wait_s=s.affinity_wait_s,
+            gate_capacity(own, adapter),
+            own.max_queue,
+            retry_after_s=own.retry_after_s,
+            affinity_wait_s=own.affinity_wait_s,
         )
         app[METRICS].bind_gate(gate)
-        jobs = JobRegistry()
-        breaker = CircuitBreaker(s.breaker_threshold, s.breaker_cooldown_s)
+        breaker = CircuitBreaker(own.breaker_threshold, own.breaker_cooldown_s)
         app[METRICS].bind_breaker(breaker)
-        generations = (
-            Generations(s.reuse_ttl_s, s.reuse_grace_s) if s.type_through == "on" else None
+        app[STATE] = ProxyState(
+            own, session, adapter, gate, jobs, app[METRICS], breaker, generations
         )
-        app[STATE] = ProxyState(s, session, adapter, gate, jobs, app[METRICS], breaker, generations)
         async with watching(app[STATE]):  # learns what detection could not, while serving
             yield
         gate.close()
@@ -102,6 +105,8 @@ async def _on_shutdown(app: web.Application) -> None:
     server.py owns the sequence)."""
     if STATE in app:
         st = app[STATE]
+        if st.pool is not None:
+            st.pool.close()
         st.gate.close()
         await st.jobs.drain(st.settings.shutdown_timeout_s)
 
@@ -111,8 +116,9 @@ def build_app(settings: ProxySettings) -> web.Application:
     app[SETTINGS] = settings
     app[METRICS] = Metrics()
     app.cleanup_ctx.append(_request_log_ctx)
-    if settings.upstream:
-        app[UPSTREAM_URL] = settings.upstream
+    specs = upstream_specs(settings)
+    if specs:
+        app[UPSTREAM_URL] = specs[0].url
     else:
         app.cleanup_ctx.append(embedded_backend)  # sets UPSTREAM_URL once the backend is ready
     app.cleanup_ctx.append(_upstream_ctx)

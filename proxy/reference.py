@@ -39,7 +39,14 @@ def _default(cls: type[BaseSettings], name: str) -> Any:
 
 def _type(cls: type[BaseSettings], name: str) -> str:
     text = str(cls.model_fields[name].annotation)
-    for junk in ("typing.", "pathlib.", "pydantic.types.", "<class '", "'>"):
+    for junk in (
+        "typing.",
+        "pathlib.",
+        "pydantic.types.",
+        "llmproxy.proxy.pool.specs.",
+        "<class '",
+        "'>",
+    ):
         text = text.replace(junk, "")
     return text.replace("|", "\\|")
 

@@ -6,7 +6,7 @@ Built once by the CLI (see common/config.py) and passed down explicitly; frozen.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -14,6 +14,13 @@ from yarl import URL
 
 from llmproxy.common.config import LayeredSettings
 from llmproxy.common.loops import LoopChoice
+from llmproxy.proxy.pool.specs import (
+    RoutePolicy,
+    UpstreamSpec,
+    coerce_spec,
+    split_urls,
+    upstream_specs,
+)
 
 COMPLETION_ROUTES = ("/infill", "/completion", "/v1/completions", "/completions", "/api/generate")
 SESSION_PARTS = ("peer", "user_agent", "authorization", "route_family", "model")
@@ -35,8 +42,22 @@ class ProxySettings(LayeredSettings):
     # upstream
     upstream: str | None = Field(
         None,
-        description="Backend base URL (e.g. http://127.0.0.1:8012); unset = start the embedded "
-        "backend",
+        description="Backend base URL (e.g. http://127.0.0.1:8012); several: a comma list, or "
+        "the flag repeated; unset (and no upstreams) = start the embedded backend",
+        json_schema_extra={"repeatable": True},
+    )
+    upstreams: list[UpstreamSpec] = Field(
+        [],
+        description="More upstreams, with their own settings: TOML [[upstreams]] tables (url, "
+        "name, kind, capacity, api_key, weight)",
+    )
+    route: RoutePolicy = Field(
+        "cache",
+        description="Several upstreams: which one a request goes to: cache (the one holding most "
+        "of its prompt), session (the session's own), least-busy, round-robin",
+    )
+    health_interval_s: float = Field(
+        5.0, gt=0, description="Several upstreams: how often each is probed for health"
     )
     upstream_stream: Literal["auto", "on", "off"] = Field(
         "auto",
@@ -251,31 +272,25 @@ class ProxySettings(LayeredSettings):
 
     @field_validator("upstream")
     @classmethod
-    def _http_url(cls, url: str | None) -> str | None:
-        if url is None:
-            return url
-        try:
-            parsed = URL(url)
-        except ValueError as exc:
-            raise ValueError(f"not a URL: {exc}") from None
-        if parsed.scheme not in ("http", "https") or not parsed.host:
-            raise ValueError(
-                "must be an http:// or https:// URL with a host, e.g. http://127.0.0.1:8012"
-            )
-        if parsed.query_string or parsed.fragment:
-            raise ValueError("must be a base URL without a query or fragment")
-        return url
+    def _http_urls(cls, value: str | None) -> str | None:
+        if value is not None:
+            split_urls(value)
+        return value
+
+    @field_validator("upstreams", mode="before")
+    @classmethod
+    def _specs(cls, items: Any) -> Any:
+        return [coerce_spec(i) for i in items] if isinstance(items, list) else items
 
     @model_validator(mode="after")
     def _check(self) -> ProxySettings:
         if self.confirm_poll_max_s < self.confirm_poll_min_s:
             raise ValueError("confirm_poll_max_s must be >= confirm_poll_min_s")
-        if (
-            self.upstream_api_key is not None
-            and self.upstream
-            and URL(self.upstream).user is not None
-        ):
-            raise ValueError(
-                "give the upstream either credentials in its URL or upstream_api_key, not both"
-            )
+        for spec in upstream_specs(self):  # or ValueError: a name twice
+            key = spec.api_key or self.upstream_api_key
+            if key is not None and URL(spec.url).user is not None:
+                raise ValueError(
+                    f"give upstream {spec.label} either credentials in its URL or an API key, "
+                    "not both"
+                )
         return self

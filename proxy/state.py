@@ -12,6 +12,7 @@ from llmproxy.common.server import StopRequest
 from llmproxy.proxy.gating.breaker import CircuitBreaker
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.registry import JobRegistry
+from llmproxy.proxy.pool.pool import Pool
 from llmproxy.proxy.reuse.registry import Generations
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.telemetry.metrics import Metrics
@@ -30,6 +31,22 @@ class ProxyState:
     metrics: Metrics
     breaker: CircuitBreaker
     generations: Generations | None = None  # type-through; None when off
+    # several upstreams: requests are routed among them (adapter, gate and breaker above
+    # are then the first upstream's, for what is not per request)
+    pool: Pool | None = None
+
+    def passthrough_adapter(self) -> Adapter:
+        """The adapter an ungated request goes to: the first upstream in rotation."""
+        if self.pool is not None:
+            members = self.pool.rotation() or self.pool.members
+            return members[0].adapter
+        return self.adapter
+
+    def gated_routes(self) -> frozenset[str]:
+        """Routes gated on some upstream (several: on any of them)."""
+        if self.pool is not None:
+            return frozenset().union(*(m.adapter.gated_routes for m in self.pool.members))
+        return self.adapter.gated_routes
 
     def policy(
         self,

@@ -67,6 +67,16 @@ RULES = {
         ),
         (),
     ),
+    # several upstreams: builds on the gate and the upstream side, never on the HTTP face
+    "proxy/pool": (
+        (
+            "llmproxy.proxy.http",
+            "llmproxy.proxy.telemetry",
+            "llmproxy.proxy.reuse",
+            "llmproxy.proxy.state",
+        ),
+        (),
+    ),
     # what requests did; observes the gate and the breaker, serves nobody's requests
     "proxy/telemetry": (("llmproxy.proxy.http", "llmproxy.proxy.upstream"), ()),
     # the upstream side never reaches back into the HTTP face

@@ -48,6 +48,12 @@ class CircuitBreaker:
             return "half_open"
         return "open"
 
+    @property
+    def admissible(self) -> bool:
+        """Would ``admit`` let a request through now?"""
+        state = self.state
+        return state == "closed" or (state == "half_open" and not self._probe_out)
+
     def admit(self) -> bool:
         """Let a request through? Returns True if it is the half-open probe. Raises when open."""
         state = self.state

@@ -71,6 +71,7 @@ class Gate:
         self._closed = False
         self._idle = asyncio.Event()
         self._idle.set()
+        self.on_advance: Callable[[], None] | None = None  # after permits came back (pool.py)
 
     # -- observation --------------------------------------------------------------
     @property
@@ -125,6 +126,7 @@ class Gate:
         route: str = "",
         permits: int = 1,
         sizer: Callable[[int], int] | None = None,
+        supersedes: bool | None = None,
     ) -> Ticket:
         """Admit a new request (never blocks). Admission is decided first; only an admitted
         newcomer supersedes anything, so a 429 never costs the session its running request.
@@ -132,7 +134,8 @@ class Gate:
         ``permits``: how many slots the request runs on at once (1 to ``total``; the
         handler answers 400 above that, as the upstream would). ``sizer``: if the ticket has
         to wait, its count is asked again when it reaches the head of the queue (see the
-        module's contract)."""
+        module's contract). ``supersedes`` (default ``supersedable``): it supersedes the
+        session's other requests here (a pool of upstreams did that already)."""
         if not 1 <= permits <= self.total:
             raise ValueError(f"permits must be 1..{self.total}, got {permits}")
         if self._closed:
@@ -145,8 +148,8 @@ class Gate:
         future = asyncio.get_running_loop().create_future()
         ticket = Ticket(next(self._ids), session, supersedable, route, future, permits, sizer)
         self._idle.clear()
-        if supersedable:
-            self._supersede_inflight(session)
+        if supersedable if supersedes is None else supersedes:
+            self.supersede_inflight(session)
         if replaced is not None:
             old = self._queue[replaced]
             self._queue[replaced] = ticket  # the newcomer takes the old one's position
@@ -164,7 +167,8 @@ class Gate:
                 return i
         return None
 
-    def _supersede_inflight(self, session: str) -> None:
+    def supersede_inflight(self, session: str) -> None:
+        """Ask the session's supersedable requests holding permits here to stop."""
         for old in list(self._inflight.values()):
             if old.supersedable and old.session == session:
                 if old.state == "granted":
@@ -238,6 +242,8 @@ class Gate:
         picked first: see ``Slots.put``)."""
         self._grant_waiters()
         self._check_idle()
+        if self.on_advance is not None:
+            self.on_advance()  # a pool's queue may place its head here now
 
     def grow(self, capacity: int) -> None:
         """More slots (ids up to ``capacity`` - 1): the upstream's slot count became known

@@ -7,12 +7,14 @@ any other path under it a 404, and nothing there is ever forwarded to the upstre
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmproxy.proxy.errors import NotAllowed, NotFound
-from llmproxy.proxy.state import REQUEST_LOG, STATE
+from llmproxy.proxy.gating.ticket import Ticket
+from llmproxy.proxy.state import REQUEST_LOG, STATE, ProxyState
 
 
 async def health(request: web.Request) -> web.Response:
@@ -22,50 +24,98 @@ async def health(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     st = request.app[STATE]
+    if st.pool is not None:
+        return web.json_response(pool_status(st))
     gate = st.gate
     now = time.monotonic()
-    inflight = [
-        {
-            "id": t.id,
-            "slot": t.slot,
-            "slots": list(t.slots),
-            "state": t.state,
-            "route": t.route,
-            "session": t.session[:8],  # redacted: a prefix of the hashed key
-            "age_s": round(now - (t.granted_at or t.created), 3),
-        }
-        for t in gate.inflight_snapshot()
-    ]
-    queued = [
-        {
-            "id": t.id,
-            "route": t.route,
-            "permits": t.permits,
-            "session": t.session[:8],
-            "age_s": round(now - t.created, 3),
-        }
-        for t in gate.queue_snapshot()
-    ]
     return web.json_response(
         {
             "permits": {"total": gate.capacity, "free": gate.free, "held": gate.held},
-            "queue": {"depth": gate.queued, "max": gate.max_queue, "requests": queued},
+            "queue": {
+                "depth": gate.queued,
+                "max": gate.max_queue,
+                "requests": [_queued(t, now) for t in gate.queue_snapshot()],
+            },
             # slots whose stop was not confirmed in time: out of the grants until seen idle
             "quarantine": {"slots": gate.quarantined},
-            "inflight": inflight,
+            "inflight": [_inflight(t, now) for t in gate.inflight_snapshot()],
             "upstream": st.adapter.describe(),
             "jobs": len(st.jobs),
             "breaker": st.breaker.state,
-            "policies": {
-                "supersede_inflight": st.policy(st.settings.supersede_inflight),
-                "on_disconnect": st.policy(st.settings.on_disconnect),
-                # gated routes whose stop this upstream cannot confirm: 'auto' is 'finish' there
-                "unconfirmed_routes": sorted(
-                    r for r in st.adapter.gated_routes if not st.adapter.confirms(r)
-                ),
-            },
+            "policies": _policies(st),
         }
     )
+
+
+def pool_status(st: ProxyState) -> dict[str, Any]:
+    """Several upstreams: the same fields, pool-wide, and ``upstreams``, one entry each."""
+    assert st.pool is not None
+    members, now = st.pool.members, time.monotonic()
+    gates = [m.gate for m in members]
+    return {
+        "permits": {
+            "total": sum(g.capacity for g in gates),
+            "free": sum(g.free for g in gates),
+            "held": sum(g.held for g in gates),
+        },
+        "queue": {
+            "depth": len(st.pool.queue),
+            "max": st.pool.max_queue,
+            "requests": [
+                {
+                    "id": e.id,
+                    "route": e.route,
+                    "session": e.session[:8],
+                    "age_s": round(now - e.created, 3),
+                }
+                for e in st.pool.queue
+            ],
+        },  # fmt: skip
+        "quarantine": {"slots": [f"{m.name}/{s}" for m in members for s in m.gate.quarantined]},
+        "inflight": [
+            {**_inflight(t, now), "upstream": m.name}
+            for m in members
+            for t in m.gate.inflight_snapshot()
+        ],
+        "upstream": members[0].adapter.describe(),
+        "jobs": len(st.jobs),
+        "breaker": "closed" if any(m.breaker.state == "closed" for m in members) else "open",
+        "policies": {**_policies(st), "route": st.settings.route},
+        "upstreams": [m.describe() for m in members],
+    }
+
+
+def _inflight(t: Ticket, now: float) -> dict[str, Any]:
+    return {
+        "id": t.id,
+        "slot": t.slot,
+        "slots": list(t.slots),
+        "state": t.state,
+        "route": t.route,
+        "session": t.session[:8],  # redacted: a prefix of the hashed key
+        "age_s": round(now - (t.granted_at or t.created), 3),
+    }
+
+
+def _queued(t: Ticket, now: float) -> dict[str, Any]:
+    return {
+        "id": t.id,
+        "route": t.route,
+        "permits": t.permits,
+        "session": t.session[:8],
+        "age_s": round(now - t.created, 3),
+    }
+
+
+def _policies(st: ProxyState) -> dict[str, Any]:
+    return {
+        "supersede_inflight": st.policy(st.settings.supersede_inflight),
+        "on_disconnect": st.policy(st.settings.on_disconnect),
+        # gated routes whose stop this upstream cannot confirm: 'auto' is 'finish' there
+        "unconfirmed_routes": sorted(
+            r for r in st.adapter.gated_routes if not st.adapter.confirms(r)
+        ),
+    }
 
 
 async def metrics(request: web.Request) -> web.Response:

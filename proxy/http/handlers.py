@@ -18,22 +18,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 from aiohttp import web
 
-from llmproxy.proxy.errors import ProxyError, QueueTimeout
-from llmproxy.proxy.gating.sessions import is_warmup, session_key
+from llmproxy.proxy.errors import QueueTimeout
+from llmproxy.proxy.gating.sessions import session_key
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.http.bodies import parse_json_object, read_body
-from llmproxy.proxy.http.security import auth_headers_to_strip
+from llmproxy.proxy.http.granted import Target, continuable, forward_granted
+from llmproxy.proxy.http.pooled import pooled
 from llmproxy.proxy.reuse.answer import reused
-from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import RECORD, STATE, ProxyState
-from llmproxy.proxy.upstream.adapters.base import Adapter
-from llmproxy.proxy.upstream.headers import request_headers
-from llmproxy.proxy.upstream.job import UpstreamJob, UpstreamRequest
-from llmproxy.proxy.upstream.responder import Responder
 
 
 class _Sizing:
@@ -69,13 +64,15 @@ async def gated(request: web.Request) -> web.StreamResponse:
         path=request.path,
         body=parsed,
     )
-    supersedable = _continuable(s, request.path, parsed)
+    supersedable = continuable(s, request.path, parsed)
     if supersedable and st.generations is not None:
         follow = await st.generations.follow(rec.session, request.path, parsed)  # may wait
         if follow is not None:
             resp = await reused(st, request, follow)
             if resp is not None:
                 return resp  # else the generation failed first: this request runs on its own
+    if st.pool is not None:
+        return await pooled(st, request, raw, supersedable)
     sizing = _Sizing(st, request.path, parsed)
     rec.permits = permits = sizing(st.gate.total)  # or BadRequest
     probe = st.breaker.admit()  # raises UpstreamUnavailable (503) while the breaker is open
@@ -92,12 +89,9 @@ async def gated(request: web.Request) -> web.StreamResponse:
         st.breaker.neutral(probe)
         raise
     rec.permits = ticket.permits
-    return await _forward(st, sizing.adapter, ticket, request, raw, probe)
-
-
-def _continuable(s: ProxySettings, path: str, parsed: Any) -> bool:
-    """May later keystrokes continue this request's generation (type-through)?"""
-    return s.supersede and path in s.supersede_routes and not is_warmup(parsed)
+    return await forward_granted(
+        st, Target(st.gate, st.breaker, sizing.adapter), ticket, request, raw, probe
+    )
 
 
 async def _wait_for_permit(st: ProxyState, ticket: Ticket, request: web.Request) -> None:
@@ -118,61 +112,3 @@ async def _wait_for_permit(st: ProxyState, ticket: Ticket, request: web.Request)
         rec.outcome = "cancelled_queued"
         raise
     rec.queue_wait_s = time.monotonic() - ticket.created
-
-
-async def _forward(
-    st: ProxyState, adapter: Adapter, ticket: Ticket, request: web.Request, raw: bytes, probe: bool
-) -> web.StreamResponse:
-    s = st.settings
-    rec = request[RECORD]
-    upstream_req = UpstreamRequest(
-        method=request.method,
-        path=request.path,
-        raw_path=request.raw_path,
-        headers=request_headers(request.headers, strip=auth_headers_to_strip(s)),
-        body=raw,
-    )
-    out = Responder(
-        request,
-        rec.request_id,
-        buffer_bytes=s.client_buffer_bytes,
-        write_timeout_s=s.client_write_timeout_s,
-    )
-    try:
-        job = UpstreamJob(  # takes the permit (raises Superseded if replaced since the grant)
-            gate=st.gate,
-            ticket=ticket,
-            adapter=adapter,
-            request=upstream_req,
-            out=out,
-            record=rec,
-            metrics=st.metrics,
-            breaker=st.breaker,
-            breaker_probe=probe,
-            supersede_policy=st.policy(
-                s.supersede_inflight, request.path, adapter, rec.parsed_body
-            ),
-            disconnect_policy=st.policy(s.on_disconnect, request.path, adapter, rec.parsed_body),
-            unconfirmed_hold_s=s.unconfirmed_cancel_hold_s,
-            generations=st.generations if _continuable(s, request.path, rec.parsed_body) else None,
-        )
-    except BaseException:
-        st.breaker.neutral(probe)
-        raise
-    rec.slot = job.slot
-    rec.add_ref()
-    st.jobs.spawn(job.run())
-    try:
-        resp = await out.outcome()
-    except (asyncio.CancelledError, ConnectionResetError):
-        # CancelledError: aiohttp noticed the disconnect; ConnectionResetError: the client's
-        # connection closed under a write before anything was sent.
-        rec.client_gone = True
-        job.client_gone()
-        raise
-    except ProxyError:
-        raise  # an error before the response started: the middleware answers with the envelope
-    if out.gone:  # the connection closed under a write, before aiohttp noticed
-        rec.client_gone = True
-        job.client_gone()
-    return resp

@@ -35,7 +35,15 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
         write_timeout_s=st.settings.client_write_timeout_s,
     )
     try:
-        await forward(st.adapter, request.method, request.raw_path, headers, body or None, out, rec)
+        await forward(
+            st.passthrough_adapter(),
+            request.method,
+            request.raw_path,
+            headers,
+            body or None,
+            out,
+            rec,
+        )
     except ProxyError as exc:
         rec.upstream_error = exc
         out.fail(exc)  # answered in the envelope, or the started stream's last event

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from llmproxy.proxy.gating.breaker import CircuitBreaker
 from llmproxy.proxy.gating.gate import Gate
+from llmproxy.proxy.telemetry.upstreams import BREAKER_CODES, PoolView, UpstreamMetrics
 
 if TYPE_CHECKING:
     from llmproxy.proxy.telemetry.record import RequestRecord
@@ -96,15 +97,19 @@ class Metrics:
         )
         self.breaker_state = Gauge(
             "llmproxy_breaker_state",
-            "Upstream circuit breaker: 0 closed, 1 open, 2 half-open",
+            "Upstream circuit breaker: 0 closed, 1 open, 2 half-open (several upstreams: the "
+            "best of theirs)",
             registry=r,
         )
+        self.upstreams = UpstreamMetrics(r)
 
     def observe(self, rec: RequestRecord) -> None:
         """Count a finished gated request by outcome and observe the timings it has."""
         if not rec.gated:
             return
         self.requests.labels(outcome=rec.outcome, route=rec.path).inc()
+        if rec.upstream_name is not None:
+            self.upstreams.observe(rec.upstream_name, rec.route_decision)
         if rec.reused_tokens:
             self.reused_tokens.inc(rec.reused_tokens)
         for histogram, value in (
@@ -118,8 +123,20 @@ class Metrics:
                 histogram.observe(value)
 
     def bind_breaker(self, breaker: CircuitBreaker) -> None:
-        codes = {"closed": 0, "open": 1, "half_open": 2}
-        self.breaker_state.set_function(lambda: codes[breaker.state])
+        self.breaker_state.set_function(lambda: BREAKER_CODES[breaker.state])
+
+    def bind_pool(self, pool: PoolView) -> None:
+        """Several upstreams: the gauges above sum theirs (the queue is the pool's)."""
+        gates = [m.gate for m in pool.members]
+        self.queue_depth.set_function(lambda: len(pool.queue) + sum(g.queued for g in gates))
+        self.inflight.set_function(lambda: sum(g.inflight for g in gates))
+        self.permits_free.set_function(lambda: sum(g.free for g in gates))
+        self.permits_total.set_function(lambda: sum(g.capacity for g in gates))
+        self.permits_quarantined.set_function(lambda: sum(len(g.quarantined) for g in gates))
+        self.breaker_state.set_function(
+            lambda: min(BREAKER_CODES[m.breaker.state] for m in pool.members)
+        )
+        self.upstreams.bind(pool)
 
     def bind_gate(self, gate: Gate) -> None:
         self.queue_depth.set_function(lambda: gate.queued)

@@ -48,6 +48,9 @@ class RequestRecord:
     confirm_timed_out: bool = False
     superseded_inflight: bool = False
     reused_tokens: int | None = None  # answered from a running generation (type-through)
+    upstream_name: str | None = None  # several upstreams: the one it was routed to ...
+    route_decision: str | None = None  # ... and why (pool/router.py)
+    failover: str | None = None  # the upstream it could not reach first
     client_gone: bool = False
     error: str | None = None
     ended_at: float | None = None  # wall clock, for the line's timestamp
@@ -102,6 +105,9 @@ class RequestRecord:
             "status": self.status,
             "outcome": self.outcome,
             "session": self.session,
+            "upstream": self.upstream_name,
+            "route_decision": self.route_decision,
+            "failover_from": self.failover,
             "slot": self.slot,
             "permits": self.permits if self.permits > 1 else None,
             "reached_upstream": self.sent,

@@ -37,10 +37,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.settings import ProxySettings
-from llmproxy.proxy.state import ProxyState
 from llmproxy.proxy.upstream.adapters.base import Adapter, log
 from llmproxy.proxy.upstream.detect import redetect
 
@@ -49,7 +49,15 @@ WATCH_MAX_S = 30.0
 REDETECT_MAX_S = 5.0
 
 
-async def watch_upstream(state: ProxyState) -> None:
+class Watched(Protocol):
+    """What is watched: the app's state, or one upstream of a pool (pool/member.py)."""
+
+    settings: ProxySettings
+    gate: Gate
+    adapter: Adapter
+
+
+async def watch_upstream(state: Watched) -> None:
     settings, gate = state.settings, state.gate
     replaced: list[Adapter] = []
     delay = WATCH_FIRST_S
@@ -110,7 +118,7 @@ def _fit_gate(gate: Gate, settings: ProxySettings, adapter: Adapter) -> None:
 
 
 @contextlib.asynccontextmanager
-async def watching(state: ProxyState) -> AsyncIterator[None]:
+async def watching(state: Watched) -> AsyncIterator[None]:
     """Run ``watch_upstream`` while the block runs (only if something is pending)."""
     if not state.adapter.pending():
         yield

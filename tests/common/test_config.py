@@ -157,9 +157,9 @@ BAD_TOML = "max_queue = 3\nport = \n"
         (["bench", "soak", "--config", "{bad}"], {}, r"  --config: \S+bad\.toml is not valid TOML"),
         (["serve", "--config", "{missing}"], {}, r"  --config: file not found: \S+missing\.toml"),
         (
-            ["serve", "--upstream", "http://127.0.0.1:9", "--upstream", "http://127.0.0.1:8"],
+            ["serve", "--host", "127.0.0.1", "--host", "::1"],
             {},
-            r"  --upstream is given more than once \(again as 'http://127.0.0.1:8'\); give it once",
+            r"  --host is given more than once \(again as '::1'\); give it once",
         ),
         (
             ["backend", "--port", "0", "--port", "0"],

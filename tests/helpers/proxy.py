@@ -30,7 +30,7 @@ class RunningProxy:
 
 
 @asynccontextmanager
-async def run_proxy(upstream: str, **overrides: Any) -> AsyncIterator[RunningProxy]:
+async def run_proxy(upstream: str | None, **overrides: Any) -> AsyncIterator[RunningProxy]:
     settings = ProxySettings(
         **{"upstream": upstream, "port": 0, "detect_timeout_s": 0, **overrides}
     )

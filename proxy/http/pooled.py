@@ -1,0 +1,89 @@
+"""The gated handler's path with several upstreams: the pool's queue, then the upstream the
+request was routed to, as with one upstream (granted.py).
+
+Failover: a request whose connection to its upstream could not be made (refused,
+unreachable, connect timeout: none of its bytes left) goes to another upstream in rotation,
+once, at the head of the queue. Never once it may have reached one: no generation runs twice.
+
+Concurrency contract: the handler task belongs to the client connection; while queued a
+cancellation abandons the pool entry (pool.py), from the grant on the upstream job owns the
+permits (granted.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from aiohttp import web
+
+from llmproxy.proxy.errors import UpstreamConnectTimeout, UpstreamUnreachable
+from llmproxy.proxy.http.granted import Target, forward_granted
+from llmproxy.proxy.pool.member import Member
+from llmproxy.proxy.state import RECORD, ProxyState
+
+
+async def pooled(
+    st: ProxyState, request: web.Request, raw: bytes, supersedable: bool
+) -> web.StreamResponse:
+    assert st.pool is not None
+    rec = request[RECORD]
+    parsed = rec.parsed_body
+    member, resp = await _once(st, request, raw, parsed, supersedable, None)
+    if resp is None:  # nothing of it left: once more, on another upstream
+        rec.upstream_error, rec.upstream_status, rec.failover = None, None, member.name
+        _, resp = await _once(st, request, raw, parsed, supersedable, member)
+        assert resp is not None
+    return resp
+
+
+async def _once(
+    st: ProxyState,
+    request: web.Request,
+    raw: bytes,
+    parsed: Any,
+    supersedable: bool,
+    exclude: Member | None,
+) -> tuple[Member, web.StreamResponse | None]:
+    """One try: (the upstream, the response; None if it failed before anything was sent and
+    another try may go elsewhere)."""
+    assert st.pool is not None
+    rec = request[RECORD]
+    path = request.path
+
+    def sizing(m: Member, capacity: int) -> int:
+        return m.adapter.permits(path, parsed, capacity)  # or BadRequest
+
+    entry = st.pool.submit(
+        rec.session or "",
+        supersedable=supersedable,
+        route=path,
+        parsed=parsed,
+        sizing=sizing,
+        exclude=exclude,
+    )
+    try:
+        placement = await st.pool.acquire(entry, st.settings.queue_timeout_s)
+    except asyncio.CancelledError:
+        rec.client_gone = True
+        rec.outcome = "cancelled_queued"
+        raise
+    m = placement.member
+    rec.queue_wait_s = time.monotonic() - entry.created
+    rec.permits = placement.ticket.permits
+    rec.upstream_name, rec.route_decision = m.name, placement.decision
+    target = Target(m.gate, m.breaker, m.adapter)
+    try:
+        resp = await forward_granted(st, target, placement.ticket, request, raw, placement.probe)
+    except (UpstreamUnreachable, UpstreamConnectTimeout):
+        if exclude is not None or rec.sent or not st.pool.rotation():
+            raise
+        return m, None
+    _learn(m, rec.upstream_ttfb_s, entry.prompt_chars - placement.cached_chars)
+    return m, resp
+
+
+def _learn(member: Member, ttfb_s: float | None, uncached_chars: int) -> None:
+    if ttfb_s is not None:
+        member.learn_prefill(uncached_chars, ttfb_s)

@@ -1,0 +1,1 @@
+"""Several upstreams behind one queue: specs, routing, health (see docs/design.md)."""

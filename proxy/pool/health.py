@@ -1,0 +1,73 @@
+"""Background health probes of a pool's upstreams.
+
+Every ``health_interval_s`` each upstream is asked its kind's liveness route
+(llama-server ``/health``, OpenAI-compatible ``/v1/models``, Ollama ``/api/version``): a
+200 puts it in rotation, anything else (an error status, a timeout, no connection) takes
+it out until a probe succeeds again. Each round ends with the pool's ``advance``, so
+queued requests go to an upstream that came back, or fail fast when none is left, and a
+breaker's cooldown that ended lets its probe request through.
+
+Concurrency contract: one task (``probing``'s), owned by the pool's lifecycle, which
+cancels it at teardown; a probe round runs the upstreams' probes concurrently, each bounded
+by the adapter's probe timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import aiohttp
+import structlog
+
+from llmproxy.proxy.pool.member import Member
+from llmproxy.proxy.pool.pool import Pool
+from llmproxy.proxy.upstream.adapters.base import get_json
+
+log = structlog.get_logger("llmproxy.pool")
+
+PATHS = {"llamacpp": "/health", "ollama": "/api/version"}  # else /v1/models
+
+
+async def probe(member: Member) -> bool:
+    path = PATHS.get(member.adapter.kind, "/v1/models")
+    try:
+        status, _ = await get_json(member.session, member.adapter.base_url.with_path(path))
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return False
+    return status == 200
+
+
+async def probe_round(pool: Pool) -> None:
+    """Probe every upstream once, then let the queue move."""
+    members = list(pool.members)
+    results = await asyncio.gather(*(probe(m) for m in members))
+    for member, ok in zip(members, results, strict=True):
+        if ok != member.healthy:
+            member.healthy = ok
+            if ok:
+                log.info("upstream back in rotation", upstream=member.name)
+            else:
+                log.warning("upstream out of rotation: health probe failed", upstream=member.name)
+    pool.advance()
+
+
+async def _probe_forever(pool: Pool, interval_s: float) -> None:
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await probe_round(pool)
+        except Exception:  # our own bug: say so, keep probing
+            log.exception("health probe round failed")
+
+
+@contextlib.asynccontextmanager
+async def probing(pool: Pool, interval_s: float) -> AsyncIterator[None]:
+    """Probe ``pool``'s upstreams every ``interval_s`` while the block runs."""
+    task = asyncio.create_task(_probe_forever(pool, interval_s), name="llmproxy-health")
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.wait([task])

@@ -1,0 +1,91 @@
+"""One upstream of a pool: its adapter, permits (gate), breaker, health and prompt index.
+
+Everything an upstream has when it is the only one, built the same way from its own
+settings (specs.py): its permits are its slots and its gate keeps its own session -> slot
+affinity, stop confirmation and quarantine; only the queue is the pool's (pool.py).
+
+Concurrency contract: event loop thread only. ``in_rotation`` is read at every grant;
+``healthy`` is written by the health probe (health.py) and ``draining`` when the upstream
+leaves the pool. The member owns its ClientSession and adapter: ``close`` (the pool's
+teardown, after its gate is idle) closes both.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+
+from llmproxy.proxy.gating.breaker import CircuitBreaker
+from llmproxy.proxy.gating.gate import Gate
+from llmproxy.proxy.pool.prefix import PrefixIndex
+from llmproxy.proxy.pool.specs import UpstreamSpec
+from llmproxy.proxy.settings import ProxySettings
+from llmproxy.proxy.upstream.adapters.base import Adapter
+
+#: prefill time per prompt character assumed before one is measured (a small model on CPUs)
+PREFILL_S_PER_CHAR = 0.0005
+
+
+class Member:
+    def __init__(
+        self,
+        spec: UpstreamSpec,
+        settings: ProxySettings,
+        session: aiohttp.ClientSession,
+        adapter: Adapter,
+        gate: Gate,
+    ) -> None:
+        self.spec, self.name = spec, spec.label
+        self.settings, self.session = settings, session
+        self.adapter, self.gate = adapter, gate
+        self.breaker = CircuitBreaker(settings.breaker_threshold, settings.breaker_cooldown_s)
+        self.index = PrefixIndex()
+        self.healthy = not adapter.undetected  # it answered detection
+        self.draining = False
+        self.prefill_s_per_char = PREFILL_S_PER_CHAR
+        self.routed = 0  # requests granted here
+        self.prompt_chars = 0  # their prompts' characters ...
+        self.cached_chars = 0  # ... of which the index said it held
+
+    @property
+    def in_rotation(self) -> bool:
+        """May it be granted requests now? Healthy, breaker not open, not leaving."""
+        return self.healthy and not self.draining and self.breaker.admissible
+
+    def fits(self, permits: int) -> bool:
+        return permits <= self.gate.total
+
+    def has_room(self, permits: int) -> bool:
+        """Can a request needing ``permits`` be granted here at once?"""
+        return self.gate.free >= permits and not self.gate.queued
+
+    def load(self) -> float:
+        """Permits held per unit of weight (least-busy's measure)."""
+        return self.gate.held / max(self.gate.capacity, 1) / self.spec.weight
+
+    def learn_prefill(self, chars: int, ttfb_s: float) -> None:
+        """A request prefilled ``chars`` uncached characters and answered after ``ttfb_s``."""
+        if chars >= 256:
+            rate = ttfb_s / chars
+            self.prefill_s_per_char = 0.8 * self.prefill_s_per_char + 0.2 * rate
+
+    def describe(self) -> dict[str, object]:
+        gate = self.gate
+        return {
+            "name": self.name,
+            "url": str(self.adapter.base_url),
+            "kind": self.adapter.kind,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "breaker": self.breaker.state,
+            "permits": {"total": gate.capacity, "free": gate.free, "held": gate.held},
+            "inflight": gate.inflight,
+            "quarantine": gate.quarantined,
+            "routed": self.routed,
+            "cache_hit_estimate": round(self.cached_chars / self.prompt_chars, 3)
+            if self.prompt_chars
+            else None,
+        }
+
+    async def close(self) -> None:
+        self.adapter.close()
+        await self.session.close()

@@ -1,0 +1,284 @@
+"""The pool: one FIFO wait queue in front of several upstreams, each with its own permits.
+
+Concurrency contract (the Gate's, gating/gate.py, with the upstream chosen at the grant):
+
+- ``submit`` never blocks. It admits a request (``QueueFull``, ``ShuttingDown``;
+  ``UpstreamUnavailable`` when no upstream is in rotation, so a dead pool fails fast;
+  ``BadRequest`` when it fits no upstream), supersedes the session's queued request (the
+  newcomer takes its place) and asks the session's requests in flight on every upstream to
+  stop, then queues an ``Entry``.
+- ``advance`` (on every submit, and whenever an upstream's gate gives permits back, a
+  health probe changes, or a routing wait ends) hands the queue's head to the upstream the
+  router picks (router.py): it submits the request to that upstream's gate, which grants
+  it at once or (waiting for the session's slot being stopped there) soon. Strict FIFO: a
+  head that cannot go anywhere yet holds up the queue behind it.
+- ``acquire`` blocks the request's handler until its permit is granted there, at most the
+  queue timeout (``QueueTimeout``). A cancelled or timed-out waiter abandons its entry:
+  out of the queue, or its upstream's permit returned. From the grant on, the upstream's
+  gate, breaker and adapter are the request's, exactly as with one upstream.
+
+Event loop thread only; the one timer (a routing wait) is a loop handle owned by the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmproxy.proxy.errors import (
+    BadRequest,
+    ProxyError,
+    QueueFull,
+    QueueTimeout,
+    ShuttingDown,
+    Superseded,
+)
+from llmproxy.proxy.gating.breaker import UpstreamUnavailable
+from llmproxy.proxy.gating.ticket import Ticket
+from llmproxy.proxy.pool.member import Member
+from llmproxy.proxy.pool.prefix import block_hashes, prompt_text
+from llmproxy.proxy.pool.router import Choice, Request, Router, Wait
+from llmproxy.proxy.settings import ProxySettings
+
+#: permits a request needs on an upstream (BadRequest: it cannot run there)
+Sizing = Callable[[Member, int], int]
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    member: Member
+    ticket: Ticket
+    probe: bool  # it holds the member's breaker probe
+    decision: str
+    cached_chars: int
+
+
+@dataclass(eq=False)
+class Entry:
+    id: int
+    session: str
+    supersedable: bool
+    route: str
+    request: Request
+    sizer: Callable[[Member], Callable[[int], int]]
+    exclude: Member | None
+    future: asyncio.Future[Placement]
+    prompt_chars: int = 0
+    created: float = field(default_factory=time.monotonic)
+    placement: Placement | None = None
+
+    def end(self, error: ProxyError) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+            self.future.exception()  # retrieved: its waiter may be gone
+
+
+class Pool:
+    def __init__(self, members: Sequence[Member], settings: ProxySettings) -> None:
+        self.members = list(members)
+        self.settings = settings
+        self.router = Router(settings.route, settings.affinity_wait_s)
+        self.max_queue = settings.max_queue
+        self.queue: list[Entry] = []
+        self._ids = itertools.count(1)
+        self._closed = False
+        self._advancing = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+        for m in self.members:
+            m.gate.on_advance = self.advance
+
+    def rotation(self) -> list[Member]:
+        return [m for m in self.members if m.in_rotation]
+
+    # -- admission --------------------------------------------------------------------
+    def submit(
+        self,
+        session: str,
+        *,
+        supersedable: bool,
+        route: str,
+        parsed: Any,
+        sizing: Sizing,
+        exclude: Member | None = None,
+    ) -> Entry:
+        """Admit a request (see the module's contract); ``exclude``: a failover, which goes
+        to the head of the queue and to another upstream than the one it failed on."""
+        if self._closed:
+            raise ShuttingDown("llmproxy is shutting down")
+        members = [m for m in self.rotation() if m is not exclude]
+        if not members:
+            retry = {"Retry-After": str(max(1, round(self.settings.health_interval_s)))}
+            raise UpstreamUnavailable("no upstream is available", headers=retry)
+        sized: dict[int, int | None] = {}
+        first_error: BadRequest | None = None
+
+        def permits(m: Member) -> int | None:
+            nonlocal first_error
+            if id(m) not in sized:
+                try:
+                    sized[id(m)] = sizing(m, m.gate.total)
+                except BadRequest as exc:
+                    first_error = first_error or exc
+                    sized[id(m)] = None
+            return sized[id(m)]
+
+        if all(permits(m) is None for m in members) and first_error is not None:
+            raise first_error
+        replaced = self._queued_index(session) if supersedable else None
+        if replaced is None and exclude is None and len(self.queue) >= self.max_queue:
+            if self.queue or not any(m.has_room(permits(m) or 1) for m in members):
+                raise QueueFull(
+                    f"queue full ({self.max_queue} waiting)",
+                    headers={"Retry-After": str(self.settings.retry_after_s)},
+                )
+        text = prompt_text(route, parsed) if self.settings.route == "cache" else ""
+        entry = Entry(
+            next(self._ids),
+            session,
+            supersedable,
+            route,
+            Request(session, block_hashes(text), permits, time.monotonic()),
+            lambda m: lambda capacity: sizing(m, capacity),
+            exclude,
+            asyncio.get_running_loop().create_future(),
+            prompt_chars=len(text),
+        )
+        self._idle.clear()
+        if supersedable:
+            for m in self.members:
+                m.gate.supersede_inflight(session)
+        if replaced is not None:
+            old, self.queue[replaced] = self.queue[replaced], entry
+            old.end(Superseded("superseded by a newer request from the same session"))
+        elif exclude is not None:
+            self.queue.insert(0, entry)
+        else:
+            self.queue.append(entry)
+        self.advance()
+        return entry
+
+    def _queued_index(self, session: str) -> int | None:
+        for i, old in enumerate(self.queue):
+            if old.supersedable and old.session == session and not old.future.done():
+                return i
+        return None
+
+    async def acquire(self, entry: Entry, timeout_s: float) -> Placement:
+        """Wait until ``entry`` holds its permits on an upstream (see the module's contract)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                placement = await entry.future
+                if not placement.ticket.future.done():
+                    await placement.ticket.wait()
+                placement.ticket.future.result()  # Superseded or ShuttingDown, if so
+        except TimeoutError:
+            self.abandon(entry)
+            raise QueueTimeout(f"no permit within {timeout_s:g}s") from None
+        except BaseException:
+            self.abandon(entry)
+            raise
+        return placement
+
+    def abandon(self, entry: Entry) -> None:
+        """The waiter gave up: out of the queue, or its untaken permits back."""
+        if entry in self.queue:
+            self.queue.remove(entry)
+            if not entry.future.done():
+                entry.future.cancel()
+            self.advance()
+        elif entry.placement is not None:
+            p = entry.placement
+            if p.ticket.state in ("queued", "granted"):
+                p.member.breaker.neutral(p.probe)
+                p.member.gate.abandon(p.ticket)
+
+    # -- granting ---------------------------------------------------------------------
+    def advance(self) -> None:
+        """Hand the queue's head to an upstream while one takes it (see the contract)."""
+        if self._advancing:
+            return
+        self._advancing = True
+        try:
+            self._advance()
+        finally:
+            self._advancing = False
+        self._check_idle()
+
+    def _advance(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self.queue:
+            head = self.queue[0]
+            if head.future.done():
+                self.queue.pop(0)
+                continue
+            members = [m for m in self.rotation() if m is not head.exclude]
+            if not members:
+                self.queue.pop(0)
+                head.end(UpstreamUnavailable("no upstream is available"))
+                continue
+            fits = [m for m in members if head.request.permits(m) is not None]
+            choice = self.router.choose(head.request, fits)
+            if isinstance(choice, Wait):
+                loop = asyncio.get_running_loop()
+                self._timer = loop.call_later(choice.delay_s, self.advance)
+                return
+            if choice is None:
+                return
+            self.queue.pop(0)
+            self._place(head, choice)
+
+    def _place(self, entry: Entry, choice: Choice) -> None:
+        m = choice.member
+        permits = entry.request.permits(m)
+        assert permits is not None
+        try:
+            probe = m.breaker.admit()
+            ticket = m.gate.submit(
+                entry.session,
+                supersedable=entry.supersedable,
+                route=entry.route,
+                permits=permits,
+                sizer=entry.sizer(m),
+                supersedes=False,
+            )
+        except ProxyError as exc:
+            entry.end(exc)
+            return
+        m.index.add(entry.request.hashes)
+        m.routed += 1
+        m.prompt_chars += entry.prompt_chars
+        m.cached_chars += choice.cached_chars
+        entry.placement = Placement(m, ticket, probe, choice.decision, choice.cached_chars)
+        entry.future.set_result(entry.placement)
+
+    # -- observation and shutdown ------------------------------------------------------
+    def _check_idle(self) -> None:
+        if not self.queue and all(not m.gate.inflight and not m.gate.queued for m in self.members):
+            self._idle.set()
+        else:
+            self._idle.clear()
+
+    async def wait_quiescent(self) -> None:
+        """Return once nothing is queued or holds a permit on any upstream."""
+        self._check_idle()
+        await self._idle.wait()
+
+    def close(self) -> None:
+        """Shutdown: refuse new requests, answer the queued ones with ShuttingDown."""
+        self._closed = True
+        queued, self.queue = self.queue, []
+        for entry in queued:
+            entry.end(ShuttingDown("llmproxy is shutting down"))
+        for m in self.members:
+            m.gate.close()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._check_idle()
