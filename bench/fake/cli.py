@@ -41,6 +41,9 @@ class FakeUpstreamSettings(LayeredSettings):
     abort_linger_s: float = Field(
         0.2, ge=0, description="How long a slot stays busy after its client left"
     )
+    prefill_s_per_char: float = Field(
+        0.0, ge=0, description="Prompt-cache model: prefill seconds per uncached prompt char"
+    )
     slots_endpoint: bool = Field(
         True, description="Serve GET /slots (off: 501, like llama-server --no-slots)"
     )
@@ -56,6 +59,7 @@ async def _serve(settings: FakeUpstreamSettings) -> None:
         slots=settings.slots,
         abort_linger_s=settings.abort_linger_s,
         slots_endpoint=settings.slots_endpoint,
+        prefill_s_per_char=settings.prefill_s_per_char,
         script=lambda _p, _b: script,
         host=settings.host,
         port=settings.port,

@@ -7,7 +7,10 @@ says. It gives its slots back right before its last bytes go out, as llama-serve
 a slot before its HTTP thread sends the final result (so a client that sends its next
 request at once never finds the slot still busy). A client that leaves (the handler is
 cancelled) is recorded in ``aborted`` at once; its slots stay busy ``abort_linger_s`` more
-(``SlotTable.linger``).
+(``SlotTable.linger``). With the prompt-cache model on, it evaluates the part of its
+prompt its first slot has not cached (prefill, a sleep on its slots before its first
+token, cancelled like the rest when the client leaves) and leaves its prompt in the
+cache of every slot it ran on.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from llmproxy.bench.fake.prompts import add_timings, common_prefix, prompt_text
 from llmproxy.bench.fake.script import Kind, Received, Script
 from llmproxy.bench.fake.shapes import Shape, dumps, error_body, indexed, json_response, token_count
 
@@ -84,6 +88,7 @@ class Generation:
     ) -> None:
         self.up, self.table = upstream, upstream.table
         self.request, self.rec, self.body, self.shape = request, rec, body, shape
+        self.prompt = prompt_text(rec.path, body) if upstream.prefill_s_per_char > 0 else None
 
     async def run(self) -> web.StreamResponse:
         up, table, rec, body = self.up, self.table, self.rec, self.body
@@ -113,8 +118,9 @@ class Generation:
                 table.free(slots, k)
 
         try:
-            slots = await table.take(body.get("id_slot"), k, rec.id)
-            return await self._respond(script, slots, release)
+            slots = await table.take(body.get("id_slot"), k, rec.id, self.prompt)
+            prefill_s = self._evaluate_prompt(slots)
+            return await self._respond(script, slots, release, prefill_s)
         except (asyncio.CancelledError, ConnectionError):
             if held:  # not after the generation completed (a client gone during the last write)
                 up.aborted.append(rec.id)
@@ -126,11 +132,40 @@ class Generation:
         finally:
             release()
 
+    def _evaluate_prompt(self, slots: tuple[int, ...]) -> float:
+        """Count the prompt against the cache of ``slots[0]`` (the model on), leave it in
+        every slot's cache, and return the prefill's seconds (0.0: the model off)."""
+        up, rec, prompt = self.up, self.rec, self.prompt
+        if prompt is None:
+            return 0.0
+        cached = common_prefix(self.table.slots[slots[0]].prompt, prompt)
+        evaluated = len(prompt) - cached
+        for i in slots:
+            self.table.slots[i].prompt = prompt
+        rec.prompt_chars_evaluated, rec.prompt_chars_cached = evaluated, cached
+        up.prompt_chars_evaluated += evaluated
+        up.prompt_chars_cached += cached
+        self.table.changed()
+        return evaluated * up.prefill_s_per_char
+
+    def _timed(self, obj: Any) -> Any:
+        """``obj`` (closing pieces or a whole body) with llama-server's prompt ``timings``
+        when the model is on and the fake imitates llama-server."""
+        if self.prompt is not None and self.up.kind == "llamacpp":
+            add_timings(
+                self.shape.fmt, obj, self.rec.prompt_chars_evaluated, self.rec.prompt_chars_cached
+            )
+        return obj
+
     async def _respond(
-        self, script: Script, slots: tuple[int, ...], release: Callable[[], None]
+        self,
+        script: Script,
+        slots: tuple[int, ...],
+        release: Callable[[], None],
+        prefill_s: float,
     ) -> web.StreamResponse:
-        """Generate on ``slots`` and answer; ``release()`` frees them right before the last
-        bytes go out."""
+        """Prefill for ``prefill_s``, generate on ``slots`` and answer; ``release()`` frees
+        them right before the last bytes go out."""
         request, shape, n = self.request, self.shape, token_count(script.tokens, self.body)
         stream = shape.wants_stream(self.body)
         resp = web.StreamResponse()
@@ -142,6 +177,8 @@ class Generation:
         if script.fail == "hang_before_headers":
             await self.table.hang()
             return _cut(request, web.StreamResponse(status=503))
+        if prefill_s > 0:
+            await asyncio.sleep(prefill_s)
         if stream:
             return await self._stream(resp, script, slots, n, release)
         return await self._whole(resp, script, slots, n, release)
@@ -180,7 +217,8 @@ class Generation:
                 return _cut(self.request, resp)
         self.up.completed.append(rid)
         release()
-        await resp.write(b"".join(shape.frame(obj) for obj in shape.final(n, rid, slots)))
+        finals = self._timed(shape.final(n, rid, slots))
+        await resp.write(b"".join(shape.frame(obj) for obj in finals))
         await resp.write_eof()
         return resp
 
@@ -196,7 +234,8 @@ class Generation:
         start, delay = asyncio.get_running_loop().time(), script.token_delay_s
         for i in range(n):
             await self.table.tick(slots, start + (i + 1) * delay)
-        payload = dumps(self.shape.whole_all(n, rid, slots, inputs(self.body))).encode()
+        whole = self._timed(self.shape.whole_all(n, rid, slots, inputs(self.body)))
+        payload = dumps(whole).encode()
         if script.fail == "error_event":
             resp.set_status(500)
             payload = dumps({"error": ERROR_EVENT}).encode()

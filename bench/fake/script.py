@@ -45,9 +45,13 @@ class Script:
     padding: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass
 class Received:
-    """One request as it reached the fake (``t`` is ``time.monotonic()`` at receipt)."""
+    """One request as it reached the fake (``t`` is ``time.monotonic()`` at receipt).
+
+    The fake sets the two ``prompt_chars_*`` fields of a generation when it gets its slot,
+    with the prompt-cache model on (``FakeUpstream(prefill_s_per_char>0)``): the prompt
+    characters it evaluated and those its slot had cached. The other fields never change."""
 
     path: str
     body: dict[str, Any] | None
@@ -55,3 +59,5 @@ class Received:
     headers: CIMultiDict[str]  # as received; lookups ignore case
     t: float
     id: int
+    prompt_chars_evaluated: int = 0
+    prompt_chars_cached: int = 0

@@ -1,6 +1,7 @@
 """The fake upstream's slots, its concurrency counters and the change notification.
 
-``SlotTable`` holds llama-server's view of each slot (busy, its task id, tokens decoded),
+``SlotTable`` holds llama-server's view of each slot (busy, its task id, tokens decoded,
+the prompt text it caches when the prompt-cache model is on; see prompts.py),
 ``concurrent`` / ``max_concurrent`` (generations received and not yet finished, waiting
 ones included) and ``deferred`` (generations that found no slot free for them on arrival).
 
@@ -18,12 +19,15 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from llmproxy.bench.fake.prompts import common_prefix
+
 
 @dataclass
 class Slot:
     busy: bool = False
     id_task: int = -1
     n_decoded: int = 0
+    prompt: str = ""  # the prompt cache: the last prompt that ran here (model on only)
 
 
 class SlotTable:
@@ -91,20 +95,28 @@ class SlotTable:
         self.max_concurrent = max(self.max_concurrent, self.concurrent)
         self.changed()
 
-    async def take(self, want: Any, k: int, task_id: int) -> tuple[int, ...]:
+    async def take(
+        self, want: Any, k: int, task_id: int, prompt: str | None = None
+    ) -> tuple[int, ...]:
         """Wait until slot ``want`` (or any slot when absent or < 0) and k - 1 others are idle
         (all at once, as llama-server launches a request with its extra completions), mark
-        them busy and return them, the first one ``want``'s. Waiters are woken in arrival
-        order; a request that finds its slots idle on arrival takes them at once."""
+        them busy and return them, the first one ``want``'s. Without ``want``, the first is
+        the lowest idle slot, or with a ``prompt`` (the prompt-cache model) the idle slot
+        whose cached prompt shares the longest prefix with it (ties: the lowest); the others
+        are the lowest other idle ones. Waiters are woken in arrival order; a request that
+        finds its slots idle on arrival takes them at once."""
         wanted = want if isinstance(want, int) and 0 <= want < len(self.slots) else None
 
         def free() -> tuple[int, ...] | None:
             idle = [i for i, s in enumerate(self.slots) if not s.busy]
-            if wanted is not None:
-                if wanted not in idle:
+            first = wanted
+            if first is None and prompt is not None and idle:
+                first = max(idle, key=lambda i: (common_prefix(self.slots[i].prompt, prompt), -i))
+            if first is not None:
+                if first not in idle:
                     return None
-                idle.remove(wanted)
-                idle.insert(0, wanted)
+                idle.remove(first)
+                idle.insert(0, first)
             return tuple(idle[:k]) if len(idle) >= k else None
 
         got = free()
@@ -114,7 +126,7 @@ class SlotTable:
             got = free()
             assert got is not None
         for i in got:
-            self.slots[i] = Slot(busy=True, id_task=task_id)
+            self.slots[i] = Slot(busy=True, id_task=task_id, prompt=self.slots[i].prompt)
         self.changed()
         return got
 
@@ -122,7 +134,7 @@ class SlotTable:
         """End a generation now (synchronously): free its slots, drop its k from
         ``concurrent``."""
         for i in slots:
-            self.slots[i] = Slot()
+            self.slots[i] = Slot(prompt=self.slots[i].prompt)
         self.concurrent -= k
         self.changed()
 

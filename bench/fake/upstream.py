@@ -12,16 +12,18 @@ Concurrency contract:
 - A *generation* is a POST to a generation route. It counts in ``concurrent`` from the
   moment its request is received (including while it waits for a slot, like llama-server's
   deferred queue) until its slot is idle again. ``id_slot`` >= 0 waits for that slot,
-  otherwise the lowest free slot is taken; waiting requests are woken in arrival order
-  (a newcomer that finds a slot free takes it at once, as in llama-server). A request that
-  found no slot for it on arrival is recorded in ``deferred``. A generation gives its slots
-  back right before its last bytes go out, as llama-server releases a slot before it
-  answers. ``Script.hold`` keeps a generation on its slots until the test sets it.
+  otherwise the lowest free slot is taken (with the prompt-cache model on: see below);
+  waiting requests are woken in arrival order (a newcomer that finds a slot free takes it
+  at once, as in llama-server). A request that found no slot for it on arrival is recorded
+  in ``deferred``. A generation gives its slots back right before its last bytes go out,
+  as llama-server releases a slot before it answers. ``Script.hold`` keeps a generation on
+  its slots until the test sets it.
 - ``n_cmpl`` (alias ``n``; llamacpp kind) = k > 1 asks for k completions at once, as
-  llama-server runs them: on k slots together (``id_slot``'s, or the lowest idle, plus
-  the lowest other idle ones), waiting until all k are idle; it counts k in ``concurrent``.
-  More than the slot count is a 400. The answer is a JSON array (llama-server's native
-  routes) or k ``choices`` (OpenAI routes); streamed, each token comes once per completion.
+  llama-server runs them: on k slots together (``id_slot``'s, or the lowest idle or the
+  model's pick, plus the lowest other idle ones), waiting until all k are idle; it counts
+  k in ``concurrent``. More than the slot count is a 400. The answer is a JSON array
+  (llama-server's native routes) or k ``choices`` (OpenAI routes); streamed, each token
+  comes once per completion.
   An embeddings batch of n inputs (a rerank of n documents) takes min(n, slots) slots at
   once (llama-server runs each input as a task on any idle slot) and answers one vector
   (score) per input. ``/v1/messages`` (Anthropic-style chat) runs like a chat completion.
@@ -33,11 +35,22 @@ Concurrency contract:
   every change notifies the slot table's condition, on which ``wait_for`` waits.
 - ``stop()`` wakes the ``hang_*`` fail modes, cancels linger tasks and closes the server.
 
+Prompt-cache model (opt-in: ``prefill_s_per_char`` > 0; at 0 nothing of it runs). Each
+slot caches (``slot_prompts``) the prompt text (prompts.py's ``prompt_text``, compared by
+characters) of the last generation that got it, kept if that generation is aborted. A
+generation without ``id_slot`` >= 0 takes the idle slot whose cache shares the longest
+prefix with its prompt (ties: the lowest id). Once on its slots it counts ``cached`` (that
+prefix) and ``evaluated`` (the rest) in ``prompt_chars_cached`` / ``prompt_chars_evaluated``
+and on its ``Received``, caches its prompt, and sleeps ``evaluated * prefill_s_per_char``
+before its first token, holding its slots (an abort then is handled as during generation).
+The llamacpp kind reports both in ``timings`` (``prompt_n``, ``cache_n``) of its final
+pieces. Routes without a prompt (embeddings, rerank) are outside the model.
+
 Per-request behaviour comes from ``script(path, body) -> Script`` (script.py), read when a
 generation arrives; ``script`` may be replaced between requests. The modules: slots and
-counters in slots.py, one generation's handling in generation.py, wire formats
-(llama/OpenAI/Ollama JSON, SSE/NDJSON framing) in shapes.py, the command line
-(``python -m llmproxy.bench.fake.upstream``) in cli.py.
+counters in slots.py, one generation's handling in generation.py, prompt texts in
+prompts.py, wire formats (llama/OpenAI/Ollama JSON, SSE/NDJSON framing) in shapes.py, the
+command line (``python -m llmproxy.bench.fake.upstream``) in cli.py.
 """
 
 from __future__ import annotations
@@ -67,15 +80,19 @@ class FakeUpstream:
         slots: int = 1,
         abort_linger_s: float = 0.2,
         slots_endpoint: bool = True,
+        prefill_s_per_char: float = 0.0,
         script: Callable[[str, dict[str, Any]], Script] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
         if slots < 1:
             raise ValueError("slots must be >= 1")
+        if prefill_s_per_char < 0:
+            raise ValueError("prefill_s_per_char must be >= 0")
         self.kind: Kind = kind
         self.abort_linger_s = abort_linger_s
         self.slots_endpoint = slots_endpoint
+        self.prefill_s_per_char = prefill_s_per_char  # > 0: the prompt-cache model is on
         self.script: Callable[[str, dict[str, Any]], Script] = script or (lambda _p, _b: Script())
         self._host, self._port = host, port
         self.url = ""
@@ -83,6 +100,8 @@ class FakeUpstream:
         self.aborted: list[int] = []
         self.completed: list[int] = []
         self.failed: list[int] = []  # ids the fake itself broke off (reset_mid_stream)
+        self.prompt_chars_evaluated = 0  # prompt-cache model: totals over all generations
+        self.prompt_chars_cached = 0
         self.table = SlotTable(slots)
         self._runner: web.AppRunner | None = None
 
@@ -130,6 +149,11 @@ class FakeUpstream:
     def slot_busy(self) -> list[bool]:
         return self.table.busy
 
+    @property
+    def slot_prompts(self) -> list[str]:
+        """Each slot's cached prompt (the prompt-cache model; "" while it holds none)."""
+        return [s.prompt for s in self.table.slots]
+
     # Subclasses (test doubles built on this one) override ``_dispatch`` and read these two.
     @property
     def _slots(self) -> list[Slot]:
@@ -156,6 +180,8 @@ class FakeUpstream:
             "concurrent": self.concurrent,
             "max_concurrent": self.max_concurrent,
             "slot_busy": self.slot_busy,
+            "prompt_chars_evaluated": self.prompt_chars_evaluated,
+            "prompt_chars_cached": self.prompt_chars_cached,
         }
 
     async def wait_for(

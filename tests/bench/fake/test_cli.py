@@ -30,6 +30,8 @@ def test_subprocess_entry(tmp_path: Path) -> None:
             "2",
             "--token-delay-ms",
             "0",
+            "--prefill-s-per-char",
+            "0.0001",
         ],
         preexec_fn=child_preexec(),
     )
@@ -44,8 +46,11 @@ def test_subprocess_entry(tmp_path: Path) -> None:
             async with aiohttp.ClientSession() as s:
                 async with s.get(f"http://127.0.0.1:{port}/props") as r:
                     assert (await r.json())["total_slots"] == 3
-                async with s.post(f"http://127.0.0.1:{port}/completion", json={}) as r:
-                    assert (await r.json())["content"] == "t0 t1 "
+                payload = {"prompt": "abc"}
+                async with s.post(f"http://127.0.0.1:{port}/completion", json=payload) as r:
+                    body = await r.json()
+                assert body["content"] == "t0 t1 "
+                assert body["timings"] == {"prompt_n": 3, "cache_n": 0}  # the prompt-cache model
 
         asyncio.run(check())
     finally:
