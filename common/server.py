@@ -10,6 +10,8 @@ Contract:
 - ``runner.setup()`` (the app's startup and cleanup contexts: the proxy's embedded backend
   loads its model there) races the stop request: a signal during setup cancels it and
   returns at once.
+- SIGHUP calls ``listen.on_reload`` (when given: re-read the settings and apply what can
+  change while serving); without one it stops the process, as by default.
 - SIGTERM asks for a graceful stop (status 0). SIGINT too, unless ``listen.sigint`` is
   false (an embedded backend: Ctrl-C is its parent's to handle), when it is ignored.
   A second signal while stopping exits at once with status 1.
@@ -65,6 +67,7 @@ class Listen:
     shutdown_timeout_s: float = 60.0  # aiohttp's: 0 means no limit
     keepalive_timeout_s: float = 75.0
     sigint: bool = True
+    on_reload: Callable[[], None] | None = None  # SIGHUP (systemctl reload)
 
 
 async def serve(
@@ -96,6 +99,14 @@ async def serve(
         stop.request(0)
 
     loop.add_signal_handler(signal.SIGTERM, on_signal, signal.SIGTERM)
+    if listen.on_reload is not None:
+        on_reload = listen.on_reload
+
+        def on_hup() -> None:
+            log.info("signal received: reloading", signal="SIGHUP")
+            on_reload()
+
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
     if listen.sigint:
         loop.add_signal_handler(signal.SIGINT, on_signal, signal.SIGINT)
     else:  # neither a stop nor asyncio's default (KeyboardInterrupt)

@@ -16,10 +16,18 @@ from llmproxy.proxy.http.handlers import gated
 from llmproxy.proxy.http.middleware import proxy_middleware
 from llmproxy.proxy.http.passthrough import passthrough
 from llmproxy.proxy.pool.lifecycle import running_pool
-from llmproxy.proxy.pool.specs import settings_for, upstream_specs
+from llmproxy.proxy.pool.specs import UpstreamSpec, settings_for, upstream_specs
 from llmproxy.proxy.reuse.registry import Generations
 from llmproxy.proxy.settings import ProxySettings
-from llmproxy.proxy.state import METRICS, REQUEST_LOG, SETTINGS, STATE, UPSTREAM_URL, ProxyState
+from llmproxy.proxy.state import (
+    METRICS,
+    RELOAD,
+    REQUEST_LOG,
+    SETTINGS,
+    STATE,
+    UPSTREAM_URL,
+    ProxyState,
+)
 from llmproxy.proxy.telemetry.metrics import Metrics
 from llmproxy.proxy.telemetry.request_log import RequestLog
 from llmproxy.proxy.upstream.detect import create_adapter
@@ -65,17 +73,21 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     jobs = JobRegistry()
     generations = Generations(s.reuse_ttl_s, s.reuse_grace_s) if s.type_through == "on" else None
     if len(specs) > 1:
-        async with running_pool(s, specs) as pool:
+        async with running_pool(s, specs) as runtime:
+            pool = runtime.pool
+            assert pool is not None
             first = pool.members[0]
             app[STATE] = ProxyState(
                 s, first.session, first.adapter, first.gate, jobs, app[METRICS], first.breaker,
                 generations, pool=pool,
             )  # fmt: skip
             app[METRICS].bind_pool(pool)
+            app[RELOAD] = lambda new: runtime.reload(upstream_specs(new))
             yield
             pool.close()
             await jobs.drain(0)  # on_shutdown drained already: cut anything that started since
         return
+    app[RELOAD] = lambda new: _reload_one(specs, upstream_specs(new))
     own = settings_for(s, specs[0]) if specs else s  # none: the embedded backend's
     async with open_session(own) as session:
         adapter = await create_adapter(session, own, app[UPSTREAM_URL])
@@ -96,6 +108,18 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         gate.close()
         await jobs.drain(0)  # on_shutdown drained already: cut anything that started since
         app[STATE].adapter.close()  # the one in use (the watcher may have replaced detection's)
+
+
+def _reload_one(specs: list[UpstreamSpec], new: list[UpstreamSpec]) -> None:
+    """One upstream (or the embedded backend) runs without a pool: its upstream stays."""
+    if new != specs:
+        log.warning(
+            "reload: the upstreams change only while llmproxy runs several; restart it to "
+            "change them",
+            configured=[x.label for x in new],
+        )
+    else:
+        log.info("reload: the upstreams are unchanged")
 
 
 async def _on_shutdown(app: web.Application) -> None:

@@ -28,7 +28,10 @@ def run(args: argparse.Namespace) -> int:
         "starting llmproxy", loop=loop_name, settings=describe(settings)
     )
     try:
-        return loops.run(serve(settings, build_app(settings)), loop_factory)
+        app = build_app(settings)
+        return loops.run(
+            serve(settings, app, lambda: settings_from_args(ProxySettings, args)), loop_factory
+        )
     except BackendMistake as exc:  # the backend's own line on stderr says why
         raise SettingsError(str(exc)) from None
 

@@ -25,16 +25,18 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+from collections.abc import Callable
 
 import structlog
 from aiohttp import web
 
 from llmproxy.common import loops
+from llmproxy.common.config import SettingsError
 from llmproxy.common.server import Listen, StopRequest
 from llmproxy.common.server import serve as run
 from llmproxy.proxy.http import parse_errors
 from llmproxy.proxy.settings import ProxySettings
-from llmproxy.proxy.state import STOP
+from llmproxy.proxy.state import RELOAD, STOP
 
 log = structlog.get_logger("llmproxy.server")
 SD_LISTEN_FDS_START = 3
@@ -68,7 +70,14 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-async def serve(settings: ProxySettings, app: web.Application) -> int:
+async def serve(
+    settings: ProxySettings,
+    app: web.Application,
+    reread: Callable[[], ProxySettings] | None = None,
+) -> int:
+    """Serve ``app`` until stopped. ``reread``: SIGHUP builds the settings again with it
+    (flags, env and the config file as they are now) and hands them to the app's ``RELOAD``;
+    settings with a mistake are refused (logged), and nothing changes."""
     sock = inherited_socket()  # before runner.setup() starts the embedded backend
     stop = app[STOP] = StopRequest()  # signals, and the embedded backend's death
 
@@ -86,6 +95,17 @@ async def serve(settings: ProxySettings, app: web.Application) -> int:
             loop=loops.running(),
         )
 
+    def on_reload() -> None:
+        if reread is None or RELOAD not in app:
+            log.warning("reload: nothing to reload yet")
+            return
+        try:
+            new = reread()
+        except SettingsError as exc:
+            log.error("reload refused: invalid settings", error=str(exc))
+            return
+        app[RELOAD](new)
+
     listen = Listen(
         host=settings.host,
         port=settings.port,
@@ -99,5 +119,6 @@ async def serve(settings: ProxySettings, app: web.Application) -> int:
         # aiohttp's: 0 would mean no limit
         shutdown_timeout_s=max(min(settings.shutdown_timeout_s, _WRITE_GRACE_S), 0.01),
         keepalive_timeout_s=settings.idle_timeout_s,  # also bounds slow (slowloris) request headers
+        on_reload=on_reload,
     )
     return await run(app, listen, stop, on_ready=parse_errors.install, on_listening=on_listening)

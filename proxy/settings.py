@@ -141,7 +141,8 @@ class ProxySettings(LayeredSettings):
         0.3,
         ge=0,
         description="How long a request may wait for the slot its session's superseded request "
-        "is being stopped on (its prompt is cached there) instead of taking another free slot",
+        "is being stopped on (its prompt is cached there) instead of taking another free slot; "
+        "with several upstreams, also for the upstream --route prefers",
     )
     type_through: Literal["on", "off"] = Field(
         "on",

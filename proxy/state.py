@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,9 @@ METRICS = web.AppKey("metrics", Metrics)
 UPSTREAM_URL = web.AppKey("upstream_url", str)
 STATE = web.AppKey("state", ProxyState)
 REQUEST_LOG = web.AppKey("request_log", RequestLog)
+#: applies re-read settings (SIGHUP): the set of upstreams; set by the app's upstream context
+Reload = Callable[[ProxySettings], None]
+RELOAD: web.AppKey[Reload] = web.AppKey("reload")
 RECORD = web.RequestKey("record", RequestRecord)  # request-scoped
 
 __all__ = [
@@ -85,6 +89,7 @@ __all__ = [
     "UPSTREAM_URL",
     "STATE",
     "REQUEST_LOG",
+    "RELOAD",
     "RECORD",
     "RequestRecord",
 ]

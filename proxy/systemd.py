@@ -32,6 +32,8 @@ After=network.target{socket_deps}
 [Service]
 Type=exec
 ExecStart={exec_start} serve --config {config} --log-json
+# `systemctl reload`: re-read the config (the set of upstreams, when it runs several)
+ExecReload=/bin/kill -HUP $MAINPID
 Restart=on-failure
 RestartSec=2s
 # SIGTERM to llmproxy only; it drains in-flight requests and stops its embedded backend.

@@ -90,11 +90,27 @@ class Pool:
         self._timer: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
+        self.listeners: list[Callable[[Any, bool], None]] = []  # (member, joined): metrics
         for m in self.members:
             m.gate.on_advance = self.advance
 
     def rotation(self) -> list[Member]:
         return [m for m in self.members if m.in_rotation]
+
+    def add(self, member: Member) -> None:
+        """An upstream joins (reload): in rotation once healthy."""
+        member.gate.on_advance = self.advance
+        self.members.append(member)
+        for listener in self.listeners:
+            listener(member, True)
+        self.advance()
+
+    def remove(self, member: Member) -> None:
+        """A drained upstream leaves (reload): nothing of it is queued or in flight."""
+        self.members.remove(member)
+        member.gate.on_advance = None
+        for listener in self.listeners:
+            listener(member, False)
 
     # -- admission --------------------------------------------------------------------
     def submit(

@@ -8,8 +8,9 @@ pool.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -32,6 +33,9 @@ class PoolView(Protocol):
 
     @property
     def members(self) -> Sequence[MemberView]: ...
+
+    @property
+    def listeners(self) -> list[Callable[[Any, bool], None]]: ...
 
 
 class UpstreamMetrics:
@@ -68,9 +72,17 @@ class UpstreamMetrics:
 
     def bind(self, pool: PoolView) -> None:
         for m in pool.members:
-            self._bind_member(m)
+            self.member(m, True)
+        pool.listeners.append(self.member)  # upstreams that join or leave later (reload)
 
-    def _bind_member(self, m: MemberView) -> None:
+    def member(self, m: MemberView, joined: bool) -> None:
+        """Start (``joined``) or stop reporting ``m``'s gauges (a pool's listener)."""
+        gauges = (self.permits_free, self.permits_total, self.inflight, self.healthy, self.breaker)
+        if not joined:
+            for gauge in gauges:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(m.name)
+            return
         gate, breaker = m.gate, m.breaker
         self.permits_free.labels(m.name).set_function(lambda: gate.free)
         self.permits_total.labels(m.name).set_function(lambda: gate.capacity)

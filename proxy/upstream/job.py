@@ -119,6 +119,7 @@ class UpstreamJob:
         self._finished = False  # upstream body read to its end
         self._success_reported = False  # the breaker heard of this request's answer at its head
         self._quarantine = False  # the stop was not confirmed in time: the slots may still be busy
+        self._released = False  # the permit went back (``_release``)
         # A stop after the request was sent waits for the upstream's head before it closes
         # the connection, where the adapter says the head comes once the request runs
         # (Adapter.answers_at_start): a stop confirmed before that could miss a task that
@@ -228,7 +229,8 @@ class UpstreamJob:
     def _release(self) -> None:
         """Give the permit back (once; the upstream is idle for this request, or its slots
         are quarantined: ``_quarantine``)."""
-        if self.record.permit_hold_s is None:
+        if not self._released:  # the job's own: a record may outlive a job (failover)
+            self._released = True
             self.record.permit_hold_s = time.monotonic() - (
                 self.ticket.granted_at or time.monotonic()
             )

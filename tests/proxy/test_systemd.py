@@ -103,6 +103,7 @@ def test_installed_units_verify(tmp_path: Path) -> None:
     assert verify(tmp_path, service, sock) == []
     text = service.read_text()
     assert f"ExecStart={LLMPROXY} serve --config {tmp_path / 'config.toml'} --log-json" in text
+    assert "ExecReload=/bin/kill -HUP $MAINPID" in text
     for line in (
         "NoNewPrivileges=yes",
         "ProtectSystem=strict",

@@ -43,6 +43,7 @@ async def test_a_request_its_upstream_refuses_goes_to_another_once(
             async with run_proxy(None, upstreams=specs, route="round-robin") as px:
                 assert [m.healthy for m in px.state.pool.members] == [True, True]  # not probed yet
                 assert await post(http, px.url, 0) == 200  # round robin's first turn: dead
+                await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)  # permits back
                 px.flush_log()
         line = request_events(logs)["r0"]
         assert (line["failover_from"], line["upstream"], line["outcome"]) == (
