@@ -72,7 +72,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     specs = upstream_specs(s)
     jobs = JobRegistry()
     generations = Generations(s.reuse_ttl_s, s.reuse_grace_s) if s.type_through == "on" else None
-    if len(specs) > 1:
+    if len(specs) > 1 or s.upstreams:  # [[upstreams]] tables: a pool, even of one
         async with running_pool(s, specs) as runtime:
             pool = runtime.pool
             assert pool is not None
@@ -111,11 +111,11 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 def _reload_one(specs: list[UpstreamSpec], new: list[UpstreamSpec]) -> None:
-    """One upstream (or the embedded backend) runs without a pool: its upstream stays."""
+    """One ``--upstream`` (or the embedded backend) runs without a pool: its upstream stays."""
     if new != specs:
         log.warning(
-            "reload: the upstreams change only while llmproxy runs several; restart it to "
-            "change them",
+            "reload: the upstreams change only in a pool (several, or [[upstreams]] tables); "
+            "restart llmproxy to change them",
             configured=[x.label for x in new],
         )
     else:

@@ -1,7 +1,7 @@
 """Which upstream the request at the head of the pool's queue goes to (``--route``).
 
 - ``cache``: the upstream whose prompt index (prefix.py) holds the longest prefix of the
-  request's prompt; none holds any: the least busy.
+  request's prompt; none holds any: the least busy (ties: the one routed the fewest).
 - ``session``: the session's own upstream by rendezvous hashing of the session key
   (weighted), so a session keeps its upstream while the set stays, and only the sessions
   of an upstream that leaves move.
@@ -55,6 +55,12 @@ class Request:
     admitted: float
 
 
+def _least_busy(members: Sequence[Member]) -> Member:
+    """The fewest permits held per weight; ties: the fewest requests routed per weight (so
+    new prompts spread over the upstreams instead of all starting on the first)."""
+    return min(members, key=lambda m: (m.load(), m.routed / m.spec.weight))
+
+
 def _weighted_hash(session: str, member: Member) -> float:
     digest = hashlib.blake2b(f"{member.name}\0{session}".encode(), digest_size=8).digest()
     u = (int.from_bytes(digest, "big") + 1) / 2.0**64  # in (0, 1]
@@ -78,10 +84,10 @@ class Router:
             left = min(self.affinity_wait_s, saved_s) - (time.monotonic() - req.admitted)
             if left > 0:
                 return Wait(left)
-            return Choice(min(room, key=Member.load), "fallback")
+            return Choice(_least_busy(room), "fallback")
         if self.policy == "round-robin":
             return Choice(self._next_turn(room), "round_robin")
-        return Choice(min(room, key=Member.load), decision)
+        return Choice(_least_busy(room), decision)
 
     def _preferred(
         self, req: Request, members: Sequence[Member]
@@ -94,7 +100,7 @@ class Router:
             scored = [(m.index.match(req.hashes), m) for m in members]
             blocks = max(n for n, _ in scored)
             if blocks:
-                best = min((m for n, m in scored if n == blocks), key=Member.load)
+                best = _least_busy([m for n, m in scored if n == blocks])
                 chars = blocks * BLOCK_CHARS
                 return best, "cache_hit", chars * best.prefill_s_per_char, chars
             return None, "cache_miss", 0.0, 0

@@ -75,6 +75,17 @@ async def test_a_reload_under_load_adds_and_removes_upstreams(
         assert 'llmproxy_upstream_permits_total{upstream="a"}' not in metrics  # gone with it
 
 
+async def test_one_upstream_table_is_a_pool_that_can_grow(http: aiohttp.ClientSession) -> None:
+    async with FakeUpstream(script=steady) as a, FakeUpstream(script=steady) as b:
+        async with run_proxy(None, upstreams=[{"url": a.url, "name": "a"}]) as px:
+            pool = px.state.pool
+            assert pool is not None
+            px.app[RELOAD](ProxySettings(upstreams=[{"url": a.url, "name": "a"}, b.url]))
+            await wait_until(lambda: len(pool.members) == 2, what="b joined")
+            async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:
+                assert r.status == 200
+
+
 def write_config(path: Path, urls: list[str]) -> None:
     path.write_text(
         "".join(f'[[upstreams]]\nurl = "{u}"\nname = "u{i}"\n' for i, u in enumerate(urls))

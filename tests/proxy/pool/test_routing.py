@@ -23,11 +23,13 @@ def quick(_path: str, _body: dict[str, Any]) -> Script:
 
 @contextlib.asynccontextmanager
 async def pool(
-    n: int, route: str, slots: int = 1, **overrides: Any
+    n: int, route: str, slots: int = 1, prefill: float = 0.0, **overrides: Any
 ) -> AsyncIterator[tuple[list[FakeUpstream], RunningProxy]]:
     async with contextlib.AsyncExitStack() as stack:
         fakes = [
-            await stack.enter_async_context(FakeUpstream(slots=slots, script=quick))
+            await stack.enter_async_context(
+                FakeUpstream(slots=slots, script=quick, prefill_s_per_char=prefill)
+            )
             for _ in range(n)
         ]
         specs = [{"url": f.url, "name": f"u{i}"} for i, f in enumerate(fakes)]
@@ -108,3 +110,22 @@ async def test_load_policies_spread_evenly(http: aiohttp.ClientSession, route: s
         assert statuses == [200] * 12
         assert all(f.max_concurrent <= 2 for f in fakes)
         assert all(len(f.generations) >= 3 for f in fakes)
+
+
+@pytest.mark.parametrize("route", ["cache", "round-robin"])
+async def test_the_upstreams_prompt_caches_hit_with_cache_routing(
+    http: aiohttp.ClientSession, route: str
+) -> None:
+    """The fakes model a prompt cache per slot: with cache routing nearly every prompt
+    character is already cached where it lands; taking turns, most have to be evaluated."""
+    async with pool(3, route, prefill=1e-5) as (fakes, px):
+        for i in range(6):  # two editors taking turns (3 upstreams: no accidental match)
+            for k in range(2):
+                assert await complete(http, px, PREFIXES[k] + "x" * i, f"e{k}", f"{k}-{i}") == 200
+        cached = sum(f.prompt_chars_cached for f in fakes)
+        evaluated = sum(f.prompt_chars_evaluated for f in fakes)
+        ratio = cached / (cached + evaluated)
+        if route == "cache":
+            assert ratio > 0.8, (cached, evaluated)  # only each file's first request misses
+        else:
+            assert ratio < 0.5, (cached, evaluated)
