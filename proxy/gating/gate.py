@@ -167,6 +167,16 @@ class Gate:
                 return i
         return None
 
+    def supersede_queued(self, session: str) -> None:
+        """End the session's supersedable ticket waiting here (a pool placed a newer one of
+        the session elsewhere)."""
+        i = self._queued_index(session)
+        if i is not None:
+            self._queue.pop(i).end(
+                Superseded("superseded by a newer request from the same session")
+            )
+            self._advance()
+
     def supersede_inflight(self, session: str) -> None:
         """Ask the session's supersedable requests holding permits here to stop."""
         for old in list(self._inflight.values()):

@@ -168,6 +168,7 @@ class Pool:
         self._idle.clear()
         if supersedable:
             for m in self.members:
+                m.gate.supersede_queued(session)
                 m.gate.supersede_inflight(session)
         if replaced is not None:
             old, self.queue[replaced] = self.queue[replaced], entry
@@ -241,6 +242,10 @@ class Pool:
                 head.end(UpstreamUnavailable("no upstream is available"))
                 continue
             fits = [m for m in members if head.request.permits(m) is not None]
+            if not fits:  # only upstreams out of rotation could run it
+                self.queue.pop(0)
+                head.end(UpstreamUnavailable("no upstream that can run this request is available"))
+                continue
             choice = self.router.choose(head.request, fits)
             if isinstance(choice, Wait):
                 loop = asyncio.get_running_loop()

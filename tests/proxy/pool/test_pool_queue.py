@@ -1,0 +1,124 @@
+"""The pool's queue without HTTP: admission, FIFO order, supersede, routing waits and
+abandonment, over real gates (pool/pool.py's contract)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from llmproxy.proxy.errors import BadRequest, QueueFull, Superseded
+from llmproxy.proxy.gating.breaker import UpstreamUnavailable
+from llmproxy.proxy.gating.gate import Gate
+from llmproxy.proxy.pool.member import Member
+from llmproxy.proxy.pool.pool import Entry, Pool
+from llmproxy.proxy.pool.prefix import BLOCK_CHARS
+from llmproxy.proxy.pool.specs import UpstreamSpec
+from llmproxy.proxy.settings import ProxySettings
+from llmproxy.proxy.upstream.adapters.base import Adapter
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:  # never used to connect here
+        yield s
+
+
+def make_pool(
+    session: aiohttp.ClientSession, slots: list[int], **overrides: Any
+) -> tuple[Pool, list[Member]]:
+    settings = ProxySettings(**{"route": "cache", "affinity_wait_s": 0.05, **overrides})
+    members = []
+    for i, n in enumerate(slots):
+        spec = UpstreamSpec(url=f"http://127.0.0.1:{9000 + i}", name=f"u{i}")
+        adapter = Adapter(spec.url, session, settings)
+        members.append(Member(spec, settings, session, adapter, Gate(n, settings.max_queue)))
+    return Pool(members, settings), members
+
+
+def submit(pool: Pool, session: str, prompt: str = "", permits: int = 1) -> Entry:
+    def sizing(m: Member, capacity: int) -> int:
+        if permits > capacity:
+            raise BadRequest(f"{permits} > {capacity}")
+        return permits
+
+    return pool.submit(
+        session, supersedable=True, route="/completion", parsed={"prompt": prompt}, sizing=sizing
+    )
+
+
+async def test_strict_fifo_a_wide_head_holds_up_the_queue(session: aiohttp.ClientSession) -> None:
+    pool, (a, b) = make_pool(session, [2, 2])
+    held = [submit(pool, f"s{i}") for i in range(3)]  # a: 2 free -> 1 ... b takes some
+    placed = [await pool.acquire(e, 1) for e in held]
+    assert sum(m.gate.held for m in (a, b)) == 3
+    wide = submit(pool, "wide", permits=2)  # needs both slots of one upstream: waits
+    small = submit(pool, "small")  # one slot is free, but it is behind the wide one
+    assert not wide.future.done() and not small.future.done()
+    for p in placed:  # the upstream job's release
+        p.member.gate.release(p.ticket)
+    assert (await pool.acquire(wide, 1)).ticket.permits == 2
+    await pool.acquire(small, 1)
+    with pytest.raises(BadRequest):
+        submit(pool, "too-wide", permits=3)  # fits no upstream: refused at once
+
+
+async def test_a_newer_request_takes_its_sessions_place(session: aiohttp.ClientSession) -> None:
+    pool, (a,) = make_pool(session, [1])
+    first = await pool.acquire(submit(pool, "other"), 1)
+    old = submit(pool, "editor")
+    new = submit(pool, "editor")
+    assert pool.queue == [new]
+    with pytest.raises(Superseded):
+        await pool.acquire(old, 1)
+    a.gate.release(first.ticket)
+    assert (await pool.acquire(new, 1)).member is a
+
+
+async def test_admission_refusals(session: aiohttp.ClientSession) -> None:
+    pool, (a, b) = make_pool(session, [1, 1], max_queue=1)
+    for i in range(2):
+        await pool.acquire(submit(pool, f"s{i}"), 1)
+    submit(pool, "queued")
+    with pytest.raises(QueueFull):
+        submit(pool, "one more")
+    a.healthy = b.healthy = False  # both out of rotation: fail fast, and the queued too
+    with pytest.raises(UpstreamUnavailable):
+        submit(pool, "none left")
+    pool.advance()
+    assert pool.queue == []
+
+
+async def test_cache_waits_for_its_upstream_then_takes_a_free_one(
+    session: aiohttp.ClientSession,
+) -> None:
+    pool, (a, b) = make_pool(session, [1, 1], affinity_wait_s=0.05)
+    text = "x" * BLOCK_CHARS * 40  # a prefill worth the wait
+    first = await pool.acquire(submit(pool, "e1", text), 1)
+    next_one = submit(pool, "e2", text + "more")  # prefers first's upstream, busy: waits
+    assert not next_one.future.done() and first.member.gate.free == 0
+    start = time.monotonic()
+    placed = await pool.acquire(next_one, 1)
+    assert placed.member is not first.member and placed.decision == "fallback"
+    assert time.monotonic() - start >= 0.04  # it waited for the busy one first
+    first.member.gate.release(first.ticket)
+    again = await pool.acquire(submit(pool, "e3", text + "again"), 1)
+    assert again.decision == "cache_hit" and again.cached_chars >= len(text)
+
+
+async def test_an_abandoned_entry_returns_its_permit(session: aiohttp.ClientSession) -> None:
+    pool, (a,) = make_pool(session, [1])
+    held = await pool.acquire(submit(pool, "s0"), 1)
+    waiting = submit(pool, "s1")
+    task = asyncio.ensure_future(pool.acquire(waiting, 5))
+    await asyncio.sleep(0)
+    a.gate.release(held.ticket)  # granted to s1 ...
+    task.cancel()  # ... whose client left before its job took it
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert a.gate.free == 1 and pool.queue == []
+    await asyncio.wait_for(pool.wait_quiescent(), 1)
