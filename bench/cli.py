@@ -11,6 +11,7 @@ _BENCHES = (
     "llmproxy.bench.burst.run",
     "llmproxy.bench.backends",
     "llmproxy.bench.soak.run",
+    "llmproxy.bench.pool.run",
 )
 
 

@@ -1,0 +1,1 @@
+"""``llmproxy bench pool``: routing policies across several upstreams."""
