@@ -77,8 +77,9 @@ async def _once(
     try:
         resp = await forward_granted(st, target, placement.ticket, request, raw, placement.probe)
     except (UpstreamUnreachable, UpstreamConnectTimeout):
-        if exclude is not None or rec.sent or not st.pool.rotation():
-            raise
+        others = [o for o in st.pool.rotation() if o is not m]
+        if exclude is not None or rec.sent or not others:
+            raise  # the error as it is: nowhere else to go
         return m, None
     _learn(m, rec.upstream_ttfb_s, entry.prompt_chars - placement.cached_chars)
     return m, resp
