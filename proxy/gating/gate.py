@@ -49,6 +49,8 @@ from llmproxy.proxy.errors import ProxyError, QueueFull, ShuttingDown, Supersede
 from llmproxy.proxy.gating.slots import Slots
 from llmproxy.proxy.gating.ticket import Ticket as Ticket  # upstream/ imports it from here
 
+SUPERSEDED = "superseded by a newer request from the same session"
+
 
 class Gate:
     def __init__(
@@ -153,7 +155,7 @@ class Gate:
         if replaced is not None:
             old = self._queue[replaced]
             self._queue[replaced] = ticket  # the newcomer takes the old one's position
-            old.end(Superseded("superseded by a newer request from the same session"))
+            old.end(Superseded(SUPERSEDED))
             self._grant_waiters()  # the newcomer may need fewer permits than the one it replaced
         elif grant_now and not self._waits_for_its_slot(ticket):
             self._grant(ticket)
@@ -172,9 +174,7 @@ class Gate:
         the session elsewhere)."""
         i = self._queued_index(session)
         if i is not None:
-            self._queue.pop(i).end(
-                Superseded("superseded by a newer request from the same session")
-            )
+            self._queue.pop(i).end(Superseded(SUPERSEDED))
             self._advance()
 
     def supersede_inflight(self, session: str) -> None:
@@ -192,7 +192,7 @@ class Gate:
         assert ticket.state == "granted" and ticket.slot is not None, ticket.state
         if ticket.superseded:
             self.release(ticket)
-            raise Superseded("superseded by a newer request from the same session")
+            raise Superseded(SUPERSEDED)
         ticket.state = "running"
         ticket.on_supersede = on_supersede
         return ticket.slot

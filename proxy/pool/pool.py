@@ -26,7 +26,6 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from llmproxy.proxy.errors import (
@@ -38,7 +37,7 @@ from llmproxy.proxy.errors import (
     Superseded,
 )
 from llmproxy.proxy.gating.breaker import UpstreamUnavailable
-from llmproxy.proxy.gating.ticket import Ticket
+from llmproxy.proxy.pool.entry import Entry, Placement
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.prefix import block_hashes, prompt_text
 from llmproxy.proxy.pool.router import Choice, Request, Router, Wait
@@ -46,35 +45,6 @@ from llmproxy.proxy.settings import ProxySettings
 
 #: permits a request needs on an upstream (BadRequest: it cannot run there)
 Sizing = Callable[[Member, int], int]
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    member: Member
-    ticket: Ticket
-    probe: bool  # it holds the member's breaker probe
-    decision: str
-    cached_chars: int
-
-
-@dataclass(eq=False)
-class Entry:
-    id: int
-    session: str
-    supersedable: bool
-    route: str
-    request: Request
-    sizer: Callable[[Member], Callable[[int], int]]
-    exclude: Member | None
-    future: asyncio.Future[Placement]
-    prompt_chars: int = 0
-    created: float = field(default_factory=time.monotonic)
-    placement: Placement | None = None
-
-    def end(self, error: ProxyError) -> None:
-        if not self.future.done():
-            self.future.set_exception(error)
-            self.future.exception()  # retrieved: its waiter may be gone
 
 
 class Pool:
