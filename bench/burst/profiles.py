@@ -161,7 +161,7 @@ def _count(obj: Any) -> tuple[int | None, int]:
     return None, 1 if piece else 0
 
 
-def _objects(body: bytes) -> list[Any]:
+def response_objects(body: bytes) -> list[Any]:
     """The JSON objects of a response: the body, or its SSE / NDJSON lines."""
     try:
         return [json.loads(body)]
@@ -184,7 +184,7 @@ def _objects(body: bytes) -> list[Any]:
 def delivered_text(body: bytes) -> str:
     """The completion text a finished response delivered, whatever its format."""
     text = []
-    for obj in _objects(body):
+    for obj in response_objects(body):
         if not isinstance(obj, dict):
             continue
         choices = obj.get("choices") or [{}]
@@ -197,7 +197,7 @@ def delivered_text(body: bytes) -> str:
 def delivered_tokens(body: bytes) -> int:
     """Tokens a finished response delivered: its own count if it reports one, else its pieces."""
     explicit, pieces = None, 0
-    for obj in _objects(body):
+    for obj in response_objects(body):
         n, p = _count(obj)
         explicit = n if n is not None else explicit
         pieces += p

@@ -19,12 +19,11 @@ requests only.
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 from typing import Any
 
 from llmproxy.bench.burst.editor import Client
-from llmproxy.bench.burst.profiles import PREFIX, PROFILES, Profile
+from llmproxy.bench.burst.profiles import PREFIX, PROFILES, Profile, response_objects
 from llmproxy.bench.burst.report import Req
 from llmproxy.bench.burst.settings import BurstSettings
 
@@ -66,26 +65,9 @@ def editor_profile(name: str, head: str) -> Profile:
     return dataclasses.replace(base, body=body)
 
 
-def _objects(body: bytes) -> list[Any]:
-    """The JSON objects of an answer: the body, or its SSE ``data:`` lines."""
-    try:
-        return [json.loads(body)]
-    except ValueError:
-        pass
-    objs = []
-    for line in body.splitlines():
-        line = line.strip().removeprefix(b"data:").strip()
-        if line.startswith(b"{"):
-            try:
-                objs.append(json.loads(line))
-            except ValueError:
-                continue
-    return objs
-
-
 def prompt_counts(body: bytes) -> tuple[int, int] | None:
     """(evaluated, cached) from an answer's last ``timings``; None if it reports none."""
-    for obj in reversed(_objects(body)):
+    for obj in reversed(response_objects(body)):
         timings = obj.get("timings") if isinstance(obj, dict) else None
         if not isinstance(timings, dict) or not isinstance(timings.get("prompt_n"), int):
             continue
