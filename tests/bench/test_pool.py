@@ -47,7 +47,9 @@ def test_cli_runs_every_policy_and_single(tmp_path: Path) -> None:
         # every generation that reached a fake evaluated or found cached all of its prompt
         assert s["prompt_evaluated"] + s["prompt_cached"] == s["prompt_sent"] > 0, name
         assert s["generations"] >= 2, name
-        assert s["max_concurrent"] == ([1] if name == "single" else [1, 1]), name
+        # one slot each, never more; session may hash both editors to one upstream
+        assert len(s["max_concurrent"]) == (1 if name == "single" else 2), name
+        assert max(s["max_concurrent"]) == 1, name
         assert s["oversubscribed"] == 0
         assert (s["routed"] is None) == (name == "single"), name
         if s["routed"] is not None:
