@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -23,12 +23,17 @@ def quick(_path: str, _body: dict[str, Any]) -> Script:
 
 @contextlib.asynccontextmanager
 async def pool(
-    n: int, route: str, slots: int = 1, prefill: float = 0.0, **overrides: Any
+    n: int,
+    route: str,
+    slots: int = 1,
+    prefill: float = 0.0,
+    script: Callable[[str, dict[str, Any]], Script] = quick,
+    **overrides: Any,
 ) -> AsyncIterator[tuple[list[FakeUpstream], RunningProxy]]:
     async with contextlib.AsyncExitStack() as stack:
         fakes = [
             await stack.enter_async_context(
-                FakeUpstream(slots=slots, script=quick, prefill_s_per_char=prefill)
+                FakeUpstream(slots=slots, script=script, prefill_s_per_char=prefill)
             )
             for _ in range(n)
         ]
@@ -76,7 +81,11 @@ async def test_cache_sends_each_editor_to_the_upstream_holding_its_file(
 async def test_cache_still_spreads_one_busy_editor(http: aiohttp.ClientSession) -> None:
     """Requests for one file (from its several sessions: tabs, tools) all prefer its
     upstream; once it is busy they take free ones instead of queueing behind it."""
-    async with pool(3, "cache", affinity_wait_s=0.02) as (fakes, px):
+
+    def slow(_path: str, _body: dict[str, Any]) -> Script:  # much longer than the wait
+        return Script(tokens=20, token_delay_s=0.01)
+
+    async with pool(3, "cache", script=slow, affinity_wait_s=0.02) as (fakes, px):
         assert await complete(http, px, PREFIXES[0], "warm") == 200
         statuses = await asyncio.gather(
             *(complete(http, px, PREFIXES[0] + str(i), f"s{i}") for i in range(9))
