@@ -56,6 +56,7 @@ class PoolRuntime:
     def __init__(self, settings: ProxySettings) -> None:
         self.settings = settings
         self.pool: Pool | None = None
+        self._owned: set[Member] = set()  # every member not closed yet, in the pool or not
         self._stacks: dict[Member, contextlib.AsyncExitStack] = {}
         self._reload: asyncio.Task[None] | None = None
         self._next: list[UpstreamSpec] | None = None  # a reload asked for while one runs
@@ -68,14 +69,20 @@ class PoolRuntime:
         return self.pool
 
     async def _detect(self, specs: list[UpstreamSpec]) -> list[Member]:
-        found = await asyncio.gather(
-            *(_member(self.settings, s) for s in specs), return_exceptions=True
-        )
+        """The members for ``specs``, detected concurrently; each is the runtime's (closed by
+        ``close``) from the moment it exists, even if this call is cancelled meanwhile."""
+
+        async def one(spec: UpstreamSpec) -> Member:
+            m = await _member(self.settings, spec)
+            self._owned.add(m)
+            return m
+
+        found = await asyncio.gather(*(one(s) for s in specs), return_exceptions=True)
         members = [r for r in found if isinstance(r, Member)]
         for r in found:
             if isinstance(r, BaseException):
                 for m in members:
-                    await m.close()
+                    await self._forget(m)
                 raise r
         return members
 
@@ -135,6 +142,7 @@ class PoolRuntime:
         log.info("upstream left the pool", upstream=m.name)
 
     async def _forget(self, m: Member) -> None:
+        self._owned.discard(m)
         stack = self._stacks.pop(m, None)
         if stack is not None:
             await stack.aclose()
@@ -144,9 +152,8 @@ class PoolRuntime:
         if self._reload is not None:
             self._reload.cancel()
             await asyncio.wait([self._reload])
-        if self.pool is not None:
-            for m in list(self.pool.members):
-                await self._forget(m)
+        for m in list(self._owned):  # in the pool, or joining or leaving when cut short
+            await self._forget(m)
 
 
 @contextlib.asynccontextmanager
