@@ -67,10 +67,17 @@ class Slots:
             t.state == "stopping" and t.session == ticket.session and slot in t.slots
             for t in inflight
         )
-        if not stopping or left <= 0:
+        if not stopping or left <= 0 or ticket.affinity_waited:
             return False
         if ticket.affinity_timer is None:
-            ticket.affinity_timer = asyncio.get_running_loop().call_later(left, wake)
+
+            def expire() -> None:
+                # the loop's clock may run a little behind time.monotonic (uvloop keeps
+                # milliseconds): once the timer fires the wait is over, whatever ``left`` says
+                ticket.affinity_waited = True
+                wake()
+
+            ticket.affinity_timer = asyncio.get_running_loop().call_later(left, expire)
         return True
 
     def settle_extras(

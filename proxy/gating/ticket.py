@@ -30,6 +30,7 @@ class Ticket:
     on_supersede: Callable[[], None] | None = None
     superseded: bool = False  # set if superseded after the grant but before the job took it
     affinity_timer: asyncio.TimerHandle | None = None  # ends a wait for its session's slot
+    affinity_waited: bool = False  # that timer fired: the wait is over
 
     async def wait(self) -> int:
         """Block until granted; returns the (first) slot id. Raises Superseded/ShuttingDown."""

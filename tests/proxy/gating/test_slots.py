@@ -141,6 +141,26 @@ async def test_the_wait_for_a_stopping_slot_is_bounded() -> None:
     gate.release(old)
 
 
+class _EarlyLoop(asyncio.SelectorEventLoop):
+    """A loop whose timers fire a little early by ``time.monotonic``, as uvloop's can (it
+    counts from a millisecond clock read at the start of the loop iteration)."""
+
+    def call_later(self, delay, callback, *args, context=None):  # type: ignore[no-untyped-def]
+        return super().call_later(max(0.0, delay - 0.005), callback, *args, context=context)
+
+
+def test_the_wait_ends_when_its_timer_fires_even_a_little_early() -> None:
+    async def scenario() -> int:
+        gate = Gate(2, 5, affinity_wait_s=0.05)
+        old = superseding(gate)
+        slot = await asyncio.wait_for(gate.submit("a", supersedable=True).wait(), 5)
+        gate.release(old)
+        return slot
+
+    with asyncio.Runner(loop_factory=_EarlyLoop) as runner:
+        assert runner.run(scenario()) == 1
+
+
 async def test_no_wait_without_a_stop_or_without_the_setting() -> None:
     gate = Gate(2, 5, affinity_wait_s=30)
     old = gate.submit("a", supersedable=True)
