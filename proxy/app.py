@@ -96,6 +96,7 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
             own.max_queue,
             retry_after_s=own.retry_after_s,
             affinity_wait_s=own.affinity_wait_s,
+            hold_s=own.queue_hold_s,
         )
         app[METRICS].bind_gate(gate)
         breaker = CircuitBreaker(own.breaker_threshold, own.breaker_cooldown_s)

@@ -103,6 +103,13 @@ class ProxySettings(LayeredSettings):
     )
     queue_timeout_s: float = Field(30.0, gt=0, description="Longest wait for a permit before 503")
     retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with 429")
+    queue_hold_s: float = Field(
+        1.0,
+        ge=0,
+        description="How long a queued request's place is kept for its session after it left "
+        "the queue (its editor closed it to send the next keystroke): the session's next request "
+        "takes that place instead of the queue's tail",
+    )
 
     breaker_threshold: int = Field(
         5,

@@ -48,6 +48,7 @@ from collections.abc import Callable, Iterable
 from llmproxy.proxy.errors import ProxyError, QueueFull, ShuttingDown, Superseded
 from llmproxy.proxy.gating.slots import Slots
 from llmproxy.proxy.gating.ticket import Ticket as Ticket  # upstream/ imports it from here
+from llmproxy.proxy.gating.waitlist import WaitList
 
 SUPERSEDED = "superseded by a newer request from the same session"
 
@@ -60,6 +61,7 @@ class Gate:
         *,
         retry_after_s: int = 1,
         affinity_wait_s: float = 0.0,
+        hold_s: float = 0.0,
     ) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
@@ -67,7 +69,7 @@ class Gate:
         self.affinity_wait_s = affinity_wait_s
         self._slots = Slots(capacity)
         self.closing = asyncio.Event()  # set by close()
-        self._queue: list[Ticket] = []
+        self._queue: WaitList[Ticket] = WaitList(hold_s, max_queue)
         self._inflight: dict[int, Ticket] = {}  # ticket id -> ticket (granted/running/stopping)
         self._ids = itertools.count(1)
         self._closed = False
@@ -142,7 +144,7 @@ class Gate:
             raise ValueError(f"permits must be 1..{self.total}, got {permits}")
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
-        replaced = self._queued_index(session) if supersedable else None
+        placed, replaced = self._queue.place_of(session) if supersedable else (False, None)
         grant_now = replaced is None and self.free >= permits and not self._queue
         if replaced is None and not grant_now and len(self._queue) >= self.max_queue:
             retry = {"Retry-After": str(self.retry_after_s)}
@@ -152,29 +154,26 @@ class Gate:
         self._idle.clear()
         if supersedable if supersedes is None else supersedes:
             self.supersede_inflight(session)
-        if replaced is not None:
-            old = self._queue[replaced]
-            self._queue[replaced] = ticket  # the newcomer takes the old one's position
-            old.end(Superseded(SUPERSEDED))
-            self._grant_waiters()  # the newcomer may need fewer permits than the one it replaced
-        elif grant_now and not self._waits_for_its_slot(ticket):
+        if grant_now and not self._waits_for_its_slot(ticket):
+            if placed:
+                self._queue.drop_hold(session)
             self._grant(ticket)
+        elif placed:
+            self._queue.take_place(session, ticket)  # the old one's position (or its hold's)
+            if replaced is not None:
+                replaced.end(Superseded(SUPERSEDED))
+            self._grant_waiters()  # the newcomer may need fewer permits than the one it replaced
         else:
             self._queue.append(ticket)
         return ticket
 
-    def _queued_index(self, session: str) -> int | None:
-        for i, old in enumerate(self._queue):
-            if old.supersedable and old.session == session:
-                return i
-        return None
-
     def supersede_queued(self, session: str) -> None:
         """End the session's supersedable ticket waiting here (a pool placed a newer one of
         the session elsewhere)."""
-        i = self._queued_index(session)
-        if i is not None:
-            self._queue.pop(i).end(Superseded(SUPERSEDED))
+        _, queued = self._queue.place_of(session)
+        if queued is not None:
+            self._queue.discard(queued)
+            queued.end(Superseded(SUPERSEDED))
             self._advance()
 
     def supersede_inflight(self, session: str) -> None:
@@ -215,7 +214,7 @@ class Gate:
     def abandon(self, ticket: Ticket) -> None:
         """The waiter gave up (disconnect/timeout): leave the queue or return an untaken permit."""
         if ticket.state == "queued":
-            self._queue.remove(ticket)
+            self._queue.remove(ticket)  # a supersedable one leaves a hold (see waitlist.py)
             ticket.state = "done"
             if not ticket.future.done():
                 ticket.future.cancel()
@@ -265,8 +264,7 @@ class Gate:
         """Shutdown: refuse new tickets and answer every queued one with ShuttingDown."""
         self._closed = True
         self.closing.set()
-        queued, self._queue = self._queue, []
-        for t in queued:
+        for t in self._queue.clear():
             t.end(ShuttingDown("llmproxy is shutting down"))
         self._check_idle()
 
@@ -279,22 +277,21 @@ class Gate:
         while its ``abandon`` runs only when that task resumes; such tickets are dropped
         here (state "done", so the later ``abandon`` is a no-op), never granted.
         """
-        while self._queue:
-            ticket = self._queue[0]
+        while (ticket := self._queue.head()) is not None:
             if ticket.future.done():
-                self._queue.pop(0)
+                self._queue.remove(ticket)  # its waiter left: as ``abandon`` would
                 ticket.state = "done"
                 continue
             if ticket.sizer is not None:
                 try:
                     ticket.permits = ticket.sizer(self.total)
                 except ProxyError as exc:  # cannot run here any more (too wide for this upstream)
-                    self._queue.pop(0)
+                    self._queue.discard(ticket)
                     ticket.end(exc)
                     continue
             if self.free < ticket.permits or self._waits_for_its_slot(ticket):
                 return  # strict FIFO: nobody overtakes the head
-            self._queue.pop(0)
+            self._queue.discard(ticket)
             self._grant(ticket)
 
     def _waits_for_its_slot(self, ticket: Ticket) -> bool:

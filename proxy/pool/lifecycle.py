@@ -48,7 +48,7 @@ async def _member(settings: ProxySettings, spec: UpstreamSpec) -> Member:
         own.max_queue,
         retry_after_s=own.retry_after_s,
         affinity_wait_s=own.affinity_wait_s,
-    )
+    )  # no hold_s: a request's place is kept in the pool's queue, where requests wait
     return Member(spec, own, session, adapter, gate)
 
 

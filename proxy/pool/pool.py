@@ -37,6 +37,7 @@ from llmproxy.proxy.errors import (
     Superseded,
 )
 from llmproxy.proxy.gating.breaker import UpstreamUnavailable
+from llmproxy.proxy.gating.waitlist import WaitList
 from llmproxy.proxy.pool.entry import Entry, Placement
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.prefix import block_hashes, prompt_text
@@ -53,7 +54,7 @@ class Pool:
         self.settings = settings
         self.router = Router(settings.route, settings.affinity_wait_s)
         self.max_queue = settings.max_queue
-        self.queue: list[Entry] = []
+        self.queue: WaitList[Entry] = WaitList(settings.queue_hold_s, settings.max_queue)
         self._ids = itertools.count(1)
         self._closed = False
         self._advancing = False
@@ -116,7 +117,7 @@ class Pool:
 
         if all(permits(m) is None for m in members) and first_error is not None:
             raise first_error
-        replaced = self._queued_index(session) if supersedable else None
+        placed, replaced = self.queue.place_of(session) if supersedable else (False, None)
         if replaced is None and exclude is None and len(self.queue) >= self.max_queue:
             if self.queue or not any(m.has_room(permits(m) or 1) for m in members):
                 raise QueueFull(
@@ -140,21 +141,16 @@ class Pool:
             for m in self.members:
                 m.gate.supersede_queued(session)
                 m.gate.supersede_inflight(session)
-        if replaced is not None:
-            old, self.queue[replaced] = self.queue[replaced], entry
-            old.end(Superseded("superseded by a newer request from the same session"))
+        if placed:  # the old one's position (or its hold's: see gating/waitlist.py)
+            self.queue.take_place(session, entry)
+            if replaced is not None:
+                replaced.end(Superseded("superseded by a newer request from the same session"))
         elif exclude is not None:
-            self.queue.insert(0, entry)
+            self.queue.push_front(entry)
         else:
             self.queue.append(entry)
         self.advance()
         return entry
-
-    def _queued_index(self, session: str) -> int | None:
-        for i, old in enumerate(self.queue):
-            if old.supersedable and old.session == session and not old.future.done():
-                return i
-        return None
 
     async def acquire(self, entry: Entry, timeout_s: float) -> Placement:
         """Wait until ``entry`` holds its permits on an upstream (see the module's contract)."""
@@ -175,7 +171,7 @@ class Pool:
     def abandon(self, entry: Entry) -> None:
         """The waiter gave up: out of the queue, or its untaken permits back."""
         if entry in self.queue:
-            self.queue.remove(entry)
+            self.queue.remove(entry)  # a supersedable one leaves a hold
             if not entry.future.done():
                 entry.future.cancel()
             self.advance()
@@ -201,19 +197,18 @@ class Pool:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        while self.queue:
-            head = self.queue[0]
-            if head.future.done():
-                self.queue.pop(0)
+        while (head := self.queue.head()) is not None:
+            if head.future.done():  # its waiter left: as ``abandon`` would
+                self.queue.remove(head)
                 continue
             members = [m for m in self.rotation() if m is not head.exclude]
             if not members:
-                self.queue.pop(0)
+                self.queue.discard(head)
                 head.end(UpstreamUnavailable("no upstream is available"))
                 continue
             fits = [m for m in members if head.request.permits(m) is not None]
             if not fits:  # only upstreams out of rotation could run it
-                self.queue.pop(0)
+                self.queue.discard(head)
                 head.end(UpstreamUnavailable("no upstream that can run this request is available"))
                 continue
             choice = self.router.choose(head.request, fits)
@@ -223,7 +218,7 @@ class Pool:
                 return
             if choice is None:
                 return
-            self.queue.pop(0)
+            self.queue.discard(head)
             self._place(head, choice)
 
     def _place(self, entry: Entry, choice: Choice) -> None:
@@ -265,8 +260,7 @@ class Pool:
     def close(self) -> None:
         """Shutdown: refuse new requests, answer the queued ones with ShuttingDown."""
         self._closed = True
-        queued, self.queue = self.queue, []
-        for entry in queued:
+        for entry in self.queue.clear():
             entry.end(ShuttingDown("llmproxy is shutting down"))
         for m in self.members:
             m.gate.close()

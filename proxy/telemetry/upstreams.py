@@ -9,7 +9,7 @@ pool.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -29,7 +29,7 @@ class MemberView(Protocol):
 
 class PoolView(Protocol):
     @property
-    def queue(self) -> Sequence[object]: ...
+    def queue(self) -> Sized: ...
 
     @property
     def members(self) -> Sequence[MemberView]: ...

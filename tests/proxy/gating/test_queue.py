@@ -227,3 +227,54 @@ async def test_a_queued_tickets_permits_are_counted_when_it_is_granted() -> None
     with pytest.raises(BadRequest):
         await bad.wait()
     assert await last.wait() == 0 and gate.queued == 0
+
+
+def busy_gate() -> tuple[Gate, Ticket]:
+    """One permit, held by a running request; places are held for a second."""
+    gate = Gate(1, 10, hold_s=1.0)
+    running = gate.submit("x", supersedable=False)
+    gate.take(running)
+    return gate, running
+
+
+async def test_a_sessions_place_is_held_after_its_request_leaves_the_queue() -> None:
+    gate, running = busy_gate()
+    first = gate.submit("editor", supersedable=True)
+    other = gate.submit("other", supersedable=True)
+    gate.abandon(first)  # its client closed it
+    assert gate.queued == 1 and gate.queue_snapshot() == [other]
+    again = gate.submit("editor", supersedable=True)  # the next keystroke
+    assert gate.queue_snapshot() == [again, other]
+    gate.release(running)
+    assert await again.wait() == 0 and not other.future.done()
+
+
+async def test_a_held_place_blocks_nobody_and_a_free_permit_ends_it() -> None:
+    gate, running = busy_gate()
+    first = gate.submit("editor", supersedable=True)
+    other = gate.submit("other", supersedable=True)
+    gate.abandon(first)
+    gate.release(running)  # the hold is at the head: the waiter behind gets the permit
+    assert await other.wait() == 0
+    gate.take(other)
+    gate.release(other)
+    again = gate.submit("editor", supersedable=True)  # a free permit: granted at once
+    assert again.future.done() and gate.queued == 0
+    gate.take(again)
+    gate.release(again)
+    await asyncio.wait_for(gate.wait_quiescent(), 1)
+
+
+async def test_a_waiter_cancelled_before_its_abandon_still_leaves_a_hold() -> None:
+    """The waiter's task is cancelled (its future at once); the gate meets the ticket before
+    the task runs ``abandon``."""
+    gate, running = busy_gate()
+    first = gate.submit("editor", supersedable=True)
+    other = gate.submit("other", supersedable=True)
+    third = gate.submit("third", supersedable=True)
+    first.future.cancel()
+    gate.release(running)  # skips first (leaving its hold), grants other
+    assert await other.wait() == 0
+    gate.abandon(first)  # late: a no-op
+    again = gate.submit("editor", supersedable=True)
+    assert gate.queue_snapshot() == [again, third]

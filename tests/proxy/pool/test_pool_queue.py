@@ -72,7 +72,7 @@ async def test_a_newer_request_takes_its_sessions_place(session: aiohttp.ClientS
     first = await pool.acquire(submit(pool, "other"), 1)
     old = submit(pool, "editor")
     new = submit(pool, "editor")
-    assert pool.queue == [new]
+    assert list(pool.queue) == [new]
     with pytest.raises(Superseded):
         await pool.acquire(old, 1)
     a.gate.release(first.ticket)
@@ -90,7 +90,7 @@ async def test_admission_refusals(session: aiohttp.ClientSession) -> None:
     with pytest.raises(UpstreamUnavailable):
         submit(pool, "none left")
     pool.advance()
-    assert pool.queue == []
+    assert list(pool.queue) == []
 
 
 async def test_cache_waits_for_its_upstream_then_takes_a_free_one(
@@ -120,5 +120,5 @@ async def test_an_abandoned_entry_returns_its_permit(session: aiohttp.ClientSess
     task.cancel()  # ... whose client left before its job took it
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert a.gate.free == 1 and pool.queue == []
+    assert a.gate.free == 1 and list(pool.queue) == []
     await asyncio.wait_for(pool.wait_quiescent(), 1)
