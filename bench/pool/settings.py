@@ -44,7 +44,11 @@ class PoolSettings(LayeredSettings):
         default=True, description="Also run a proxy in front of the first upstream alone"
     )
     fakes: int = Field(default=3, ge=1, description="Fake upstreams in the pool")
-    fake_slots: int = Field(default=1, ge=1, description="Slots per fake upstream")
+    fake_slots: int = Field(
+        default=4,
+        ge=1,
+        description="Slots per fake upstream (4: llama-server's own default, -np auto)",
+    )
     prefill_s_per_char: float = Field(
         default=0.0001,
         gt=0,

@@ -28,7 +28,7 @@ def test_cli_runs_every_policy_and_single(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMPROXY_")}
     # 2 editors, 4 keystrokes, 1 burst, 2 fakes: every row, each counter checkable
     argv = [LLMPROXY, "bench", "pool", "--editors", "2", "--keystrokes", "4", "--bursts", "1"]
-    argv += ["--prefix-chars", "400", "--fakes", "2", "--json-out", str(out)]
+    argv += ["--prefix-chars", "400", "--fakes", "2", "--fake-slots", "1", "--json-out", str(out)]
     argv += ["--log-dir", str(tmp_path / "logs")]
     proc = subprocess.run(
         argv, capture_output=True, text=True, env=env, timeout=60, preexec_fn=child_preexec()
