@@ -8,18 +8,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from typing import Any
 
 import aiohttp
 import structlog
 
 from tests.helpers.interop import LlamaServer
 from tests.helpers.net import wait_until
-from tests.helpers.proxy import request_events, run_proxy
+from tests.helpers.proxy import RunningProxy, request_events, run_proxy
 
 FILES = [  # two editors, each in a file of its own (about 400 tokens each)
     "".join(f"def alpha_{i}(x):\n    return x * {i} + {i * 7}\n\n" for i in range(40)),
     "".join(f"class Bravo{i}:\n    size = {i * 3}\n    name = 'b{i}'\n\n" for i in range(40)),
 ]
+
+
+async def two_servers(
+    stack: contextlib.AsyncExitStack, llama_server: LlamaServer, **proxy: Any
+) -> tuple[RunningProxy, list[dict[str, Any]], aiohttp.ClientSession]:
+    """Two one-slot llama-servers behind a proxy with ``--route cache`` (closed with
+    ``stack``): the proxy, its captured log and a client session."""
+    servers = [await stack.enter_async_context(llama_server(parallel=1)) for _ in range(2)]
+    specs = [{"url": s.url, "name": f"s{i}"} for i, s in enumerate(servers)]
+    logs = stack.enter_context(structlog.testing.capture_logs())
+    px = await stack.enter_async_context(run_proxy(None, upstreams=specs, route="cache", **proxy))
+    http = await stack.enter_async_context(aiohttp.ClientSession())
+    return px, logs, http
 
 
 async def complete(
@@ -37,11 +51,7 @@ async def test_cache_routing_lands_on_the_server_holding_the_prompt(
     llama_server: LlamaServer,
 ) -> None:
     async with contextlib.AsyncExitStack() as stack:
-        servers = [await stack.enter_async_context(llama_server(parallel=1)) for _ in range(2)]
-        specs = [{"url": s.url, "name": f"s{i}"} for i, s in enumerate(servers)]
-        logs = stack.enter_context(structlog.testing.capture_logs())
-        px = await stack.enter_async_context(run_proxy(None, upstreams=specs, route="cache"))
-        http = await stack.enter_async_context(aiohttp.ClientSession())
+        px, logs, http = await two_servers(stack, llama_server)
         first = [await complete(http, px.url, e, "") for e in (0, 1)]
         later = [await complete(http, px.url, e, typed) for typed in ("#", "# a") for e in (0, 1)]
         px.flush_log()
@@ -61,14 +71,8 @@ async def test_a_superseded_generation_is_confirmed_stopped_on_its_server(
     llama_server: LlamaServer,
 ) -> None:
     async with contextlib.AsyncExitStack() as stack:
-        servers = [await stack.enter_async_context(llama_server(parallel=1)) for _ in range(2)]
-        specs = [{"url": s.url, "name": f"s{i}"} for i, s in enumerate(servers)]
-        logs = stack.enter_context(structlog.testing.capture_logs())
         # long enough a wait for the stop's confirmation: the next keystroke's prompt is there
-        px = await stack.enter_async_context(
-            run_proxy(None, upstreams=specs, route="cache", affinity_wait_s=5)
-        )
-        http = await stack.enter_async_context(aiohttp.ClientSession())
+        px, logs, http = await two_servers(stack, llama_server, affinity_wait_s=5)
         pool = px.state.pool
         assert pool is not None
         long = asyncio.create_task(complete(http, px.url, 0, "", n_predict=512))
