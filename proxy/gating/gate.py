@@ -4,9 +4,10 @@ Pure asyncio logic, no sockets (tested directly). Concurrency contract:
 
 - ``submit`` never blocks: it enqueues a ``Ticket`` (or grants a free permit at once),
   supersedes an older queued ticket of the same session (its waiter gets ``Superseded`` and
-  the newcomer takes its queue position), asks in-flight tickets of the same session to stop
-  (``Ticket.on_supersede``; the job decides by policy), and raises ``QueueFull`` or
-  ``ShuttingDown``.
+  the newcomer takes its queue position, as it takes the position a ticket of the session
+  that left the queue holds for ``hold_s``: waitlist.py), asks in-flight tickets of the
+  same session to stop (``Ticket.on_supersede``; the job decides by policy), and raises
+  ``QueueFull`` or ``ShuttingDown``.
 - ``Ticket.wait`` blocks until a permit (slot id) is granted. The waiter's task may be
   cancelled (client disconnect, queue timeout): it must then call ``abandon``, which removes
   a queued ticket or returns a permit that was granted but never taken.

@@ -5,8 +5,8 @@ Concurrency contract (the Gate's, gating/gate.py, with the upstream chosen at th
 - ``submit`` never blocks. It admits a request (``QueueFull``, ``ShuttingDown``;
   ``UpstreamUnavailable`` when no upstream is in rotation, so a dead pool fails fast;
   ``BadRequest`` when it fits no upstream), supersedes the session's queued request (the
-  newcomer takes its place) and asks the session's requests in flight on every upstream to
-  stop, then queues an ``Entry``.
+  newcomer takes its place, or the place its last one left: gating/waitlist.py) and asks
+  the session's requests in flight on every upstream to stop, then queues an ``Entry``.
 - ``advance`` (on every submit, and whenever an upstream's gate gives permits back, a
   health probe changes, or a routing wait ends) hands the queue's head to the upstream the
   router picks (router.py): it submits the request to that upstream's gate, which grants
