@@ -11,16 +11,9 @@ import pytest
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.proxy.gating.breaker import CircuitBreaker, UpstreamUnavailable
+from tests.helpers.clock import Clock
 from tests.helpers.net import closed_port, wait_until
 from tests.helpers.proxy import run_proxy
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_breaker_opens_probes_and_closes() -> None:

@@ -5,20 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmproxy.proxy.gating.waitlist import WaitList
+from tests.helpers.clock import Clock
 
 
 @dataclass(eq=False)
 class W:
     session: str
     supersedable: bool = True
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_departed_waiters_place_goes_to_its_sessions_next_one() -> None:
@@ -29,7 +22,7 @@ def test_a_departed_waiters_place_goes_to_its_sessions_next_one() -> None:
         q.append(w)
     q.remove(a)  # a's editor closed it
     assert (len(q), q.holds, q.head()) == (2, 1, b)  # a hold is not a waiter, nor the head
-    clock.now = 0.9
+    clock.t = 0.9
     assert q.place_of("a") == (True, None)
     a2 = W("a")
     assert q.take_place("a", a2) is None
@@ -43,7 +36,7 @@ def test_a_hold_expires_and_then_the_session_queues_at_the_tail() -> None:
     q.append(a)
     q.append(b)
     q.remove(a)
-    clock.now = 1.0
+    clock.t = 1.0
     assert q.place_of("a") == (False, None) and q.holds == 0
 
 
@@ -67,7 +60,7 @@ def test_holds_are_bounded_the_oldest_goes_first() -> None:
     for w in reversed(ws):  # queued z, y, x: x leaves last but sits last
         q.append(w)
     for t, w in enumerate(ws):
-        clock.now = t / 10
+        clock.t = t / 10
         q.remove(w)  # x at 0.0, y at 0.1, z at 0.2
     assert q.holds == 2 and [q.place_of(s)[0] for s in "xyz"] == [False, True, True]
 
