@@ -2,9 +2,9 @@
 
 Routes: POST /completion /completions /infill (web/llama.py), /v1/completions
 /v1/chat/completions /chat/completions (web/openai.py); GET /health /v1/health /props
-/slots /v1/models /models (web/info.py). Request parsing is web/requests.py, error
-envelopes and the middleware web/errors.py, generation driving and SSE web/gen.py, the
-typed app keys web/context.py.
+/slots /v1/models /models (web/info.py), /metrics (web/metrics.py). Request parsing is
+web/requests.py, error envelopes and the middleware web/errors.py, generation driving and
+SSE web/gen.py, the typed app keys web/context.py.
 
 Lifecycle: the dispatcher (and its workers) starts with the app and stops in its
 ``cleanup_ctx``. The app is meant to run with ``handler_cancellation=True`` (server.py);
@@ -24,6 +24,7 @@ from llmproxy.backend.web.context import DISPATCHER, MODEL_PATH, SETTINGS
 from llmproxy.backend.web.errors import error_middleware
 from llmproxy.backend.web.info import health, models, props, slots
 from llmproxy.backend.web.llama import completion, infill
+from llmproxy.backend.web.metrics import metrics
 from llmproxy.backend.web.openai import chat_completions, v1_completions
 
 __all__ = ["DISPATCHER", "SETTINGS", "create_app"]
@@ -54,6 +55,7 @@ def create_app(settings: BackendSettings) -> web.Application:
     r.add_get("/v1/health", health)
     r.add_get("/props", props)
     r.add_get("/slots", slots)
+    r.add_get("/metrics", metrics)
     for path in ("/v1/models", "/models"):
         r.add_get(path, models)
     return app

@@ -94,6 +94,7 @@ class Done:
     predicted_ms: float
     stopping_word: str = ""
     n_cached: int = 0  # prompt tokens reused from the slot's KV cache (not re-evaluated)
+    n_evaluated: int = 0  # prompt tokens evaluated for it (fewer than asked when cut early)
 
 
 @dataclass(frozen=True, slots=True)

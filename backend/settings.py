@@ -73,6 +73,9 @@ class BackendSettings(LayeredSettings):
         4096, ge=1, description="Cap on tokens generated per request (n_predict=-1 included)"
     )
     warmup: bool = Field(True, description="Run a short warm-up generation when a worker starts")
+    metrics: bool = Field(
+        False, description="Serve llama-server's Prometheus counters on GET /metrics"
+    )
 
     # supervision and shutdown
     shutdown_timeout_s: float = Field(

@@ -61,6 +61,7 @@ class Seq:
         now = time.perf_counter()
         if self.n_decoded == 0 and not self.t_first:
             self.t_first = now
+            self.pos = len(self.tokens)  # sampling means the whole prompt was evaluated
         p = self.submit.params
         if eog and not p.ignore_eos:
             return self.finish("eos"), True
@@ -120,4 +121,5 @@ class Seq:
             predicted_ms=(now - t_first) * 1000.0,
             stopping_word=stopping_word,
             n_cached=self.n_cached,
+            n_evaluated=max(0, self.pos - self.n_cached),
         )

@@ -25,6 +25,7 @@ import structlog
 
 from llmproxy.backend.protocol import (
     Cancel,
+    Done,
     Event,
     Failed,
     Prompt,
@@ -33,6 +34,7 @@ from llmproxy.backend.protocol import (
     Token,
     WorkerState,
 )
+from llmproxy.backend.runtime.counters import Counters
 from llmproxy.backend.runtime.slots import Request, Slot, Unavailable
 from llmproxy.backend.runtime.supervisor import Supervisor, WorkerHandle
 from llmproxy.backend.settings import WORKER_JOIN_S
@@ -61,6 +63,8 @@ class Dispatcher:
         self.requests: dict[str, Request] = {}
         self._task_ids = itertools.count()
         self._changed: asyncio.Event | None = None  # set (and replaced) at every slot/worker change
+        self.counters = Counters()
+        self.deferred = 0  # acquire calls waiting for free slots now
         self.started_at = time.time()
 
     @property
@@ -167,6 +171,8 @@ class Dispatcher:
             return
         req.finished = True
         req.result = ev
+        if isinstance(ev, Done):
+            self.counters.add(ev)
         self.requests.pop(req.id, None)
         slot = req.slot
         if slot.request is req:
@@ -229,7 +235,11 @@ class Dispatcher:
                 return slots
             changed = self._changed
             assert changed is not None
-            await changed.wait()
+            self.deferred += 1
+            try:
+                await changed.wait()
+            finally:
+                self.deferred -= 1
 
     def _unavailable_message(self) -> str:
         if any(w.state == "error" for w in self.workers):
