@@ -36,6 +36,7 @@ class TargetResult:
     reqs: list[Req] = field(default_factory=list)
     bursts: list[Burst] = field(default_factory=list)
     slots: dict[str, Any] | None = None  # SlotsPoller.summary(), None when /slots is unavailable
+    counters: dict[str, Any] = field(default_factory=dict)  # counters.spent(); {}: no /metrics
 
     def pct_ms(self, q: float) -> float:
         lat = sorted(b.latency_s for b in self.bursts if b.latency_s is not None)
@@ -54,7 +55,8 @@ class TargetResult:
     def summary(self) -> dict[str, Any]:
         delivered = sum(r.tokens for r in self.reqs if r.outcome == "ok")
         slots = self.slots or {}
-        generated = slots.get("tokens_decoded")
+        exact = "tokens_predicted" in self.counters
+        generated = self.counters["tokens_predicted"] if exact else slots.get("tokens_decoded")
         return {
             "url": self.url,
             "profile": self.profile,
@@ -79,6 +81,8 @@ class TargetResult:
             ),
             "max_running": slots.get("max_running"),
             "tokens_decoded": generated,
+            "tokens_decoded_exact": exact,  # from /metrics; else a lower bound from /slots
+            "prompt_tokens_evaluated": self.counters.get("prompt_tokens"),
             "tokens_delivered": delivered,
             "tokens_for_nobody": slots.get("tokens_for_nobody"),
         }
@@ -88,11 +92,7 @@ def follow_goals(sums: list[dict[str, Any]]) -> list[str]:
     """``--typist follow``: the first target has type-through on, the second off."""
     on, off = sums[0], sums[1]
     per_burst, p50 = on["generations_per_burst"], on["keystroke_p50_ms"]
-    ratio = (
-        on["tokens_decoded"] / off["tokens_decoded"]
-        if on["tokens_decoded"] is not None and off["tokens_decoded"]
-        else None
-    )
+    ratio = _share(on["tokens_decoded"], off["tokens_decoded"])
     checks = [
         ("generations per burst <= 1.2", per_burst, per_burst is not None and per_burst <= 1.2),
         ("keystroke p50 <= 20 ms", p50, not math.isnan(p50) and p50 <= 20),
@@ -102,7 +102,14 @@ def follow_goals(sums: list[dict[str, Any]]) -> list[str]:
     for name, value, ok in checks:
         shown = "n/a" if value is None else format(value, ".2f")
         lines.append(f"goal: {name:<46} {shown:>8}  {'PASS' if ok else 'FAIL'}")
+    prompt = _share(on["prompt_tokens_evaluated"], off["prompt_tokens_evaluated"])
+    if prompt is not None:
+        lines.append(f"      {'prompt tokens evaluated, share of the second':<46} {prompt:>8.2f}")
     return lines
+
+
+def _share(a: int | None, b: int | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def format_table(results: list[TargetResult], follow: bool = False) -> str:
@@ -130,7 +137,11 @@ def format_table(results: list[TargetResult], follow: bool = False) -> str:
         ("backend generations", lambda s: num(s["generations"], "d")),
         ("  per burst", lambda s: num(s["generations_per_burst"], ".2f")),
         ("backend max at once", lambda s: num(s["max_running"], "d")),
-        ("tokens decoded (>=)", lambda s: num(s["tokens_decoded"], "d")),
+        ("prompt tokens evaluated", lambda s: num(s["prompt_tokens_evaluated"], "d")),
+        (
+            "tokens decoded",
+            lambda s: ("" if s["tokens_decoded_exact"] else ">=") + num(s["tokens_decoded"], "d"),
+        ),
         ("tokens delivered", lambda s: num(s["tokens_delivered"], "d")),
         ("tokens for nobody (>=)", lambda s: num(s["tokens_for_nobody"], "d")),
     ]
@@ -140,7 +151,9 @@ def format_table(results: list[TargetResult], follow: bool = False) -> str:
     lines.append(
         "last completion = from the burst's last keystroke to the end of the final completion; "
         "keystroke = a typed keystroke's request to its answer; "
-        "backend counts from GET /slots polling (n/a: not available)"
+        "backend counts from GET /slots polling (n/a: not available), prompt tokens and "
+        "tokens decoded exactly from GET /metrics where the backend serves it "
+        "(>=: a lower bound from /slots)"
     )
     if follow and len(sums) >= 2:
         lines.extend(follow_goals(sums))

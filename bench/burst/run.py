@@ -9,6 +9,8 @@ of the same prompt (measured first, on an idle target). A background poller read
 ``GET /slots`` (llama-server, the embedded backend, also through the proxy) to count the
 generations the backend really ran, how many ran at once and how many tokens it decoded,
 and which of those tokens went to a generation whose response nobody read (see slots.py).
+Where the backend serves ``GET /metrics`` (counters.py), the prompt tokens it evaluated and
+the tokens it generated are counted exactly instead.
 ``--compare URL2,URL3`` runs the same script against more targets and prints them side by
 side; ``--typist follow`` types the suggestion that came back instead (type-through);
 ``--plot FILE.png`` draws latency over time (needs matplotlib, the ``plot`` extra).
@@ -33,6 +35,7 @@ from dataclasses import asdict
 
 import aiohttp
 
+from llmproxy.bench.burst import counters
 from llmproxy.bench.burst.editor import Client, run_burst, run_follow
 from llmproxy.bench.burst.profiles import PROFILES, Profile
 from llmproxy.bench.burst.report import Req, TargetResult, format_table
@@ -113,6 +116,7 @@ async def run_target(url: str, settings: BurstSettings) -> TargetResult:
                 baseline = await _baseline(url, profile, settings, poller)
                 await _settle(poller, settings)
                 poller.reset()  # count the bursts only
+                before = await counters.read(http, url)
                 result = TargetResult(url, profile.name, baseline, time.perf_counter())
                 for b in range(settings.bursts):
                     await _settle(poller, settings)
@@ -121,6 +125,7 @@ async def run_target(url: str, settings: BurstSettings) -> TargetResult:
                         for c in clients:
                             editors.create_task(typist(c, result, b))
                 await _settle(poller, settings)
+                result.counters = counters.spent(before, await counters.read(http, url))
                 stop.set()
         finally:
             for c in clients:

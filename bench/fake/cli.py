@@ -47,6 +47,9 @@ class FakeUpstreamSettings(LayeredSettings):
     slots_endpoint: bool = Field(
         True, description="Serve GET /slots (off: 501, like llama-server --no-slots)"
     )
+    metrics_endpoint: bool = Field(
+        False, description="Serve GET /metrics (llama-server --metrics; off: 501)"
+    )
     log_level: str = Field("warning", description="Log level")
 
 
@@ -59,6 +62,7 @@ async def _serve(settings: FakeUpstreamSettings) -> None:
         slots=settings.slots,
         abort_linger_s=settings.abort_linger_s,
         slots_endpoint=settings.slots_endpoint,
+        metrics_endpoint=settings.metrics_endpoint,
         prefill_s_per_char=settings.prefill_s_per_char,
         script=lambda _p, _b: script,
         host=settings.host,

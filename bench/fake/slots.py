@@ -1,7 +1,8 @@
 """The fake upstream's slots, its concurrency counters and the change notification.
 
 ``SlotTable`` holds llama-server's view of each slot (busy, its task id, tokens decoded,
-the prompt text it caches when the prompt-cache model is on; see prompts.py),
+the prompt text it caches when the prompt-cache model is on; see prompts.py), the tokens
+decoded by all generations (``tokens_decoded``, the fake's ``/metrics``),
 ``concurrent`` / ``max_concurrent`` (generations received and not yet finished, waiting
 ones included) and ``deferred`` (generations that found no slot free for them on arrival).
 
@@ -38,6 +39,7 @@ class SlotTable:
         self.concurrent = 0
         self.max_concurrent = 0
         self.deferred: list[int] = []
+        self.tokens_decoded = 0
         self._cond = asyncio.Condition()
         self.stopping = asyncio.Event()  # set by stop()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -158,3 +160,4 @@ class SlotTable:
         await asyncio.sleep(max(0.0, due - asyncio.get_running_loop().time()))
         for i in slots:
             self.slots[i].n_decoded += 1
+            self.tokens_decoded += 1

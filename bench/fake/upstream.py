@@ -44,7 +44,9 @@ prefix) and ``evaluated`` (the rest) in ``prompt_chars_cached`` / ``prompt_chars
 and on its ``Received``, caches its prompt, and sleeps ``evaluated * prefill_s_per_char``
 before its first token, holding its slots (an abort then is handled as during generation).
 The llamacpp kind reports both in ``timings`` (``prompt_n``, ``cache_n``) of its final
-pieces. Routes without a prompt (embeddings, rerank) are outside the model.
+pieces, and with ``metrics_endpoint`` serves llama-server's ``GET /metrics`` counters of
+them and of the tokens decoded (else 501, as llama-server without ``--metrics``). Routes
+without a prompt (embeddings, rerank) are outside the model.
 
 Per-request behaviour comes from ``script(path, body) -> Script`` (script.py), read when a
 generation arrives; ``script`` may be replaced between requests. The modules: slots and
@@ -80,6 +82,7 @@ class FakeUpstream:
         slots: int = 1,
         abort_linger_s: float = 0.2,
         slots_endpoint: bool = True,
+        metrics_endpoint: bool = False,
         prefill_s_per_char: float = 0.0,
         script: Callable[[str, dict[str, Any]], Script] | None = None,
         host: str = "127.0.0.1",
@@ -92,6 +95,7 @@ class FakeUpstream:
         self.kind: Kind = kind
         self.abort_linger_s = abort_linger_s
         self.slots_endpoint = slots_endpoint
+        self.metrics_endpoint = metrics_endpoint
         self.prefill_s_per_char = prefill_s_per_char  # > 0: the prompt-cache model is on
         self.script: Callable[[str, dict[str, Any]], Script] = script or (lambda _p, _b: Script())
         self._host, self._port = host, port
@@ -205,7 +209,26 @@ class FakeUpstream:
         routes = info_routes(self.kind, len(self.table))
         if self.kind == "llamacpp":
             routes["/slots"] = self._slots_response
+            routes["/metrics"] = self._metrics_response
         return routes
+
+    def _metrics_response(self) -> web.Response:
+        """llama-server's ``--metrics`` counters: the prompt-cache model's evaluated prompt
+        characters (0 with the model off) stand for prompt tokens."""
+        if not self.metrics_endpoint:
+            return json_response(
+                error_body(
+                    "This server does not support metrics endpoint. Start it with `--metrics`",
+                    "not_supported_error",
+                    501,
+                ),
+                501,
+            )
+        lines = [
+            f"llamacpp:prompt_tokens_total {self.prompt_chars_evaluated}",
+            f"llamacpp:tokens_predicted_total {self.table.tokens_decoded}",
+        ]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     def _slots_response(self) -> web.Response:
         if not self.slots_endpoint:

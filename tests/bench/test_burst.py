@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from llmproxy.bench.burst import counters
 from llmproxy.bench.burst.editor import send_times
 from llmproxy.bench.burst.profiles import PROFILES, delivered_tokens
+from llmproxy.bench.burst.report import format_table
 from llmproxy.bench.burst.run import run_target
 from llmproxy.bench.burst.settings import BurstSettings
 from llmproxy.bench.burst.slots import SlotsPoller
@@ -57,6 +59,19 @@ async def test_direct_counts_match_the_fake(profile: str) -> None:
         assert s["tokens_delivered"] == 10
         assert s["tokens_for_nobody"] > 0
         assert s["last_p50_ms"] >= 200  # 10 tokens x 20 ms
+        # no /metrics (llama-server's default): the polled count, marked as a lower bound
+        assert s["tokens_decoded_exact"] is False and s["prompt_tokens_evaluated"] is None
+        assert f">={s['tokens_decoded']}" in format_table([r])
+
+
+async def test_tokens_decoded_are_exact_where_the_backend_serves_metrics() -> None:
+    fake = FakeUpstream(slots=8, abort_linger_s=0.5, script=SCRIPT, metrics_endpoint=True)
+    async with fake:
+        s = (await run_target(fake.url, _settings(profile="continue"))).summary()
+    # every generation of the warm-up and baseline (4) ran to its 10 tokens before the bursts
+    assert s["tokens_decoded_exact"] is True
+    assert s["tokens_decoded"] == fake.table.tokens_decoded - 4 * 10
+    assert s["prompt_tokens_evaluated"] == 0  # the prompt-cache model is off
 
 
 async def test_through_proxy_backend_runs_at_most_capacity(tmp_path: Path) -> None:
@@ -175,7 +190,7 @@ async def test_a_follow_typist_runs_one_generation_per_burst_with_type_through(
     """``--typist follow`` asks for a suggestion, then types it a character per keystroke:
     through a proxy with type-through the backend runs the suggestion's generation only."""
     async with (
-        FakeUpstream(slots=1, script=SCRIPT) as fake,
+        FakeUpstream(slots=1, script=SCRIPT, metrics_endpoint=True) as fake,
         run_proxy(fake.url, type_through=type_through) as px,
     ):
         settings = _settings(profile="llama-vim", typist="follow", bursts=2)
@@ -186,6 +201,26 @@ async def test_a_follow_typist_runs_one_generation_per_burst_with_type_through(
         after_baseline = [g for g in fake.generations if g.path == "/infill"][4:]
         assert len(after_baseline) == (bursts if type_through == "on" else bursts + typed)
         assert s["generations"] == len(after_baseline)
+        # /metrics, read through the proxy: llama.vim reads every answer, so each generation
+        # decoded its 10 tokens
+        assert s["tokens_decoded_exact"] and s["tokens_decoded"] == 10 * len(after_baseline)
         px.flush_log()  # metrics are observed as the request log is written
         reused = px.app[METRICS].requests.labels(outcome="reused", route="/infill")._value.get()
         assert reused == (typed if type_through == "on" else 0)
+
+
+def test_metrics_pages_are_read_as_llama_server_writes_them() -> None:
+    page = (
+        "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed, excluding cached\n"
+        "# TYPE llamacpp:prompt_tokens_total counter\n"
+        "llamacpp:prompt_tokens_total 1.23457e+06\n"
+        "llamacpp:prompt_tokens_cached_total 17\n"
+        "llamacpp:tokens_predicted_total 4321\n"
+    )
+    assert counters.parse(page) == {"prompt_tokens": 1234570.0, "tokens_predicted": 4321.0}
+    assert counters.parse("llamacpp:tokens_predicted_total 5\n") == {}  # one is missing
+    assert counters.spent(None, {"prompt_tokens": 1.0, "tokens_predicted": 2.0}) == {}
+    assert counters.spent(
+        {"prompt_tokens": 10.0, "tokens_predicted": 2.0},
+        {"prompt_tokens": 25.0, "tokens_predicted": 9.0},
+    ) == {"prompt_tokens": 15, "tokens_predicted": 7}
