@@ -120,6 +120,9 @@ async def run_follow(client: Client, result: TargetResult, burst: int) -> None:
     result.reqs.append(first)
     suggestion = delivered_text(await client.send(first, 0, base))
     keys = min(settings.keystrokes, len(suggestion))
+    if not keys:  # nothing suggested (or the request failed): nothing to type
+        result.empty_suggestions += 1
+        return
     start = time.perf_counter()
     out = Burst(client.editor, burst, start + max(0, keys - 1) * settings.interval_ms / 1000)
     result.bursts.append(out)

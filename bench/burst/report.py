@@ -37,6 +37,7 @@ class TargetResult:
     bursts: list[Burst] = field(default_factory=list)
     slots: dict[str, Any] | None = None  # SlotsPoller.summary(), None when /slots is unavailable
     counters: dict[str, Any] = field(default_factory=dict)  # counters.spent(); {}: no /metrics
+    empty_suggestions: int = 0  # --typist follow: bursts with no suggestion to type
 
     def pct_ms(self, q: float) -> float:
         lat = sorted(b.latency_s for b in self.bursts if b.latency_s is not None)
@@ -65,6 +66,7 @@ class TargetResult:
             "aborted": sum(r.outcome == "aborted" for r in self.reqs),
             "errors": sum(r.outcome == "error" for r in self.reqs),
             "failed_bursts": sum(b.latency_s is None for b in self.bursts),
+            "empty_suggestions": self.empty_suggestions,
             "baseline_ms": self.baseline_s * 1000,
             "last_p50_ms": self.pct_ms(50),
             "last_p95_ms": self.pct_ms(95),
@@ -132,6 +134,11 @@ def format_table(results: list[TargetResult], follow: bool = False) -> str:
         ("last completion p95 ms", lambda s: num(s["last_p95_ms"], ".0f")),
         ("p50 / uncontended", lambda s: num(s["ratio_p50"], ".2f") + "x"),
         ("failed bursts", lambda s: str(s["failed_bursts"])),
+        *(
+            [("  empty suggestions, not typed", lambda s: str(s["empty_suggestions"]))]
+            if follow
+            else []
+        ),
         ("keystroke p50 ms", lambda s: num(s["keystroke_p50_ms"], ".1f")),
         ("keystroke p95 ms", lambda s: num(s["keystroke_p95_ms"], ".1f")),
         ("backend generations", lambda s: num(s["generations"], "d")),

@@ -224,3 +224,14 @@ def test_metrics_pages_are_read_as_llama_server_writes_them() -> None:
         {"prompt_tokens": 10.0, "tokens_predicted": 2.0},
         {"prompt_tokens": 25.0, "tokens_predicted": 9.0},
     ) == {"prompt_tokens": 15, "tokens_predicted": 7}
+
+
+async def test_a_follow_typist_types_nothing_after_an_empty_suggestion() -> None:
+    empty = lambda _p, _b: Script(tokens=0)  # noqa: E731
+    async with FakeUpstream(slots=1, script=empty) as fake:
+        settings = _settings(profile="llama-vim", typist="follow", bursts=2)
+        result = await run_target(fake.url, settings)
+    s = result.summary()
+    assert (s["empty_suggestions"], s["failed_bursts"], s["errors"]) == (2, 0, 0)
+    assert s["requests"] == 2  # the two suggestions, no keystroke
+    assert "empty suggestions, not typed" in format_table([result], follow=True)
