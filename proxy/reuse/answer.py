@@ -9,8 +9,11 @@ taken off the front of ``content`` (``choices[0].text`` on ``/v1/completions``),
 compactly as the upstream writes it.
 
 A generation that fails before this request was sent a byte (the upstream reset, or the
-generation was cut) answers nothing: ``reused`` returns None and the request goes through
-the gate as one of its own, so a keystroke is never failed for a request it did not send.
+generation was stopped) answers nothing: ``reused`` returns None and the request goes
+through the gate as one of its own, so a keystroke is never failed for a request it did not
+send. Unless a newer request of the session superseded the generation: this request is
+older than that one, so it is superseded too (``Superseded``, 499), and never supersedes
+the newer one by going through the gate after it.
 
 Concurrency contract: runs in the request's handler task; it blocks on the generation
 (``Generation.changed``) and on the client's writes. A client that leaves cancels it; the
@@ -21,11 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
-from llmproxy.proxy.errors import ProxyError
+from llmproxy.proxy.errors import ProxyError, Superseded
 from llmproxy.proxy.reuse.generation import Generation
 from llmproxy.proxy.reuse.registry import Follow
 from llmproxy.proxy.state import RECORD, ProxyState
@@ -78,33 +82,56 @@ async def answer(
     request: web.Request, generation: Generation, skip: int
 ) -> web.StreamResponse | None:
     """Write the answer; returns the response (aiohttp's handler result), or None when the
-    generation failed before anything was written."""
+    generation failed before anything was written (``Superseded`` when a newer request
+    superseded it)."""
     if not generation.stream:
         while not generation.done:
             await generation.changed()
         if generation.error is not None:
+            _raise_if_stale(generation.error)
             return None
         status, body = whole(generation, skip)
         return web.Response(status=status, body=body, headers={"Content-Type": CONTENT_TYPE})
     resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
-    sent = 0
-    while True:
-        data, sent = generation.stream_from(sent, skip)
-        if data:
-            if not resp.prepared:
-                await resp.prepare(request)
-            await resp.write(data)
-        if generation.done and sent == len(generation.events):
-            break
-        await generation.changed()
+
+    async def write(data: bytes) -> None:
+        if not resp.prepared:
+            await resp.prepare(request)
+        await resp.write(data)
+
+    await replay(generation, skip, write)
     if not resp.prepared:
         if generation.error is not None:
+            _raise_if_stale(generation.error)
             return None
         await resp.prepare(request)
     if generation.error is not None:
         await resp.write(_error_event(generation.error))
     await resp.write_eof()
     return resp
+
+
+async def replay(
+    generation: Generation, skip: int, write: Callable[[bytes], Awaitable[None]]
+) -> None:
+    """Write the generation's events for a reader that typed ``skip`` characters, each new
+    one as it arrives, until the generation has ended and every event went out."""
+    sent = 0
+    while True:
+        data, sent = generation.stream_from(sent, skip)
+        if data:
+            await write(data)
+        if sent < len(generation.events):
+            continue  # more arrived while that was written
+        if generation.done:
+            return
+        await generation.changed()
+
+
+def _raise_if_stale(error: ProxyError) -> None:
+    """Nothing was written: the request goes on as its own, unless it is stale (above)."""
+    if isinstance(error, Superseded):
+        raise error
 
 
 def _error_event(error: ProxyError) -> bytes:

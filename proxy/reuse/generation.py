@@ -7,16 +7,18 @@ continue it read it (``follow``), each from its own offset, and wait for more wi
 ``changed``.
 
 Liveness: a generation runs for its readers, the request that started it and those that
-follow it (``join``). When the last one leaves (``leave``), ``on_orphaned`` (set by the job
-that owns it) runs after ``grace_s`` unless a new reader came meanwhile: the job then
-applies its disconnect policy. The grace lets an editor that closes its previous request
-just before sending the next keystroke's continue the generation instead of cancelling it.
+follow it (``join``), and for requests waiting to learn whether they follow it (``keep``).
+When the last one leaves (``leave``), ``on_orphaned`` (set by the job that owns it) runs
+after ``grace_s`` unless a new reader came meanwhile: the job then applies its disconnect
+policy. The grace lets an editor that closes its previous request just before sending the
+next keystroke's continue the generation instead of cancelling it.
 
-Concurrency contract: used on the event loop's thread only. ``feed``, ``end``, ``join`` and
-``leave`` never block; ``changed()`` blocks until the next ``feed`` or ``end`` and is
-cancelled by its caller (a reader whose client left). A generation holds no permit and no
-task: the job that feeds it owns both, and ends it (``end``) on every path, so no reader
-waits forever. Its one timer is a loop handle, cancelled by ``join`` and ``end``.
+Concurrency contract: used on the event loop's thread only. ``feed``, ``end``, ``join``,
+``keep`` and ``leave`` never block; ``changed()`` blocks until the next ``feed`` or ``end``
+and is cancelled by its caller (a reader whose client left). A generation holds no permit
+and no task: the job that feeds it owns both, and ends it (``end``) on every path, so no
+reader waits forever. Its one timer is a loop handle, cancelled by ``keep`` (``join``) and
+``end``.
 
 Events are the upstream's SSE events (``data: {...}``), llama-server's native form (a
 piece is ``content`` of an event with ``"stop": false``) or OpenAI's (``choices[0].text``).
@@ -126,8 +128,13 @@ class Generation:
 
     def join(self) -> None:
         """One more reader."""
-        self.live += 1
+        self.keep()
         self.readers += 1
+
+    def keep(self) -> None:
+        """Run on for one more request (a reader, or one waiting to learn whether it is
+        one) until its ``leave``."""
+        self.live += 1
         self._cancel_timer()
 
     def leave(self) -> None:

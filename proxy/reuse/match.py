@@ -1,9 +1,10 @@
 """When is a new request a continuation of an earlier one: the user typed ``d``.
 
 ``typed(route, old, new)`` compares two parsed request bodies of the same session and route
-and returns the text ``d`` the user typed at the cursor between them, or None when the new
-request is not a continuation. Whether ``d`` is what the old generation wrote is the
-caller's question (generation.py); this module only compares bodies. Pure functions.
+and returns what the user may have typed at the cursor between them: the candidates for
+``d``, none when the new request is not a continuation. Whether ``d`` is what the old
+generation wrote is the caller's question (registry.py); this module only compares bodies.
+Pure functions.
 
 Per route:
 - ``/infill``: ``input_prefix + prompt`` grew by ``d`` (llama.vim moves whole lines from
@@ -12,7 +13,10 @@ Per route:
 - ``/completion``, ``/completions``, ``/v1/completions``: the old prompt is ``A + B`` and
   the new one ``A + d + B``: one insertion at the cursor. ``B`` is what follows the cursor
   in a prompt the client built itself (fill-in-the-middle, as llm-ls and Continue send),
-  empty for a plain continuation; ``/v1/completions``' ``suffix`` is equal.
+  empty for a plain continuation; ``/v1/completions``' ``suffix`` is equal. The cursor is
+  not marked, so where ``d`` ends as ``B`` begins (``<a`` typed before ``<fim_suffix>``) the
+  insertion could be at more than one place, each giving ``d`` rotated (``<a``, ``a<``):
+  all are candidates, and the generation's text tells which one the user typed.
 
 Every other field must be equal (sampling parameters, ``n_predict``, ``stream``, ...).
 Never a continuation: other routes (chat), a prompt that is not a string, warm-ups
@@ -57,34 +61,42 @@ def eligible(route: str, body: Any) -> bool:
     return all(isinstance(body.get(k, ""), str) for k in ("prompt", "input_prefix"))
 
 
-def _inserted(old: str, new: str) -> str | None:
-    """``d`` when ``new`` is ``old`` with one non-empty insertion ``d``: ``old = A + B`` and
-    ``new = A + d + B``, with ``A`` as long as possible."""
+def _inserted(old: str, new: str) -> tuple[str, ...]:
+    """Every ``d`` such that ``old = A + B`` and ``new = A + d + B`` (``d`` not empty).
+
+    The places ``len(A)`` that work form one range; ``new`` repeats with period ``len(d)``
+    across it, so its first ``len(d)`` places give every distinct ``d``."""
     grown = len(new) - len(old)
     if grown <= 0:
-        return None
-    lcp = 0
+        return ()
     limit = len(old)
+    lcp = 0  # the longest A
     while lcp < limit and old[lcp] == new[lcp]:
         lcp += 1
-    if new[lcp + grown :] != old[lcp:]:
-        return None
-    return new[lcp : lcp + grown]
+    lcs = 0  # the longest B
+    while lcs < limit and old[-1 - lcs] == new[-1 - lcs]:
+        lcs += 1
+    first = limit - lcs  # the shortest A
+    if first > lcp:
+        return ()
+    last = min(lcp, first + grown - 1)
+    return tuple(dict.fromkeys(new[k : k + grown] for k in range(first, last + 1)))
 
 
-def typed(route: str, old: Any, new: Any) -> str | None:
-    """The text typed at the cursor between ``old`` and ``new`` (bodies of ``route``), or
-    None when ``new`` is not a continuation of ``old``."""
+def typed(route: str, old: Any, new: Any) -> tuple[str, ...]:
+    """What may have been typed at the cursor between ``old`` and ``new`` (bodies of
+    ``route``): one candidate, or several rotations of it (see above); none when ``new`` is
+    not a continuation of ``old``."""
     if not (eligible(route, old) and eligible(route, new)):
-        return None
+        return ()
     text_fields = _TEXT_FIELDS[route]
     keys = (old.keys() | new.keys()) - text_fields
     if any(old.get(k) != new.get(k) for k in keys):
-        return None
+        return ()
     if route == "/infill":
         before_old = old.get("input_prefix", "") + old.get("prompt", "")
         before_new = new.get("input_prefix", "") + new.get("prompt", "")
-        if not before_new.startswith(before_old):
-            return None
-        return before_new[len(before_old) :] or None
+        if not before_new.startswith(before_old) or before_new == before_old:
+            return ()
+        return (before_new[len(before_old) :],)
     return _inserted(old.get("prompt", ""), new.get("prompt", ""))

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from llmproxy.proxy.errors import Superseded
 from llmproxy.proxy.reuse.generation import Generation
 from llmproxy.proxy.reuse.match import eligible, typed
 from llmproxy.proxy.upstream.assemble import OAI_ROUTES
@@ -95,24 +96,47 @@ class Generations:
     async def follow(self, session: str, route: str, body: Any) -> Follow | None:
         """A ``Follow`` (the generation joined) when ``body`` continues the session's latest
         generation: the user typed ``d`` and the generation wrote ``d``. While it has written
-        less than ``d`` (typing ahead), waits for more; None as soon as it writes something
-        else or ends short (the caller then goes through the gate, superseding it)."""
+        less than ``d`` (typing ahead), keeps it running and waits for more; None as soon as
+        it writes something else or ends short (the caller then goes through the gate,
+        superseding it). Raises ``Superseded`` when, while this request waited, a newer one
+        of the session superseded the generation: this one is stale too."""
         generation = self.latest(session)
         if generation is None or generation.route != route or generation.error is not None:
             return None
-        d = typed(route, generation.body, body)
-        if d is None:
-            return None
-        while not generation.text.startswith(d):
-            # typing ahead: wait only once the model wrote some of it (what the user can have
-            # read); waiting on a generation still reading its prompt would hold up every
-            # keystroke that is no continuation at all
-            if generation.done or not generation.text or not d.startswith(generation.text):
-                return None
-            await generation.changed()
-        if generation.error is not None and len(generation.text) <= len(d):
-            return None  # cut before it wrote anything past what was typed
-        if self._latest.get(session) is not generation:
-            return None  # replaced while waiting
-        generation.join()
-        return Follow(generation, len(d))
+        options = typed(route, generation.body, body)
+        kept = False  # this request keeps the generation running while it waits
+        try:
+            while (d := _written(generation.text, options)) is None:
+                # typing ahead: wait only once the model wrote some of it (what the user can
+                # have read); waiting on a generation still reading its prompt would hold up
+                # every keystroke that is no continuation at all
+                options = tuple(x for x in options if x.startswith(generation.text))
+                if generation.done or not generation.text or not options:
+                    _raise_if_stale(generation)
+                    return None
+                if not kept:
+                    generation.keep()
+                    kept = True
+                await generation.changed()
+            if generation.error is not None and len(generation.text) <= len(d):
+                _raise_if_stale(generation)
+                return None  # cut before it wrote anything past what was typed
+            if self._latest.get(session) is not generation:
+                return None  # replaced while waiting
+            generation.join()
+            return Follow(generation, len(d))
+        finally:
+            if kept:
+                generation.leave()
+
+
+def _written(text: str, options: tuple[str, ...]) -> str | None:
+    """The ``d`` among ``options`` that ``text`` begins with (rotations of one another, so
+    at most one fits once the text is as long as they are)."""
+    return next((d for d in options if text.startswith(d)), None)
+
+
+def _raise_if_stale(generation: Generation) -> None:
+    """A request that waited on ``generation`` is stale if a newer one superseded it."""
+    if isinstance(generation.error, Superseded):
+        raise generation.error

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from llmproxy.proxy.errors import Superseded
-from llmproxy.proxy.reuse.answer import whole
+from llmproxy.proxy.reuse.answer import replay, whole
 from llmproxy.proxy.reuse.generation import Generation
 from llmproxy.proxy.reuse.registry import Generations
 
@@ -163,3 +163,25 @@ async def test_no_wait_on_a_generation_that_wrote_nothing_yet() -> None:
     reg = Generations(ttl_s=30)
     begin(reg)
     assert await reg.follow("s", "/completion", {**BODY, "prompt": "x = 4"}) is None
+
+
+async def test_a_replay_writes_what_arrived_during_its_last_write_at_once() -> None:
+    """A piece that arrives while the previous one is being written (a slow client) goes
+    out right after it, not only when the next piece or the end comes."""
+    gen = Generation("/completion", {}, oai=False, stream=True)
+    gen.feed(native("Hel"))
+    written: list[bytes] = []
+    both = asyncio.Event()
+
+    async def write(data: bytes) -> None:
+        if not written:
+            gen.feed(native("lo"))  # arrives while the first piece is written
+        written.append(data)
+        if len(written) == 2:
+            both.set()
+
+    reader = asyncio.ensure_future(replay(gen, 0, write))
+    await asyncio.wait_for(both.wait(), 5)  # before the generation ends
+    assert not gen.done and written == [native("Hel"), native("lo")]
+    gen.end()
+    await reader
