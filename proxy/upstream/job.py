@@ -53,6 +53,7 @@ from llmproxy.proxy.errors import ProxyError, ShuttingDown, Superseded, Upstream
 from llmproxy.proxy.gating.breaker import CircuitBreaker
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.ticket import Ticket
+from llmproxy.proxy.reuse.generation import Generation
 from llmproxy.proxy.reuse.registry import Generations
 from llmproxy.proxy.telemetry.metrics import Metrics
 from llmproxy.proxy.telemetry.record import RequestRecord
@@ -94,24 +95,22 @@ class UpstreamJob:
         generations: Generations | None = None,
     ) -> None:
         self.gate, self.ticket, self.adapter = gate, ticket, adapter
-        # type-through: the record later keystrokes of the session may be answered from
-        self.generation = (
-            generations.start(
+        self.request, self.out = request, out
+        self.record, self.metrics = record, metrics
+        self.breaker, self.breaker_probe = breaker, breaker_probe
+        self.supersede_policy, self.disconnect_policy = supersede_policy, disconnect_policy
+        self.unconfirmed_hold_s = unconfirmed_hold_s
+        self.generation: Generation | None = None
+        self.slot = gate.take(ticket, on_supersede=self._superseded)  # or Superseded
+        if generations is not None and record.session is not None:
+            # type-through: the record later keystrokes of the session may be answered from
+            self.generation = generations.start(
                 record.session,
                 request.path,
                 record.parsed_body,
                 streamed=adapter.assembles(request.path, record.parsed_body),
                 on_orphaned=self._orphaned,
             )
-            if generations is not None and record.session is not None
-            else None
-        )
-        self.request, self.out = request, out
-        self.record, self.metrics = record, metrics
-        self.breaker, self.breaker_probe = breaker, breaker_probe
-        self.supersede_policy, self.disconnect_policy = supersede_policy, disconnect_policy
-        self.unconfirmed_hold_s = unconfirmed_hold_s
-        self.slot = gate.take(ticket, on_supersede=self._superseded)
         self._task: asyncio.Task[object] | None = None  # set while in the transfer scope
         self._stop_cancelled = False  # stop() cancelled the task in the transfer scope
         self._crashed = False  # our own code failed during the transfer

@@ -14,6 +14,7 @@ from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
+from llmproxy.proxy.errors import Superseded
 from llmproxy.proxy.telemetry.record import RequestRecord
 from llmproxy.proxy.upstream.job import UpstreamJob, UpstreamRequest
 from llmproxy.proxy.upstream.responder import Responder
@@ -174,6 +175,40 @@ async def test_stop_before_the_job_starts_never_sends() -> None:
         assert len(fake.received) == before  # the superseded request never left the proxy
         assert rec.outcome == "superseded" and not rec.sent
         assert await newer.wait() == 0
+        st.gate.abandon(newer)
+
+
+async def test_a_job_superseded_before_it_takes_its_permit_records_no_generation() -> None:
+    """Type-through: a job whose ticket was superseded between its grant and the job's
+    start never runs, so no later keystroke may find its generation as the session's."""
+    async with FakeUpstream(slots=1) as fake, run_proxy(fake.url) as px:
+        st = px.state
+        assert st.generations is not None
+        ticket = st.gate.submit("S", supersedable=True, route="/infill")
+        await ticket.wait()
+        newer = st.gate.submit("S", supersedable=True, route="/infill")
+        rec = RequestRecord("r1", "POST", "/infill")
+        rec.session, rec.parsed_body = "S", {"prompt": "a", "stream": True}
+        with pytest.raises(Superseded):
+            UpstreamJob(
+                gate=st.gate,
+                ticket=ticket,
+                adapter=st.adapter,
+                request=UpstreamRequest(
+                    "POST", "/infill", "/infill", CIMultiDict(), b'{"prompt":"a","stream":true}'
+                ),
+                out=Responder(make_mocked_request("POST", "/infill"), "r1"),
+                record=rec,
+                metrics=st.metrics,
+                breaker=st.breaker,
+                breaker_probe=False,
+                supersede_policy="cancel",
+                disconnect_policy="cancel",
+                unconfirmed_hold_s=0,
+                generations=st.generations,
+            )
+        assert st.generations.latest("S") is None
+        assert await newer.wait() == 0  # the permit went back at once
         st.gate.abandon(newer)
 
 
