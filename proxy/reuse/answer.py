@@ -8,6 +8,11 @@ and gets the body the upstream's final event gives (``Assembler``) with the type
 taken off the front of ``content`` (``choices[0].text`` on ``/v1/completions``), written
 compactly as the upstream writes it.
 
+A later keystroke that joins the generation supersedes this request, as a newer request of
+the session does (``Generation`` turns): nothing written yet, it is answered ``Superseded``
+(499); a stream already started ends with that error event. Only the newest reader's
+answer goes on.
+
 A generation that fails before this request was sent a byte (the upstream reset, or the
 generation was stopped) answers nothing: ``reused`` returns None and the request goes
 through the gate as one of its own, so a keystroke is never failed for a request it did not
@@ -37,6 +42,7 @@ from llmproxy.proxy.upstream.assemble import CONTENT_TYPE, Assembler
 from llmproxy.proxy.upstream.responder import stream_error_bytes
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+SUPERSEDED = "superseded by a newer request from the same session"
 
 
 def whole(generation: Generation, skip: int) -> tuple[int, bytes]:
@@ -65,7 +71,7 @@ async def reused(st: ProxyState, request: web.Request, follow: Follow) -> web.St
     rec = request[RECORD]
     generation = follow.generation
     try:
-        resp = await answer(request, generation, follow.skip)
+        resp = await answer(request, generation, follow.skip, follow.turn)
     except asyncio.CancelledError:
         rec.client_gone = True
         raise
@@ -73,19 +79,22 @@ async def reused(st: ProxyState, request: web.Request, follow: Follow) -> web.St
         generation.leave()
     if resp is None:
         return None
-    rec.outcome = "reused"
-    rec.reused_tokens = generation.tokens_after(follow.skip)
+    if rec.outcome is None:  # not superseded mid-stream
+        rec.outcome = "reused"
+        rec.reused_tokens = generation.tokens_after(follow.skip)
     return resp
 
 
 async def answer(
-    request: web.Request, generation: Generation, skip: int
+    request: web.Request, generation: Generation, skip: int, turn: int
 ) -> web.StreamResponse | None:
-    """Write the answer; returns the response (aiohttp's handler result), or None when the
-    generation failed before anything was written (``Superseded`` when a newer request
-    superseded it)."""
+    """Write the answer of the reader whose ``turn`` it is; returns the response (aiohttp's
+    handler result), or None when the generation failed before anything was written
+    (``Superseded`` when a newer request superseded it, or this reader, first)."""
     if not generation.stream:
         while not generation.done:
+            if generation.readers != turn:
+                raise Superseded(SUPERSEDED)
             await generation.changed()
         if generation.error is not None:
             _raise_if_stale(generation.error)
@@ -99,32 +108,38 @@ async def answer(
             await resp.prepare(request)
         await resp.write(data)
 
-    await replay(generation, skip, write)
+    ended = await replay(generation, skip, write, turn)
+    error = generation.error if ended else Superseded(SUPERSEDED)
     if not resp.prepared:
-        if generation.error is not None:
-            _raise_if_stale(generation.error)
+        if error is not None:
+            _raise_if_stale(error)
             return None
         await resp.prepare(request)
-    if generation.error is not None:
-        await resp.write(_error_event(generation.error))
+    if error is not None:
+        if not ended:
+            request[RECORD].outcome = "superseded"
+        await resp.write(_error_event(error))
     await resp.write_eof()
     return resp
 
 
 async def replay(
-    generation: Generation, skip: int, write: Callable[[bytes], Awaitable[None]]
-) -> None:
-    """Write the generation's events for a reader that typed ``skip`` characters, each new
-    one as it arrives, until the generation has ended and every event went out."""
+    generation: Generation, skip: int, write: Callable[[bytes], Awaitable[None]], turn: int
+) -> bool:
+    """Write the generation's events for the reader whose ``turn`` it is and that typed
+    ``skip`` characters, each new one as it arrives, until the generation has ended and
+    every event went out (True), or a newer reader joined (False)."""
     sent = 0
     while True:
+        if generation.readers != turn:
+            return False
         data, sent = generation.stream_from(sent, skip)
         if data:
             await write(data)
         if sent < len(generation.events):
             continue  # more arrived while that was written
         if generation.done:
-            return
+            return True
         await generation.changed()
 
 

@@ -6,6 +6,11 @@ upstream job that owns the request feeds it (``feed``, then ``end``); requests t
 continue it read it (``follow``), each from its own offset, and wait for more with
 ``changed``.
 
+Turns: each reader that joins supersedes the readers before it, as a newer request of the
+session supersedes an older one: the request that started the generation is told through
+``on_superseded`` (set by its job), a follower learns it from ``readers`` (its turn is the
+count when it joined). Superseded readers end their answers; the generation runs on.
+
 Liveness: a generation runs for its readers, the request that started it and those that
 follow it (``join``), and for requests waiting to learn whether they follow it (``keep``).
 When the last one leaves (``leave``), ``on_orphaned`` (set by the job that owns it) runs
@@ -71,9 +76,10 @@ class Generation:
         stream: bool,
         grace_s: float = 0.0,
         on_orphaned: Callable[[], None] | None = None,
+        on_superseded: Callable[[], None] | None = None,
     ) -> None:
         self.route, self.body, self.oai, self.stream = route, body, oai, stream
-        self.grace_s, self.on_orphaned = grace_s, on_orphaned
+        self.grace_s, self.on_orphaned, self.on_superseded = grace_s, on_orphaned, on_superseded
         self.live = 1  # readers still there: the request that started it, and followers
         self._timer: asyncio.TimerHandle | None = None
         self.events: list[Event] = []
@@ -81,7 +87,7 @@ class Generation:
         self.done = False
         self.error: ProxyError | None = None  # the upstream failed, or the generation was cut
         self.ended_at: float | None = None
-        self.readers = 0  # requests answered from it so far (followers)
+        self.readers = 0  # followers joined so far: the turn of the newest
         self.reused_tokens = 0
         self._pending = b""
         self._changed = asyncio.Event()
@@ -123,13 +129,19 @@ class Generation:
             self._pending = b""
         self.done, self.error = True, error
         self.ended_at = time.monotonic()
+        self.on_superseded = None  # the starting request's answer is complete, or failed
         self._cancel_timer()
         self._wake()
 
-    def join(self) -> None:
-        """One more reader."""
+    def join(self) -> int:
+        """One more reader, which supersedes the ones before it (see Turns); its turn."""
         self.keep()
         self.readers += 1
+        starter, self.on_superseded = self.on_superseded, None
+        if starter is not None and not self.done:
+            starter()
+        self._wake()  # followers waiting for more learn they were superseded
+        return self.readers
 
     def keep(self) -> None:
         """Run on for one more request (a reader, or one waiting to learn whether it is

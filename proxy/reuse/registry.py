@@ -26,10 +26,12 @@ from llmproxy.proxy.upstream.assemble import OAI_ROUTES
 
 @dataclass(frozen=True, slots=True)
 class Follow:
-    """A request answered from ``generation``: its text after the first ``skip`` characters."""
+    """A request answered from ``generation``: its text after the first ``skip`` characters,
+    for as long as its ``turn`` is the generation's newest (``Generation.readers``)."""
 
     generation: Generation
     skip: int
+    turn: int
 
 
 class Generations:
@@ -49,6 +51,7 @@ class Generations:
         *,
         streamed: bool,
         on_orphaned: Callable[[], None],
+        on_superseded: Callable[[], None],
     ) -> Generation | None:
         """The generation a request of ``session`` starts, recorded as the session's latest;
         None when it cannot be continued (its route or body, or an answer that will not be
@@ -66,6 +69,7 @@ class Generations:
             stream=stream,
             grace_s=self.grace_s,
             on_orphaned=on_orphaned,
+            on_superseded=on_superseded,
         )
         self.begin(session, generation)
         return generation
@@ -123,8 +127,7 @@ class Generations:
                 return None  # cut before it wrote anything past what was typed
             if self._latest.get(session) is not generation:
                 return None  # replaced while waiting
-            generation.join()
-            return Follow(generation, len(d))
+            return Follow(generation, len(d), generation.join())
         finally:
             if kept:
                 generation.leave()

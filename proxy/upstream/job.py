@@ -101,6 +101,7 @@ class UpstreamJob:
         self.supersede_policy, self.disconnect_policy = supersede_policy, disconnect_policy
         self.unconfirmed_hold_s = unconfirmed_hold_s
         self.generation: Generation | None = None
+        self._left_generation = False
         self.slot = gate.take(ticket, on_supersede=self._superseded)  # or Superseded
         if generations is not None and record.session is not None:
             # type-through: the record later keystrokes of the session may be answered from
@@ -110,6 +111,7 @@ class UpstreamJob:
                 record.parsed_body,
                 streamed=adapter.assembles(request.path, record.parsed_body),
                 on_orphaned=self._orphaned,
+                on_superseded=self._continued,
             )
         self._task: asyncio.Task[object] | None = None  # set while in the transfer scope
         self._stop_cancelled = False  # stop() cancelled the task in the transfer scope
@@ -137,9 +139,25 @@ class UpstreamJob:
             # a typist's next keystroke may continue it: the policy applies once the last
             # reader left and the grace passed (_orphaned); a client dropped for taking
             # nothing is no typist
-            self.generation.leave()
+            self._leave_generation()
             return
         self._orphaned()
+
+    def _continued(self) -> None:
+        """A later keystroke of the session continues this generation (type-through): it
+        supersedes this request, whose client gets 499 (or the stream's error event), while
+        the generation runs on for the keystroke, on this job's permit."""
+        if self.out.ended:
+            return
+        self.record.outcome = "superseded"
+        self.out.fail(Superseded("superseded by a newer request from the same session"))
+        self._leave_generation()
+
+    def _leave_generation(self) -> None:
+        """This request's client reads the generation no more (once)."""
+        if self.generation is not None and not self._left_generation:
+            self._left_generation = True
+            self.generation.leave()
 
     def _orphaned(self) -> None:
         """No client reads this generation any more: the disconnect policy applies."""

@@ -180,7 +180,7 @@ async def test_a_replay_writes_what_arrived_during_its_last_write_at_once() -> N
         if len(written) == 2:
             both.set()
 
-    reader = asyncio.ensure_future(replay(gen, 0, write))
+    reader = asyncio.ensure_future(replay(gen, 0, write, gen.readers))
     await asyncio.wait_for(both.wait(), 5)  # before the generation ends
     assert not gen.done and written == [native("Hel"), native("lo")]
     gen.end()

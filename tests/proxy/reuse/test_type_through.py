@@ -86,33 +86,88 @@ async def setup(
         yield fake, px
 
 
+async def outcome(route: str, resp: aiohttp.ClientResponse, stream: bool) -> tuple[str, str]:
+    """(completion text read, how it ended: "ok" or the error type) of a response."""
+    if resp.status != 200:
+        return "", json.loads(await resp.read())["error"]["type"]
+    if not stream:
+        return await answer_text(route, resp, stream), "ok"
+    text, end = [], "ok"
+    async for line in resp.content:
+        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                end = obj["error"]["type"]
+            elif route == "/v1/completions":
+                text.append(obj["choices"][0]["text"])
+            else:
+                text.append(obj["content"])
+    return "".join(text), end
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("route", ROUTES)
 async def test_a_typist_typing_the_output_is_answered_from_one_generation(
     http: aiohttp.ClientSession, route: str, stream: bool
 ) -> None:
-    """Every keystroke's request, sent while the generation runs and read to its end, gets
-    the output's remainder; the upstream runs one generation in all."""
+    """Keystrokes that type what the model wrote, sent while the generation runs: each
+    continues it and supersedes the keystroke before (which ends with 499, or its stream
+    with the superseded event, after a part of its answer); the newest gets the output's
+    remainder. The upstream runs one generation in all, on one permit."""
     async with setup("on") as (fake, px):
         path = route.split()[0]
 
-        async def keystroke(n: int) -> str:
+        async def keystroke(n: int) -> tuple[str, str]:
             async with http.post(
                 px.url + path, json=body(route, OUTPUT[:n], stream), headers=HEADERS
             ) as r:
-                return await answer_text(path, r, stream)
+                return await outcome(path, r, stream)
 
-        first = asyncio.ensure_future(keystroke(0))
+        keys = [asyncio.ensure_future(keystroke(0))]
         await fake.wait_for(lambda f: len(f.generations) == 1)
         # the user types what the model wrote (what an editor showed them)
         await wait_until(lambda: read_so_far(px, path) >= 8, what="8 characters")
-        rest = [asyncio.ensure_future(keystroke(n)) for n in range(1, 8)]
-        answers = await asyncio.gather(first, *rest)
-        assert answers == [OUTPUT[n:] for n in range(8)]
+        for n in range(1, 8):
+            keys.append(asyncio.ensure_future(keystroke(n)))
+            await wait_until(lambda n=n: joined(px, path) == n, what=f"keystroke {n} joined")
+            assert px.state.gate.free == 0  # still the first request's permit only
+        answers = await asyncio.gather(*keys)
+        assert answers[-1] == (OUTPUT[7:], "ok")
+        for n, (text, end) in enumerate(answers[:-1]):
+            assert end == "superseded", (n, text, end)
+            assert OUTPUT[n:].startswith(text), (n, text)
+            assert stream or text == ""
         # after the generation ended, a later keystroke is answered from what it wrote
-        assert await keystroke(9) == OUTPUT[9:]
+        assert await keystroke(9) == (OUTPUT[9:], "ok")
         assert len(fake.generations) == 1
         await wait_until(lambda: px.state.gate.free == 1, what="permit back")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route", ROUTES)
+async def test_a_typist_who_reads_each_answer_gets_the_remainder_every_time(
+    http: aiohttp.ClientSession, route: str, stream: bool
+) -> None:
+    """llama.vim's way: a keystroke's request goes out once the previous answer was read.
+    Every answer is the output's remainder, from the one generation."""
+    async with setup("on", delay_s=0.005) as (fake, px):
+        path = route.split()[0]
+        for n in range(8):
+            async with http.post(
+                px.url + path, json=body(route, OUTPUT[:n], stream), headers=HEADERS
+            ) as r:
+                assert await answer_text(path, r, stream) == OUTPUT[n:]
+        assert len(fake.generations) == 1
+
+
+def joined(px: RunningProxy, path: str) -> int:
+    """Keystrokes answered from the session's generation so far."""
+    key = session_key(
+        parts=[], header_name="X-LLMProxy-Session", headers=HEADERS, peer=None, path=path, body=None
+    )
+    assert px.state.generations is not None
+    generation = px.state.generations.latest(key)
+    return 0 if generation is None else int(generation.readers)
 
 
 @pytest.mark.parametrize("type_through", ["on", "off"])
@@ -208,33 +263,36 @@ async def test_reuse_is_logged_and_counted(http: aiohttp.ClientSession) -> None:
         assert len(fake.generations) == 1
 
 
-async def test_an_error_event_in_the_generation_reaches_every_request_on_it(
+async def test_an_error_event_in_the_generation_reaches_the_request_reading_it(
     http: aiohttp.ClientSession,
 ) -> None:
+    """The upstream's error event ends the answer of the keystroke reading the generation
+    then; the keystrokes it superseded ended with the superseded event before."""
     route = "/completion"
 
     def script(_path: str, _body: dict[str, Any]) -> Script:
         return Script(tokens=TOKENS, token_delay_s=0.03, fail="error_event")
 
-    async def keystroke(n: int) -> bytes:
+    async def keystroke(n: int) -> tuple[str, str]:
         async with http.post(
             px.url + route, json=body(route, OUTPUT[:n], True), headers=HEADERS
         ) as r:
-            assert r.status == 200
-            return await r.read()
+            return await outcome(route, r, True)
 
     async with (
         FakeUpstream(kind="llamacpp", slots=1, script=script) as fake,
         run_proxy(fake.url) as px,
     ):
-        first = asyncio.ensure_future(keystroke(0))
+        keys = [asyncio.ensure_future(keystroke(0))]
         await fake.wait_for(lambda f: len(f.generations) == 1)
         await wait_until(lambda: read_so_far(px, route) >= 4, what="4 characters")
-        answers = await asyncio.gather(first, *(keystroke(n) for n in (1, 2, 4)))
-        for raw in answers:
-            last = json.loads(raw.rstrip(b"\n").rsplit(b"\n\n", 1)[-1][6:])
-            assert last["error"]["code"] == 500, raw
+        for i, n in enumerate((1, 2, 4), start=1):
+            keys.append(asyncio.ensure_future(keystroke(n)))
+            await wait_until(lambda i=i: joined(px, route) == i, what=f"keystroke {n} joined")
+        ends = [end for _text, end in await asyncio.gather(*keys)]
+        assert ends == ["superseded", "superseded", "superseded", "server_error"]
         assert len(fake.generations) == 1
+        await wait_until(lambda: px.state.gate.free == 1, what="permit back")
 
 
 @pytest.mark.parametrize("stream", [False, True])
