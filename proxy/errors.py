@@ -83,6 +83,9 @@ class QueueFull(ProxyError):
     status, type, outcome = 429, "queue_full", "rejected"
 
 
+SUPERSEDED = "superseded by a newer request from the same session"
+
+
 class Superseded(ProxyError):
     """A newer request from the same session replaced this one (Continue: silent cancel)."""
 

@@ -46,12 +46,10 @@ import itertools
 import time
 from collections.abc import Callable, Iterable
 
-from llmproxy.proxy.errors import ProxyError, QueueFull, ShuttingDown, Superseded
+from llmproxy.proxy.errors import SUPERSEDED, ProxyError, QueueFull, ShuttingDown, Superseded
 from llmproxy.proxy.gating.slots import Slots
 from llmproxy.proxy.gating.ticket import Ticket as Ticket  # upstream/ imports it from here
 from llmproxy.proxy.gating.waitlist import WaitList
-
-SUPERSEDED = "superseded by a newer request from the same session"
 
 
 class Gate:

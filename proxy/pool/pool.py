@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from llmproxy.proxy.errors import (
+    SUPERSEDED,
     BadRequest,
     ProxyError,
     QueueFull,
@@ -144,7 +145,7 @@ class Pool:
         if placed:  # the old one's position (or its hold's: see gating/waitlist.py)
             self.queue.take_place(session, entry)
             if replaced is not None:
-                replaced.end(Superseded("superseded by a newer request from the same session"))
+                replaced.end(Superseded(SUPERSEDED))
         elif exclude is not None:
             self.queue.push_front(entry)
         else:

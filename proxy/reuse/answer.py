@@ -16,9 +16,9 @@ answer goes on.
 A generation that fails before this request was sent a byte (the upstream reset, or the
 generation was stopped) answers nothing: ``reused`` returns None and the request goes
 through the gate as one of its own, so a keystroke is never failed for a request it did not
-send. Unless a newer request of the session superseded the generation: this request is
-older than that one, so it is superseded too (``Superseded``, 499), and never supersedes
-the newer one by going through the gate after it.
+send. Unless a newer request of the session has arrived since (``Follow.stale``): this
+request is superseded then (``Superseded``, 499), and never supersedes the newer one by
+going through the gate after it.
 
 Concurrency contract: runs in the request's handler task; it blocks on the generation
 (``Generation.changed``) and on the client's writes. A client that leaves cancels it; the
@@ -34,7 +34,7 @@ from typing import Any
 
 from aiohttp import web
 
-from llmproxy.proxy.errors import ProxyError, Superseded
+from llmproxy.proxy.errors import SUPERSEDED, ProxyError, Superseded
 from llmproxy.proxy.reuse.generation import Generation
 from llmproxy.proxy.reuse.registry import Follow
 from llmproxy.proxy.state import RECORD, ProxyState
@@ -42,7 +42,6 @@ from llmproxy.proxy.upstream.assemble import CONTENT_TYPE, Assembler
 from llmproxy.proxy.upstream.responder import stream_error_bytes
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-SUPERSEDED = "superseded by a newer request from the same session"
 
 
 def whole(generation: Generation, skip: int) -> tuple[int, bytes]:
@@ -71,7 +70,7 @@ async def reused(st: ProxyState, request: web.Request, follow: Follow) -> web.St
     rec = request[RECORD]
     generation = follow.generation
     try:
-        resp = await answer(request, generation, follow.skip, follow.turn)
+        resp = await answer(request, follow)
     except asyncio.CancelledError:
         rec.client_gone = True
         raise
@@ -85,19 +84,18 @@ async def reused(st: ProxyState, request: web.Request, follow: Follow) -> web.St
     return resp
 
 
-async def answer(
-    request: web.Request, generation: Generation, skip: int, turn: int
-) -> web.StreamResponse | None:
-    """Write the answer of the reader whose ``turn`` it is; returns the response (aiohttp's
-    handler result), or None when the generation failed before anything was written
-    (``Superseded`` when a newer request superseded it, or this reader, first)."""
+async def answer(request: web.Request, follow: Follow) -> web.StreamResponse | None:
+    """Write the answer of the reader ``follow`` while its turn lasts; returns the response
+    (aiohttp's handler result), or None when the generation failed before anything was
+    written (``Superseded`` when this request is stale, or a newer reader joined first)."""
+    generation, skip, turn = follow.generation, follow.skip, follow.turn
     if not generation.stream:
         while not generation.done:
             if generation.readers != turn:
                 raise Superseded(SUPERSEDED)
             await generation.changed()
         if generation.error is not None:
-            _raise_if_stale(generation.error)
+            _raise_if_stale(follow)
             return None
         status, body = whole(generation, skip)
         return web.Response(status=status, body=body, headers={"Content-Type": CONTENT_TYPE})
@@ -111,8 +109,10 @@ async def answer(
     ended = await replay(generation, skip, write, turn)
     error = generation.error if ended else Superseded(SUPERSEDED)
     if not resp.prepared:
+        if not ended:
+            raise Superseded(SUPERSEDED)
         if error is not None:
-            _raise_if_stale(error)
+            _raise_if_stale(follow)
             return None
         await resp.prepare(request)
     if error is not None:
@@ -143,10 +143,10 @@ async def replay(
         await generation.changed()
 
 
-def _raise_if_stale(error: ProxyError) -> None:
+def _raise_if_stale(follow: Follow) -> None:
     """Nothing was written: the request goes on as its own, unless it is stale (above)."""
-    if isinstance(error, Superseded):
-        raise error
+    if follow.stale():
+        raise Superseded(SUPERSEDED)
 
 
 def _error_event(error: ProxyError) -> bytes:

@@ -12,13 +12,15 @@ cancels it when its client leaves. Nothing here starts a task or holds a permit.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from llmproxy.proxy.errors import Superseded
+from llmproxy.proxy.errors import SUPERSEDED, Superseded
 from llmproxy.proxy.reuse.generation import Generation
 from llmproxy.proxy.reuse.match import eligible, typed
 from llmproxy.proxy.upstream.assemble import OAI_ROUTES
@@ -27,11 +29,13 @@ from llmproxy.proxy.upstream.assemble import OAI_ROUTES
 @dataclass(frozen=True, slots=True)
 class Follow:
     """A request answered from ``generation``: its text after the first ``skip`` characters,
-    for as long as its ``turn`` is the generation's newest (``Generation.readers``)."""
+    for as long as its ``turn`` is the generation's newest (``Generation.readers``).
+    ``stale()``: a newer request of its session has arrived since it did."""
 
     generation: Generation
     skip: int
     turn: int
+    stale: Callable[[], bool]
 
 
 class Generations:
@@ -42,6 +46,9 @@ class Generations:
     def __init__(self, ttl_s: float, grace_s: float = 0.0, max_sessions: int = 256) -> None:
         self.ttl_s, self.grace_s, self.max_sessions = ttl_s, grace_s, max_sessions
         self._latest: OrderedDict[str, Generation] = OrderedDict()
+        # each session's newest request, by arrival number (as many sessions, least recent out)
+        self._arrivals = itertools.count(1)
+        self._newest: OrderedDict[str, int] = OrderedDict()
 
     def start(
         self,
@@ -102,8 +109,10 @@ class Generations:
         generation: the user typed ``d`` and the generation wrote ``d``. While it has written
         less than ``d`` (typing ahead), keeps it running and waits for more; None as soon as
         it writes something else or ends short (the caller then goes through the gate,
-        superseding it). Raises ``Superseded`` when, while this request waited, a newer one
-        of the session superseded the generation: this one is stale too."""
+        superseding it). Raises ``Superseded`` instead when a newer request of the session
+        arrived while this one waited: this one is stale, and going through the gate after
+        the newer one would supersede it."""
+        arrival = self._arrive(session)
         generation = self.latest(session)
         if generation is None or generation.route != route or generation.error is not None:
             return None
@@ -116,30 +125,43 @@ class Generations:
                 # every keystroke that is no continuation at all
                 options = tuple(x for x in options if x.startswith(generation.text))
                 if generation.done or not generation.text or not options:
-                    _raise_if_stale(generation)
+                    self._raise_if_stale(session, arrival)
                     return None
                 if not kept:
                     generation.keep()
                     kept = True
                 await generation.changed()
-            if generation.error is not None and len(generation.text) <= len(d):
-                _raise_if_stale(generation)
-                return None  # cut before it wrote anything past what was typed
-            if self._latest.get(session) is not generation:
-                return None  # replaced while waiting
-            return Follow(generation, len(d), generation.join())
+            # cut before it wrote past what was typed, or replaced while this one waited
+            if (
+                generation.error is not None and len(generation.text) <= len(d)
+            ) or self._latest.get(session) is not generation:
+                self._raise_if_stale(session, arrival)
+                return None
+            stale = functools.partial(self.stale, session, arrival)
+            return Follow(generation, len(d), generation.join(), stale)
         finally:
             if kept:
                 generation.leave()
+
+    def _arrive(self, session: str) -> int:
+        arrival = next(self._arrivals)
+        self._newest.pop(session, None)
+        self._newest[session] = arrival
+        while len(self._newest) > self.max_sessions:
+            self._newest.popitem(last=False)
+        return arrival
+
+    def stale(self, session: str, arrival: int) -> bool:
+        """Has a newer request of ``session`` arrived since the one numbered ``arrival``?"""
+        return self._newest.get(session, arrival) > arrival
+
+    def _raise_if_stale(self, session: str, arrival: int) -> None:
+        """Not a continuation: the request goes through the gate, unless it is stale."""
+        if self.stale(session, arrival):
+            raise Superseded(SUPERSEDED)
 
 
 def _written(text: str, options: tuple[str, ...]) -> str | None:
     """The ``d`` among ``options`` that ``text`` begins with (rotations of one another, so
     at most one fits once the text is as long as they are)."""
     return next((d for d in options if text.startswith(d)), None)
-
-
-def _raise_if_stale(generation: Generation) -> None:
-    """A request that waited on ``generation`` is stale if a newer one superseded it."""
-    if isinstance(generation.error, Superseded):
-        raise generation.error

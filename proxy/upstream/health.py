@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmproxy.proxy.errors import ProxyError, Superseded, UpstreamFailed
+from llmproxy.proxy.errors import SUPERSEDED, ProxyError, Superseded, UpstreamFailed
 from llmproxy.proxy.gating.breaker import CircuitBreaker
 from llmproxy.proxy.telemetry.record import RequestRecord
 
@@ -33,5 +33,5 @@ def report_health(
 def stopped_error(reason: str) -> ProxyError:
     """What the readers of a generation stopped for ``reason`` are told."""
     if reason == "superseded":
-        return Superseded("superseded by a newer request from the same session")
+        return Superseded(SUPERSEDED)
     return UpstreamFailed(f"the generation was stopped ({reason})")

@@ -49,7 +49,13 @@ from dataclasses import dataclass
 import structlog
 from multidict import CIMultiDict
 
-from llmproxy.proxy.errors import ProxyError, ShuttingDown, Superseded, UpstreamFailed
+from llmproxy.proxy.errors import (
+    SUPERSEDED,
+    ProxyError,
+    ShuttingDown,
+    Superseded,
+    UpstreamFailed,
+)
 from llmproxy.proxy.gating.breaker import CircuitBreaker
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.ticket import Ticket
@@ -150,7 +156,7 @@ class UpstreamJob:
         if self.out.ended:
             return
         self.record.outcome = "superseded"
-        self.out.fail(Superseded("superseded by a newer request from the same session"))
+        self.out.fail(Superseded(SUPERSEDED))
         self._leave_generation()
 
     def _leave_generation(self) -> None:
@@ -199,7 +205,7 @@ class UpstreamJob:
                 await self._transfer_scope()
             if self._stop_reason == "superseded":
                 rec.outcome = "superseded"
-                self.out.fail(Superseded("superseded by a newer request from the same session"))
+                self.out.fail(Superseded(SUPERSEDED))
             if self._needs_confirmation():
                 self._quarantine = not await confirm_stop(
                     self.adapter,

@@ -152,3 +152,31 @@ async def test_an_insertion_that_reads_two_ways_is_matched_to_what_the_model_wro
             assert await answer_text(route, r, False) == OUTPUT[2:]
         (await first).close()
         assert len(fake.generations) == 1
+
+
+async def test_of_two_keystrokes_waiting_on_the_model_the_older_never_supersedes_the_newer(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Two keystrokes typed ahead of the model wait on it; the output then contradicts the
+    older one and confirms the newer. The older is stale (499, never sent upstream): going
+    through the gate it would supersede the generation the newer one is answered from."""
+    async with setup("on") as (fake, px):
+        with structlog.testing.capture_logs() as logs:
+            first = asyncio.ensure_future(post(http, px, "", "k0"))
+            await wait_until(lambda: written(px) >= 3, what="a token")
+            older = asyncio.ensure_future(post(http, px, "t0 t1 X", "k1"))
+            await wait_until(lambda: latest(px).live == 2, what="the older one waiting")
+            newer = asyncio.ensure_future(post(http, px, "t0 t1 t2 ", "k2"))
+            assert await newer == (200, OUTPUT[9:])
+            assert await older == (499, "superseded")
+            assert await first == (499, "superseded")
+            await wait_until(lambda: px.state.gate.free == 1, what="permit back")
+            px.flush_log()
+        assert len(fake.generations) == 1
+        events = request_events(logs)
+        assert [events[k]["outcome"] for k in ("k0", "k1", "k2")] == [
+            "superseded",
+            "superseded",
+            "reused",
+        ]
+        assert not events["k1"]["reached_upstream"]
