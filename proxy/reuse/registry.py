@@ -120,11 +120,11 @@ class Generations:
         kept = False  # this request keeps the generation running while it waits
         try:
             while (d := _written(generation.text, options)) is None:
-                # typing ahead: wait only once the model wrote some of it (what the user can
-                # have read); waiting on a generation still reading its prompt would hold up
-                # every keystroke that is no continuation at all
+                # typing ahead of the model, also while it still reads its prompt: that
+                # read is not cut short by a stop either (llama-server, llmproxy's backend),
+                # and what the user types next is what the model is there to predict
                 options = tuple(x for x in options if x.startswith(generation.text))
-                if generation.done or not generation.text or not options:
+                if generation.done or not options:
                     self._raise_if_stale(session, arrival)
                     return None
                 if not kept:

@@ -157,12 +157,24 @@ def test_the_registry_is_bounded_and_drops_expired_generations() -> None:
     assert len(expired) == 1  # "a" ended and expired: dropped as "b" began
 
 
-async def test_no_wait_on_a_generation_that_wrote_nothing_yet() -> None:
-    """Still reading its prompt, it has shown the user nothing to type along with: the
-    keystroke goes through the gate at once instead of waiting for its first piece."""
+@pytest.mark.parametrize(("first", "joins"), [("4", True), ("7", False)])
+async def test_a_keystroke_waits_on_a_generation_still_reading_its_prompt(
+    first: str, joins: bool
+) -> None:
+    """The model has written nothing yet: the keystroke waits for its first piece (keeping
+    the generation running after its client left), then follows it or goes on its own."""
     reg = Generations(ttl_s=30)
-    begin(reg)
-    assert await reg.follow("s", "/completion", {**BODY, "prompt": "x = 4"}) is None
+    gen, orphaned = begin(reg, grace_s=0.0)
+    follow = asyncio.ensure_future(reg.follow("s", "/completion", {**BODY, "prompt": "x = 4"}))
+    await asyncio.sleep(0)  # one loop step: it runs up to its wait
+    assert not follow.done() and gen.live == 2  # waiting, and keeping the generation
+    gen.leave()  # the editor closed the first request
+    assert gen.live == 1 and gen._timer is None  # no grace started: it runs on
+    gen.feed(native(first))
+    got = await follow
+    assert (got is not None) == joins
+    assert gen.live == (1 if joins else 0)
+    assert not orphaned.is_set() or not joins
 
 
 async def test_a_replay_writes_what_arrived_during_its_last_write_at_once() -> None:
