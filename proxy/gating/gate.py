@@ -130,6 +130,7 @@ class Gate:
         permits: int = 1,
         sizer: Callable[[int], int] | None = None,
         supersedes: bool | None = None,
+        first: bool = False,
     ) -> Ticket:
         """Admit a new request (never blocks). Admission is decided first; only an admitted
         newcomer supersedes anything, so a 429 never costs the session its running request.
@@ -138,14 +139,16 @@ class Gate:
         handler answers 400 above that, as the upstream would). ``sizer``: if the ticket has
         to wait, its count is asked again when it reaches the head of the queue (see the
         module's contract). ``supersedes`` (default ``supersedable``): it supersedes the
-        session's other requests here (a pool of upstreams did that already)."""
+        session's other requests here (a pool of upstreams did that already). ``first``: it
+        waits at the head of the queue, not its tail (a keystroke that waited on its
+        session's generation already, type-through); the queue's bound does not refuse it."""
         if not 1 <= permits <= self.total:
             raise ValueError(f"permits must be 1..{self.total}, got {permits}")
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
         placed, replaced = self._queue.place_of(session) if supersedable else (False, None)
         grant_now = replaced is None and self.free >= permits and not self._queue
-        if replaced is None and not grant_now and len(self._queue) >= self.max_queue:
+        if replaced is None and not grant_now and not first and len(self._queue) >= self.max_queue:
             retry = {"Retry-After": str(self.retry_after_s)}
             raise QueueFull(f"queue full ({self.max_queue} waiting)", headers=retry)
         future = asyncio.get_running_loop().create_future()
@@ -162,6 +165,8 @@ class Gate:
             if replaced is not None:
                 replaced.end(Superseded(SUPERSEDED))
             self._grant_waiters()  # the newcomer may need fewer permits than the one it replaced
+        elif first:
+            self._queue.push_front(ticket)
         else:
             self._queue.append(ticket)
         return ticket

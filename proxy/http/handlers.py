@@ -28,6 +28,7 @@ from llmproxy.proxy.http.bodies import parse_json_object, read_body
 from llmproxy.proxy.http.granted import Target, continuable, forward_granted
 from llmproxy.proxy.http.pooled import pooled
 from llmproxy.proxy.reuse.answer import reused
+from llmproxy.proxy.reuse.registry import Follow, Waited
 from llmproxy.proxy.state import RECORD, STATE, ProxyState
 
 
@@ -65,14 +66,16 @@ async def gated(request: web.Request) -> web.StreamResponse:
         body=parsed,
     )
     supersedable = continuable(s, request.path, parsed)
+    first = False  # at the queue's head: it waited on the session's generation already
     if supersedable and st.generations is not None:
         follow = await st.generations.follow(rec.session, request.path, parsed)  # may wait
-        if follow is not None:
+        if isinstance(follow, Follow):
             resp = await reused(st, request, follow)
             if resp is not None:
                 return resp  # else the generation failed first: this request runs on its own
+        first = isinstance(follow, Waited)
     if st.pool is not None:
-        return await pooled(st, request, raw, supersedable)
+        return await pooled(st, request, raw, supersedable, first)
     sizing = _Sizing(st, request.path, parsed)
     rec.permits = permits = sizing(st.gate.total)  # or BadRequest
     probe = st.breaker.admit()  # raises UpstreamUnavailable (503) while the breaker is open
@@ -83,6 +86,7 @@ async def gated(request: web.Request) -> web.StreamResponse:
             route=request.path,
             permits=permits,
             sizer=sizing,
+            first=first,
         )
         await _wait_for_permit(st, ticket, request)
     except BaseException:

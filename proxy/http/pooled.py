@@ -25,12 +25,13 @@ from llmproxy.proxy.state import RECORD, ProxyState
 
 
 async def pooled(
-    st: ProxyState, request: web.Request, raw: bytes, supersedable: bool
+    st: ProxyState, request: web.Request, raw: bytes, supersedable: bool, first: bool = False
 ) -> web.StreamResponse:
+    """``first``: at the queue's head (see ``Pool.submit``)."""
     assert st.pool is not None
     rec = request[RECORD]
     parsed = rec.parsed_body
-    member, resp = await _once(st, request, raw, parsed, supersedable, None)
+    member, resp = await _once(st, request, raw, parsed, supersedable, None, first)
     if resp is None:  # nothing of it left: once more, on another upstream
         rec.upstream_error, rec.upstream_status, rec.failover = None, None, member.name
         _, resp = await _once(st, request, raw, parsed, supersedable, member)
@@ -45,6 +46,7 @@ async def _once(
     parsed: Any,
     supersedable: bool,
     exclude: Member | None,
+    first: bool = False,
 ) -> tuple[Member, web.StreamResponse | None]:
     """One try: (the upstream, the response; None if it failed before anything was sent and
     another try may go elsewhere)."""
@@ -62,6 +64,7 @@ async def _once(
         parsed=parsed,
         sizing=sizing,
         exclude=exclude,
+        first=first,
     )
     try:
         placement = await st.pool.acquire(entry, st.settings.queue_timeout_s)

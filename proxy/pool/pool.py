@@ -94,9 +94,12 @@ class Pool:
         parsed: Any,
         sizing: Sizing,
         exclude: Member | None = None,
+        first: bool = False,
     ) -> Entry:
         """Admit a request (see the module's contract); ``exclude``: a failover, which goes
-        to the head of the queue and to another upstream than the one it failed on."""
+        to the head of the queue and to another upstream than the one it failed on.
+        ``first``: to the head of the queue too (a keystroke that waited on its session's
+        generation, type-through)."""
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
         members = [m for m in self.rotation() if m is not exclude]
@@ -119,7 +122,7 @@ class Pool:
         if all(permits(m) is None for m in members) and first_error is not None:
             raise first_error
         placed, replaced = self.queue.place_of(session) if supersedable else (False, None)
-        if replaced is None and exclude is None and len(self.queue) >= self.max_queue:
+        if replaced is None and exclude is None and not first and len(self.queue) >= self.max_queue:
             if self.queue or not any(m.has_room(permits(m) or 1) for m in members):
                 raise QueueFull(
                     f"queue full ({self.max_queue} waiting)",
@@ -146,7 +149,7 @@ class Pool:
             self.queue.take_place(session, entry)
             if replaced is not None:
                 replaced.end(Superseded(SUPERSEDED))
-        elif exclude is not None:
+        elif exclude is not None or first:
             self.queue.push_front(entry)
         else:
             self.queue.append(entry)

@@ -38,6 +38,13 @@ class Follow:
     stale: Callable[[], bool]
 
 
+@dataclass(frozen=True, slots=True)
+class Waited:
+    """No continuation, after the request waited on the generation (the output contradicted
+    what it typed, or ended short): it goes through the gate at the head of the queue, the
+    place it would have had had it queued when it came."""
+
+
 class Generations:
     """The latest generation per session, at most ``max_sessions`` (least recently started
     first out); a finished one is kept ``ttl_s`` (expired ones are dropped as new ones
@@ -104,7 +111,7 @@ class Generations:
             return None
         return generation
 
-    async def follow(self, session: str, route: str, body: Any) -> Follow | None:
+    async def follow(self, session: str, route: str, body: Any) -> Follow | Waited | None:
         """A ``Follow`` (the generation joined) when ``body`` continues the session's latest
         generation: the user typed ``d`` and the generation wrote ``d``. While it has written
         less than ``d`` (typing ahead), keeps it running and waits for more; None as soon as
@@ -126,7 +133,7 @@ class Generations:
                 options = tuple(x for x in options if x.startswith(generation.text))
                 if generation.done or not options:
                     self._raise_if_stale(session, arrival)
-                    return None
+                    return Waited() if kept else None
                 if not kept:
                     generation.keep()
                     kept = True
@@ -136,7 +143,7 @@ class Generations:
                 generation.error is not None and len(generation.text) <= len(d)
             ) or self._latest.get(session) is not generation:
                 self._raise_if_stale(session, arrival)
-                return None
+                return Waited() if kept else None
             stale = functools.partial(self.stale, session, arrival)
             return Follow(generation, len(d), generation.join(), stale)
         finally:

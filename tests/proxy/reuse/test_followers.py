@@ -6,6 +6,7 @@ insertion that reads two ways in a client-built prompt."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -13,9 +14,10 @@ import aiohttp
 import pytest
 import structlog
 
+from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.proxy.gating.sessions import session_key
 from tests.helpers.net import wait_until
-from tests.helpers.proxy import RunningProxy, request_events
+from tests.helpers.proxy import RunningProxy, request_events, run_proxy
 from tests.proxy.reuse.test_type_through import HEADERS, OUTPUT, TOKENS, answer_text, body, setup
 
 ROUTE = "/infill"
@@ -180,3 +182,51 @@ async def test_of_two_keystrokes_waiting_on_the_model_the_older_never_supersedes
             "reused",
         ]
         assert not events["k1"]["reached_upstream"]
+
+
+@pytest.mark.parametrize("pool", [False, True])
+async def test_a_keystroke_that_waited_on_the_generation_goes_first_in_the_queue(
+    http: aiohttp.ClientSession, pool: bool
+) -> None:
+    """A keystroke typed ahead of the model waits on it while another editor's request
+    queues for the slot. The output then contradicts the keystroke: it goes through the
+    gate at the head of the queue, before the other editor's request. With a pool of two,
+    a third editor keeps the other upstream busy."""
+    busy = asyncio.Event()
+
+    def script(_path: str, req: dict[str, Any]) -> Script:
+        hold = busy if req.get("prompt") == "    busy" else None
+        return Script(tokens=TOKENS, token_delay_s=0.03, hold=hold)
+
+    async with contextlib.AsyncExitStack() as stack:
+        fakes = [
+            await stack.enter_async_context(FakeUpstream(slots=1, script=script))
+            for _ in range(2 if pool else 1)
+        ]
+        px = await stack.enter_async_context(run_proxy(",".join(f.url for f in fakes)))
+
+        def send(typed: str, session: str) -> asyncio.Future[Any]:
+            headers = {"X-LLMProxy-Session": session}
+            return asyncio.ensure_future(
+                http.post(px.url + ROUTE, json=body(ROUTE, typed, False), headers=headers)
+            )
+
+        def queued() -> int:
+            return len(px.state.pool.queue) if px.state.pool else px.state.gate.queued
+
+        third = send("busy", "third") if pool else None
+        if pool:
+            await wait_until(lambda: sum(len(f.generations) for f in fakes) == 1, what="busy")
+        first = asyncio.ensure_future(post(http, px, "", "k0"))
+        await wait_until(lambda: written(px) >= 3, what="a token")
+        other = send("# other file", "other")
+        await wait_until(lambda: queued() == 1, what="the other editor queued")
+        assert await post(http, px, "t0 t1 X", "k1") == (200, OUTPUT)
+        assert await first == (499, "superseded")
+        assert (await other).status == 200
+        busy.set()
+        if third is not None:
+            assert (await third).status == 200
+        (ours,) = [f for f in fakes if any(g.body["prompt"] == "    " for g in f.generations)]
+        prompts = [g.body["prompt"] for g in ours.generations if g.path == ROUTE]
+        assert prompts == ["    ", "    t0 t1 X", "    # other file"]

@@ -10,7 +10,7 @@ import pytest
 from llmproxy.proxy.errors import Superseded
 from llmproxy.proxy.reuse.answer import replay, whole
 from llmproxy.proxy.reuse.generation import Generation
-from llmproxy.proxy.reuse.registry import Generations
+from llmproxy.proxy.reuse.registry import Follow, Generations, Waited
 
 PIECES = ["Hel", "lo", ", ", "wor", "ld"]
 
@@ -114,7 +114,7 @@ async def test_follow_gives_up_when_the_model_writes_something_else() -> None:
     follow = asyncio.ensure_future(reg.follow("s", "/completion", {**BODY, "prompt": "x = 42"}))
     await asyncio.sleep(0)
     gen.feed(native("3"))
-    assert await follow is None
+    assert await follow == Waited()  # it waited: to the head of the queue
     assert await reg.follow("s", "/completion", {**BODY, "prompt": "x = 5"}) is None
     assert await reg.follow("other", "/completion", {**BODY, "prompt": "x = 4"}) is None
 
@@ -172,7 +172,7 @@ async def test_a_keystroke_waits_on_a_generation_still_reading_its_prompt(
     assert gen.live == 1 and gen._timer is None  # no grace started: it runs on
     gen.feed(native(first))
     got = await follow
-    assert (got is not None) == joins
+    assert isinstance(got, Follow) if joins else got == Waited()
     assert gen.live == (1 if joins else 0)
     assert not orphaned.is_set() or not joins
 
