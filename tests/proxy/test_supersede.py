@@ -15,6 +15,8 @@ from multidict import CIMultiDict
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.proxy.errors import Superseded
+from llmproxy.proxy.gating.ticket import Ticket
+from llmproxy.proxy.state import ProxyState
 from llmproxy.proxy.telemetry.record import RequestRecord
 from llmproxy.proxy.upstream.job import UpstreamJob, UpstreamRequest
 from llmproxy.proxy.upstream.responder import Responder
@@ -136,6 +138,31 @@ async def test_warmup_is_not_superseded(http: aiohttp.ClientSession) -> None:
         assert sorted(r.body["seq"] for r in fake.generations) == [0, 1, 2]
 
 
+def infill_job(st: ProxyState, ticket: Ticket, rec: RequestRecord, **extra: Any) -> UpstreamJob:
+    """The upstream job of an ``/infill`` request whose body is ``rec.parsed_body``."""
+    return UpstreamJob(
+        gate=st.gate,
+        ticket=ticket,
+        adapter=st.adapter,
+        request=UpstreamRequest(
+            "POST",
+            "/infill",
+            "/infill",
+            CIMultiDict({"Content-Type": "application/json"}),
+            json.dumps(rec.parsed_body, separators=(",", ":")).encode(),
+        ),
+        out=Responder(make_mocked_request("POST", "/infill"), rec.request_id),
+        record=rec,
+        metrics=st.metrics,
+        breaker=st.breaker,
+        breaker_probe=False,
+        supersede_policy="cancel",
+        disconnect_policy="cancel",
+        unconfirmed_hold_s=0,
+        **extra,
+    )
+
+
 async def test_stop_before_the_job_starts_never_sends() -> None:
     script = lambda _p, _b: Script(tokens=20, token_delay_s=0.01)  # noqa: E731
     async with (
@@ -148,26 +175,7 @@ async def test_stop_before_the_job_starts_never_sends() -> None:
         await ticket.wait()
         rec = RequestRecord("r1", "POST", "/infill")
         rec.parsed_body = {"prompt": "a"}
-        job = UpstreamJob(
-            gate=st.gate,
-            ticket=ticket,
-            adapter=st.adapter,
-            request=UpstreamRequest(
-                "POST",
-                "/infill",
-                "/infill",
-                CIMultiDict({"Content-Type": "application/json"}),
-                b'{"prompt":"a"}',
-            ),
-            out=Responder(make_mocked_request("POST", "/infill"), "r1"),
-            record=rec,
-            metrics=st.metrics,
-            breaker=st.breaker,
-            breaker_probe=False,
-            supersede_policy="cancel",
-            disconnect_policy="cancel",
-            unconfirmed_hold_s=0,
-        )
+        job = infill_job(st, ticket, rec)
         rec.add_ref()
         task = st.jobs.spawn(job.run())
         newer = st.gate.submit("S", supersedable=True, route="/infill")  # same step as the spawn
@@ -190,23 +198,7 @@ async def test_a_job_superseded_before_it_takes_its_permit_records_no_generation
         rec = RequestRecord("r1", "POST", "/infill")
         rec.session, rec.parsed_body = "S", {"prompt": "a", "stream": True}
         with pytest.raises(Superseded):
-            UpstreamJob(
-                gate=st.gate,
-                ticket=ticket,
-                adapter=st.adapter,
-                request=UpstreamRequest(
-                    "POST", "/infill", "/infill", CIMultiDict(), b'{"prompt":"a","stream":true}'
-                ),
-                out=Responder(make_mocked_request("POST", "/infill"), "r1"),
-                record=rec,
-                metrics=st.metrics,
-                breaker=st.breaker,
-                breaker_probe=False,
-                supersede_policy="cancel",
-                disconnect_policy="cancel",
-                unconfirmed_hold_s=0,
-                generations=st.generations,
-            )
+            infill_job(st, ticket, rec, generations=st.generations)
         assert st.generations.latest("S") is None
         assert await newer.wait() == 0  # the permit went back at once
         st.gate.abandon(newer)

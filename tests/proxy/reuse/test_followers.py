@@ -15,25 +15,20 @@ import pytest
 import structlog
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
-from llmproxy.proxy.gating.sessions import session_key
 from tests.helpers.net import wait_until
 from tests.helpers.proxy import RunningProxy, request_events, run_proxy
-from tests.proxy.reuse.test_type_through import HEADERS, OUTPUT, TOKENS, answer_text, body, setup
+from tests.proxy.reuse.test_type_through import (
+    HEADERS,
+    OUTPUT,
+    TOKENS,
+    answer_text,
+    body,
+    latest,
+    read_so_far,
+    setup,
+)
 
 ROUTE = "/infill"
-
-
-def latest(px: RunningProxy, path: str = ROUTE) -> Any:
-    key = session_key(
-        parts=[], header_name="X-LLMProxy-Session", headers=HEADERS, peer=None, path=path, body=None
-    )
-    assert px.state.generations is not None
-    return px.state.generations.latest(key)
-
-
-def written(px: RunningProxy, path: str = ROUTE) -> int:
-    generation = latest(px, path)
-    return 0 if generation is None else len(generation.text)
 
 
 async def post(
@@ -54,9 +49,9 @@ async def test_a_follower_of_a_generation_a_newer_keystroke_superseded_is_supers
     async with setup("on") as (fake, px):
         with structlog.testing.capture_logs() as logs:
             first = asyncio.ensure_future(post(http, px, "", "k0"))
-            await wait_until(lambda: written(px) >= 4, what="4 characters")
+            await wait_until(lambda: read_so_far(px, ROUTE) >= 4, what="4 characters")
             follower = asyncio.ensure_future(post(http, px, OUTPUT[:2], "k1"))
-            await wait_until(lambda: latest(px).readers == 1, what="the follower joined")
+            await wait_until(lambda: latest(px, ROUTE).readers == 1, what="the follower joined")
             newer = await post(http, px, "zzz", "k2")
             assert newer == (200, OUTPUT)  # a generation of its own
             assert await follower == (499, "superseded")
@@ -87,11 +82,11 @@ async def test_typing_ahead_keeps_the_generation_after_the_editor_dropped_its_re
 
     async with setup("on") as (fake, px):
         first = asyncio.ensure_future(read(""))
-        await wait_until(lambda: written(px) >= 4, what="4 characters")
+        await wait_until(lambda: read_so_far(px, ROUTE) >= 4, what="4 characters")
         first.cancel()  # the editor drops it
         await asyncio.gather(first, return_exceptions=True)
         ahead = OUTPUT[:24]  # 8 tokens, about 0.24 s of generation: past the grace
-        assert written(px) < len(ahead)
+        assert read_so_far(px, ROUTE) < len(ahead)
         assert await read(ahead) == OUTPUT[len(ahead) :]
         assert len(fake.generations) == 1
         assert fake.aborted == []
@@ -116,12 +111,12 @@ async def test_diverging_from_what_the_model_wrote_supersedes_and_stops_it(
             first = asyncio.ensure_future(post(http, px, "", "k0"))
             typed = OUTPUT[:at] + "X" + ("y" * 8 if ahead else "")
             if ahead:
-                await wait_until(lambda: written(px) >= 3, what="a token")
-                assert written(px) <= at
+                await wait_until(lambda: read_so_far(px, ROUTE) >= 3, what="a token")
+                assert read_so_far(px, ROUTE) <= at
             elif at == LAST:
                 assert await first == (200, OUTPUT)
             else:
-                await wait_until(lambda: written(px) > at, what=f"{at + 1} characters")
+                await wait_until(lambda: read_so_far(px, ROUTE) > at, what=f"{at + 1} characters")
             assert await post(http, px, typed, "k1") == (200, OUTPUT)
             if at != LAST:
                 assert await first == (499, "superseded")
@@ -149,7 +144,7 @@ async def test_an_insertion_that_reads_two_ways_is_matched_to_what_the_model_wro
         first = asyncio.ensure_future(
             http.post(px.url + route, json=prompt_body(""), headers=HEADERS)
         )
-        await wait_until(lambda: written(px, route) >= 2, what="2 characters")
+        await wait_until(lambda: read_so_far(px, route) >= 2, what="2 characters")
         async with http.post(px.url + route, json=prompt_body("t0"), headers=HEADERS) as r:
             assert await answer_text(route, r, False) == OUTPUT[2:]
         (await first).close()
@@ -165,9 +160,9 @@ async def test_of_two_keystrokes_waiting_on_the_model_the_older_never_supersedes
     async with setup("on") as (fake, px):
         with structlog.testing.capture_logs() as logs:
             first = asyncio.ensure_future(post(http, px, "", "k0"))
-            await wait_until(lambda: written(px) >= 3, what="a token")
+            await wait_until(lambda: read_so_far(px, ROUTE) >= 3, what="a token")
             older = asyncio.ensure_future(post(http, px, "t0 t1 X", "k1"))
-            await wait_until(lambda: latest(px).live == 2, what="the older one waiting")
+            await wait_until(lambda: latest(px, ROUTE).live == 2, what="the older one waiting")
             newer = asyncio.ensure_future(post(http, px, "t0 t1 t2 ", "k2"))
             assert await newer == (200, OUTPUT[9:])
             assert await older == (499, "superseded")
@@ -218,7 +213,7 @@ async def test_a_keystroke_that_waited_on_the_generation_goes_first_in_the_queue
         if pool:
             await wait_until(lambda: sum(len(f.generations) for f in fakes) == 1, what="busy")
         first = asyncio.ensure_future(post(http, px, "", "k0"))
-        await wait_until(lambda: written(px) >= 3, what="a token")
+        await wait_until(lambda: read_so_far(px, ROUTE) >= 3, what="a token")
         other = send("# other file", "other")
         await wait_until(lambda: queued() == 1, what="the other editor queued")
         assert await post(http, px, "t0 t1 X", "k1") == (200, OUTPUT)

@@ -18,6 +18,7 @@ import pytest
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.proxy.gating.sessions import session_key
+from llmproxy.proxy.reuse.generation import Generation
 from tests.helpers.net import wait_until
 from tests.helpers.proxy import RunningProxy, run_proxy
 
@@ -62,13 +63,18 @@ async def answer_text(route: str, resp: aiohttp.ClientResponse, stream: bool) ->
     return "".join(text)
 
 
-def read_so_far(px: RunningProxy, path: str) -> int:
-    """Characters of the session's generation the proxy has read from the upstream."""
+def latest(px: RunningProxy, path: str) -> Generation | None:
+    """The editor session's latest generation in the proxy."""
     key = session_key(
         parts=[], header_name="X-LLMProxy-Session", headers=HEADERS, peer=None, path=path, body=None
     )
     assert px.state.generations is not None
-    generation = px.state.generations.latest(key)
+    return px.state.generations.latest(key)
+
+
+def read_so_far(px: RunningProxy, path: str) -> int:
+    """Characters of the session's generation the proxy has read from the upstream."""
+    generation = latest(px, path)
     return 0 if generation is None else len(generation.text)
 
 
@@ -162,12 +168,8 @@ async def test_a_typist_who_reads_each_answer_gets_the_remainder_every_time(
 
 def joined(px: RunningProxy, path: str) -> int:
     """Keystrokes answered from the session's generation so far."""
-    key = session_key(
-        parts=[], header_name="X-LLMProxy-Session", headers=HEADERS, peer=None, path=path, body=None
-    )
-    assert px.state.generations is not None
-    generation = px.state.generations.latest(key)
-    return 0 if generation is None else int(generation.readers)
+    generation = latest(px, path)
+    return 0 if generation is None else generation.readers
 
 
 @pytest.mark.parametrize("type_through", ["on", "off"])
