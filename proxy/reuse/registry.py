@@ -114,11 +114,12 @@ class Generations:
     async def follow(self, session: str, route: str, body: Any) -> Follow | Waited | None:
         """A ``Follow`` (the generation joined) when ``body`` continues the session's latest
         generation: the user typed ``d`` and the generation wrote ``d``. While it has written
-        less than ``d`` (typing ahead), keeps it running and waits for more; None as soon as
-        it writes something else or ends short (the caller then goes through the gate,
-        superseding it). Raises ``Superseded`` instead when a newer request of the session
-        arrived while this one waited: this one is stale, and going through the gate after
-        the newer one would supersede it."""
+        less than ``d`` (typing ahead), keeps it running and waits for more. Otherwise the
+        caller goes through the gate, superseding it: None, or ``Waited`` (the queue's head)
+        once it waited and the generation wrote something else or ended short. Raises
+        ``Superseded`` instead when a newer request of the session arrived while this one
+        waited: this one is stale, and going through the gate after the newer one would
+        supersede it."""
         arrival = self._arrive(session)
         generation = self.latest(session)
         if generation is None or generation.route != route or generation.error is not None:
