@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import structlog
 from aiohttp import web
+from pydantic import SecretStr
 
 from llmproxy.proxy.gating.breaker import CircuitBreaker
 from llmproxy.proxy.gating.gate import Gate
@@ -15,6 +16,7 @@ from llmproxy.proxy.http import admin
 from llmproxy.proxy.http.handlers import gated
 from llmproxy.proxy.http.middleware import proxy_middleware
 from llmproxy.proxy.http.passthrough import passthrough
+from llmproxy.proxy.http.trust import TRUST, Trust, cors_headers
 from llmproxy.proxy.pool.lifecycle import running_pool
 from llmproxy.proxy.pool.specs import UpstreamSpec, settings_for, upstream_specs
 from llmproxy.proxy.reuse.registry import Generations
@@ -31,7 +33,7 @@ from llmproxy.proxy.state import (
 from llmproxy.proxy.telemetry.metrics import Metrics
 from llmproxy.proxy.telemetry.request_log import RequestLog
 from llmproxy.proxy.upstream.detect import create_adapter
-from llmproxy.proxy.upstream.embedded import embedded_backend
+from llmproxy.proxy.upstream.embedded import BACKEND_KEY, embedded_backend
 from llmproxy.proxy.upstream.session import open_session
 from llmproxy.proxy.upstream.watch import gate_capacity, watching
 
@@ -88,7 +90,10 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
             await jobs.drain(0)  # on_shutdown drained already: cut anything that started since
         return
     app[RELOAD] = lambda new: _reload_one(specs, upstream_specs(new))
-    own = settings_for(s, specs[0]) if specs else s  # none: the embedded backend's
+    if specs:
+        own = settings_for(s, specs[0])
+    else:  # the embedded backend, with the key it was started with
+        own = s.model_copy(update={"upstream_api_key": SecretStr(app[BACKEND_KEY])})
     async with open_session(own) as session:
         adapter = await create_adapter(session, own, app[UPSTREAM_URL])
         gate = Gate(
@@ -139,7 +144,9 @@ async def _on_shutdown(app: web.Application) -> None:
 def build_app(settings: ProxySettings) -> web.Application:
     app = web.Application(middlewares=[proxy_middleware], client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
+    app[TRUST] = Trust(settings)
     app[METRICS] = Metrics()
+    app.on_response_prepare.append(cors_headers)
     app.cleanup_ctx.append(_request_log_ctx)
     specs = upstream_specs(settings)
     if specs:

@@ -62,6 +62,12 @@ class Unauthorized(ProxyError):
     status, type, outcome = 401, "authentication_error", "rejected"
 
 
+class Forbidden(ProxyError):
+    """Refused whoever presents it: a Host or Origin the proxy does not serve."""
+
+    status, type, outcome = 403, "permission_error", "rejected"
+
+
 class NotFound(ProxyError):
     status, type, outcome = 404, "not_found_error", "rejected"
 

@@ -1,8 +1,8 @@
 """Running the proxy app: the shared lifecycle (common/server.py) plus the proxy's part.
 
-The proxy's part: a listening socket inherited from systemd socket activation, a backlog
-sized for a full queue, the parser-error envelope, and a warning when it listens beyond
-loopback without an API key.
+The proxy's part: a listening socket inherited from systemd socket activation (refused
+beyond loopback without a client key, as the settings refuse such a ``host``), a backlog
+sized for a full queue, the parser-error envelope.
 
 Shutdown contract: the first SIGTERM/SIGINT stops accepting connections, answers queued
 requests with 503 and lets in-flight requests finish for up to ``shutdown_timeout_s`` in
@@ -22,7 +22,6 @@ backend dies with us (PDEATHSIG).
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from collections.abc import Callable
@@ -31,7 +30,8 @@ import structlog
 from aiohttp import web
 
 from llmproxy.common import loops
-from llmproxy.common.config import SettingsError
+from llmproxy.common.config import SettingsError, usage_exit
+from llmproxy.common.net import is_loopback
 from llmproxy.common.server import Listen, StopRequest
 from llmproxy.common.server import serve as run
 from llmproxy.proxy.http import parse_errors
@@ -61,15 +61,6 @@ def inherited_socket() -> socket.socket | None:
     return sock
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 async def serve(
     settings: ProxySettings,
     app: web.Application,
@@ -81,13 +72,14 @@ async def serve(
     sock = inherited_socket()  # before runner.setup() starts the embedded backend
     stop = app[STOP] = StopRequest()  # signals, and the embedded backend's death
 
-    def on_listening(host: str, port: int) -> None:
-        if sock is None and not _is_loopback(settings.host) and settings.api_key is None:
-            log.warning(
-                "listening on a non-loopback address WITHOUT an API key: "
-                "anyone on the network can use it",
-                host=settings.host,
+    if sock is not None and not is_loopback(str(sock.getsockname()[0])):
+        if not settings.client_keys():  # as the settings refuse for --host
+            usage_exit(
+                "llmproxy: the socket systemd passed listens beyond loopback: set api_key, "
+                "api_key_file or [[keys]], or listen on 127.0.0.1"
             )
+
+    def on_listening(host: str, port: int) -> None:
         log.info(
             "listening",
             url=f"http://{host}:{port}",

@@ -14,6 +14,8 @@ from yarl import URL
 
 from llmproxy.common.config import LayeredSettings
 from llmproxy.common.loops import LoopChoice
+from llmproxy.common.net import check_origin, is_loopback
+from llmproxy.proxy.keys import KeySpec, client_keys
 from llmproxy.proxy.pool.specs import (
     RoutePolicy,
     UpstreamSpec,
@@ -36,7 +38,30 @@ class ProxySettings(LayeredSettings):
     port: int = Field(8080, ge=0, le=65535, description="Port to bind; 0 picks a free port")
     api_key: SecretStr | None = Field(
         None,
-        description="If set, clients must send 'Authorization: Bearer KEY' (or 'api-key: KEY')",
+        description="If set, clients must send 'Authorization: Bearer KEY' (or 'api-key: KEY') "
+        "on every route but /llmproxy/health; required to bind beyond loopback",
+    )
+    api_key_file: Path | None = Field(
+        None,
+        description="Like api_key, read from the first line of this file (kept off command lines)",
+    )
+    keys: list[KeySpec] = Field(
+        [],
+        description="Client keys with names, one per caller: TOML [[keys]] tables (name, and key "
+        "or key_file); any of them is accepted as api_key is",
+    )
+    allowed_hosts: list[str] = Field(
+        [],
+        description="Host names served besides localhost, loopback addresses and the bound "
+        "address (any IP address when bound to all of them); '*' turns the Host check off. "
+        "Other Host headers get 403: a web page that rebinds its name to this address is "
+        "refused",
+    )
+    allowed_origins: list[str] = Field(
+        [],
+        description="Web origins (scheme://host[:port]) whose pages may call the proxy, CORS "
+        "included; '*' any. Requests without Origin (editors, curl) and same-origin ones are "
+        "always served; any other Origin gets 403",
     )
 
     # upstream
@@ -285,6 +310,11 @@ class ProxySettings(LayeredSettings):
             split_urls(value)
         return value
 
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins(cls, origins: list[str]) -> list[str]:
+        return [check_origin(o) for o in origins]
+
     @field_validator("upstreams", mode="before")
     @classmethod
     def _specs(cls, items: Any) -> Any:
@@ -292,6 +322,12 @@ class ProxySettings(LayeredSettings):
 
     @model_validator(mode="after")
     def _check(self) -> ProxySettings:
+        keys = self.client_keys()  # or ValueError: a key file unreadable, a name twice
+        if not keys and not is_loopback(self.host):
+            raise ValueError(
+                f"binding {self.host} (beyond loopback) needs a client key: set api_key, "
+                "api_key_file or [[keys]], or bind 127.0.0.1"
+            )
         if self.confirm_poll_max_s < self.confirm_poll_min_s:
             raise ValueError("confirm_poll_max_s must be >= confirm_poll_min_s")
         for spec in upstream_specs(self):  # or ValueError: a name twice
@@ -302,3 +338,8 @@ class ProxySettings(LayeredSettings):
                     "not both"
                 )
         return self
+
+    def client_keys(self) -> tuple[tuple[str, bytes], ...]:
+        """(name, key) of every client key (api_key, api_key_file, [[keys]]); empty: no key
+        is asked for."""
+        return client_keys(self.api_key, self.api_key_file, self.keys)

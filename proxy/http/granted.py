@@ -18,7 +18,7 @@ from llmproxy.proxy.gating.breaker import CircuitBreaker
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.sessions import is_warmup
 from llmproxy.proxy.gating.ticket import Ticket
-from llmproxy.proxy.http.security import auth_headers_to_strip
+from llmproxy.proxy.http.trust import TRUST
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import RECORD, ProxyState
 from llmproxy.proxy.upstream.adapters.base import Adapter
@@ -50,7 +50,7 @@ async def forward_granted(
         method=request.method,
         path=request.path,
         raw_path=request.raw_path,
-        headers=request_headers(request.headers, strip=auth_headers_to_strip(s)),
+        headers=request_headers(request.headers, strip=request.app[TRUST].strip),
         body=raw,
     )
     out = Responder(

@@ -1,4 +1,5 @@
-"""The one middleware: request id + canonical log record, path/auth checks, error mapping.
+"""The one middleware: request id + canonical log record, path, Host, Origin and key checks
+(http/trust.py), error mapping.
 
 Every ProxyError (and aiohttp's own HTTP exceptions) becomes a response in the error
 envelope here and nowhere else. The request's RequestRecord is ended in ``finally``; for a
@@ -17,13 +18,12 @@ from aiohttp.typedefs import Handler
 
 from llmproxy.proxy.errors import BadRequest, HTTPStatusError, NotAllowed, ProxyError
 from llmproxy.proxy.gating.routes import is_safe_path
-from llmproxy.proxy.http.security import check_api_key
-from llmproxy.proxy.state import METRICS, RECORD, REQUEST_LOG, SETTINGS
+from llmproxy.proxy.http.trust import TRUST
+from llmproxy.proxy.state import METRICS, RECORD, REQUEST_LOG
 from llmproxy.proxy.telemetry.record import RequestRecord
 
 log = structlog.get_logger("llmproxy.http")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-_OPEN = ("/llmproxy/health",)
 
 
 def error_response(exc: ProxyError) -> web.Response:
@@ -56,9 +56,8 @@ async def proxy_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise BadRequest("only origin-form request targets without dot segments are accepted")
         if request.method == "CONNECT":
             raise NotAllowed("CONNECT is not supported")
-        if not (request.path in _OPEN and request.method in ("GET", "HEAD")):
-            check_api_key(request, app[SETTINGS])
-        resp = await handler(request)
+        preflight = app[TRUST].admit(request)  # or Forbidden, Unauthorized
+        resp = preflight or await handler(request)
         if rec.status is None:
             rec.status = resp.status
         if not resp.prepared:  # ours replaces an upstream's: it is the id in our log line

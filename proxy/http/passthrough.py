@@ -14,7 +14,7 @@ from aiohttp import web
 
 from llmproxy.proxy.errors import ProxyError
 from llmproxy.proxy.http.bodies import read_body
-from llmproxy.proxy.http.security import auth_headers_to_strip
+from llmproxy.proxy.http.trust import TRUST
 from llmproxy.proxy.state import RECORD, STATE
 from llmproxy.proxy.upstream.forward import forward
 from llmproxy.proxy.upstream.headers import request_headers
@@ -26,7 +26,7 @@ log = structlog.get_logger("llmproxy.passthrough")
 async def passthrough(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
     body = await read_body(request, st.settings.max_body_bytes, st.settings.body_timeout_s)
-    headers = request_headers(request.headers, strip=auth_headers_to_strip(st.settings))
+    headers = request_headers(request.headers, strip=request.app[TRUST].strip)
     rec = request[RECORD]
     out = Responder(
         request,

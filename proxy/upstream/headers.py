@@ -81,12 +81,16 @@ def proxied_location(location: str, upstream: URL) -> str | None:
 
 
 def response_headers(headers: Mapping[str, str], upstream: URL | None = None) -> CIMultiDict[str]:
-    """Headers to send back to the client (Content-Type, Content-Encoding... preserved);
-    a Location into the ``upstream`` base URL is rewritten (``proxied_location``)."""
+    """Headers to send back to the client (Content-Type, Content-Encoding... preserved),
+    without the upstream's ``Access-Control-*`` ones; a Location into the ``upstream`` base
+    URL is rewritten (``proxied_location``)."""
     drop = (
         _RESPONSE_DROP | _connection_tokens(headers) if "Connection" in headers else _RESPONSE_DROP
     )
     out = _filter(headers, drop)
+    cors = [k for k in out if k[:15].lower() == "access-control-"]
+    for name in cors:  # the proxy's own CORS rules apply (http/trust.py), never the upstream's
+        out.popall(name, None)
     location = out.get("Location")
     if upstream is not None and location is not None:
         out["Location"] = proxied_location(location, upstream) or location

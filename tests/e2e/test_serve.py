@@ -200,12 +200,12 @@ async def test_malformed_requests_log_one_json_warning_each(tmp_path: Path) -> N
         # refused unread; aiohttp then fails to discard it
         await raw_exchange(
             url,
-            b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
+            b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Encoding: gzip\r\n"
             b"Content-Length: 2\r\n\r\n{}",
         )
         await raw_exchange(
             url,
-            b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
             b"2\r\n{}\r\nZZ\r\n",
         )
         proc.send_signal(signal.SIGTERM)

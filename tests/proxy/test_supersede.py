@@ -254,7 +254,7 @@ async def test_superseded_while_its_job_waits_on_a_client_that_lags() -> None:
     def ask(session: str) -> bytes:
         body = b'{"prompt":"a","stream":true}'
         return (
-            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"X-LLMProxy-Session: {session}\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode() + body
 

@@ -139,7 +139,7 @@ async def test_path_tricks_rejected(fake: FakeUpstream, target: bytes) -> None:
         port = int(px.url.rsplit(":", 1)[1])
         before = len(fake.received)  # start-up detection probes
         resp = await _raw(
-            port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            port, b"GET " + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
         )
         assert resp.startswith(b"HTTP/1.1 400"), resp[:80]
         assert b'"src":"llmproxy"' in resp

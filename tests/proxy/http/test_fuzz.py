@@ -29,7 +29,7 @@ from tests.helpers.proxy import RunningProxy, run_proxy
 from tests.helpers.serve import serve
 
 KEY = "k3y-fuzz"
-DOCUMENTED = {400, 401, 413, 429, 499, 502, 503, 504}
+DOCUMENTED = {400, 401, 403, 413, 429, 499, 502, 503, 504}
 
 
 class LiveProxy:
@@ -141,6 +141,20 @@ header_names = st.sampled_from(
         "X-Forwarded-For",
     ]
 ) | st.from_regex(r"\AX-[A-Za-z0-9-]{1,12}\Z")
+# what a browser adds: a rebinding page's name in Host, a page's Origin (refused: 403)
+browser = st.fixed_dictionaries(
+    {},
+    optional={
+        "Host": st.sampled_from(
+            ["rebind.attacker.example", "localhost", "127.0.0.1:1", "[::1]", "a.localhost", "x y"]
+        )
+        | header_value,
+        "Origin": st.sampled_from(
+            ["https://evil.example", "null", "http://127.0.0.1", "file://", "http://localhost:1"]
+        )
+        | header_value,
+    },
+)
 GOOD = [{"Authorization": f"Bearer {KEY}"}, {"api-key": KEY}]
 auth = st.sampled_from(GOOD * 4 + [{}, {"Authorization": "Bearer nope"}, {"api-key": KEY + "x"}])
 
@@ -153,13 +167,19 @@ auth = st.sampled_from(GOOD * 4 + [{}, {"Authorization": "Bearer nope"}, {"api-k
     body=bodies,
     extra=st.dictionaries(header_names, header_value, max_size=5),
     creds=auth,
+    web=browser,
 )
 def test_fuzz_gated_routes(
-    live: LiveProxy, path: str, body: bytes, extra: dict[str, str], creds: dict[str, str]
+    live: LiveProxy,
+    path: str,
+    body: bytes,
+    extra: dict[str, str],
+    creds: dict[str, str],
+    web: dict[str, str],
 ) -> None:
     assert live.fake is not None
     before = len(live.fake.received)
-    status, data = live.call("POST", path, body, {**extra, **creds})
+    status, data = live.call("POST", path, body, {**extra, **creds, **web})
     event(f"status {status}")
     try:
         parsed: Any = json.loads(data)
@@ -170,6 +190,8 @@ def test_fuzz_gated_routes(
         assert status in DOCUMENTED, (status, data)
         assert set(err) == {"message", "type", "code", "src"} and err["code"] == status
         assert isinstance(err["message"], str) and isinstance(err["type"], str)
+        if status in (401, 403):  # refused before any upstream work
+            assert len(live.fake.received) == before, (status, data)
     else:  # relayed: it reached the upstream
         assert len(live.fake.received) > before, (status, data)
 

@@ -41,7 +41,7 @@ async def _refused(url: str, raw: bytes) -> bytes:
 async def test_slow_headers_are_cut_off(fake: FakeUpstream) -> None:
     async with run_proxy(fake.url, idle_timeout_s=0.5) as px:
         reader, writer = await _connect(px.url)
-        writer.write(b"POST /completion HTTP/1.1\r\nHost: x\r\n")  # never finishes the headers
+        writer.write(b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finishes the headers
         await writer.drain()
         t0 = time.monotonic()
         data = await asyncio.wait_for(reader.read(), 5)  # EOF: the server closed it
@@ -57,7 +57,7 @@ async def test_slow_body_gets_408_with_connection_close(fake: FakeUpstream) -> N
     async with run_proxy(fake.url, body_timeout_s=0.3) as px:
         reader, writer = await _connect(px.url)
         writer.write(
-            b'POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"prompt":'
+            b'POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{"prompt":'
         )
         await writer.drain()
         head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).lower()
@@ -73,12 +73,12 @@ async def test_slow_body_gets_408_with_connection_close(fake: FakeUpstream) -> N
     "raw",
     [
         pytest.param(
-            b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+            b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
             id="conflicting-framing",
         ),
         pytest.param(
-            b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n"
             b'5\r\n{"pro\r\nZZ-not-a-size\r\n\r\n',
             id="broken-chunk-size",
         ),
@@ -97,7 +97,7 @@ async def test_crlf_in_header_value_does_not_reach_upstream(fake: FakeUpstream) 
         # a bare CR in a header value is a parse error
         await _refused(
             px.url,
-            b"POST /completion HTTP/1.1\r\nHost: x\r\nX-Evil: a\rInjected: 1\r\n"
+            b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Evil: a\rInjected: 1\r\n"
             b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body,
         )
         assert all("injected" not in {k.lower() for k in g.headers} for g in fake.received)
@@ -123,7 +123,7 @@ async def test_compressed_request_body_refused(fake: FakeUpstream) -> None:
         for body in (good, b"this is not gzip"):
             resp = await _refused(
                 px.url,
-                b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Encoding: gzip\r\n"
+                b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Encoding: gzip\r\n"
                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body),
             )
             assert b"compressed request bodies are not supported" in resp
