@@ -35,6 +35,8 @@ from pydantic_settings import (
     SettingsError as SourceError,
 )
 
+from llmproxy.common.redact import redact_urls, redact_values
+
 S = TypeVar("S", bound=BaseSettings)
 EXIT_USAGE = 2  # what argparse exits with for a bad command line
 _REPEATED = "_llmproxy_repeated"  # namespace attribute: [(dest, values), ...] of flags given twice
@@ -244,14 +246,28 @@ def _invalid_lines(cls: type[BaseSettings], exc: ValidationError) -> list[str]:
         name = err["loc"][0] if err["loc"] else None
         if isinstance(name, str) and name in cls.model_fields:
             where = f"{_flag(name)} (env {env_prefix}{name.upper()}, config {name})"
-            lines.append(f"{where}: {msg}; got {err['input']!r}")
+            got = "" if _holds_secrets(cls, name) else f"; got {redact_urls(repr(err['input']))}"
+            lines.append(f"{where}: {redact_urls(msg)}{got}")
         elif err["type"] == "extra_forbidden":
             lines.append(f"unknown setting {name!r} in the config file")
         else:
-            lines.append(msg)
+            lines.append(redact_urls(msg))
     return lines
 
 
+def _holds_secrets(cls: type[BaseSettings], name: str) -> bool:
+    """Does field ``name`` hold keys (a ``SecretStr``, or a list of tables with one)? Its
+    invalid value is then never echoed back."""
+    text = repr(cls.model_fields[name].annotation)
+    return "SecretStr" in text or any(
+        "SecretStr" in repr(f.annotation)
+        for tp in typing.get_args(cls.model_fields[name].annotation)
+        for f in getattr(tp, "model_fields", {}).values()
+    )
+
+
 def describe(settings: BaseSettings) -> dict[str, Any]:
-    """A JSON-safe view of settings with secrets redacted (for the startup log line)."""
-    return json.loads(settings.model_dump_json())
+    """A JSON-safe view of settings with secrets redacted (for the startup log line): keys
+    masked, and the credentials of every URL (``http://user:***@host``)."""
+    shown: dict[str, Any] = redact_values(json.loads(settings.model_dump_json()))
+    return shown

@@ -18,6 +18,8 @@ from typing import Any
 import structlog
 from structlog.typing import EventDict, WrappedLogger
 
+from llmproxy.common.redact import redact_urls
+
 _SECRET_KEYS = frozenset({"authorization", "api_key", "api-key", "x-api-key", "token", "hf_token"})
 _TIMESTAMPER = structlog.processors.TimeStamper(fmt="iso", utc=True)
 
@@ -44,10 +46,13 @@ def iso_utc(epoch: float | None) -> str:
 
 
 def redact(_logger: Any, _method: str, event: dict[str, Any]) -> dict[str, Any]:
-    """Replace the values of secret-looking keys (structlog processor)."""
-    for key in list(event):
+    """Replace the values of secret-looking keys, and mask the credentials of URLs in string
+    values (structlog processor)."""
+    for key, value in event.items():
         if key.lower() in _SECRET_KEYS:
             event[key] = "[redacted]"
+        elif isinstance(value, str) and "@" in value:
+            event[key] = redact_urls(value)
     return event
 
 

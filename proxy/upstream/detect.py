@@ -23,6 +23,7 @@ from typing import Any
 
 import aiohttp
 
+from llmproxy.common.redact import strip_userinfo
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import Adapter, get_json, log
 from llmproxy.proxy.upstream.adapters.llamacpp import LlamaCppAdapter
@@ -84,7 +85,7 @@ async def _probe(
 async def create_adapter(
     session: aiohttp.ClientSession, settings: ProxySettings, base_url: str
 ) -> Adapter:
-    base = base_url.rstrip("/")
+    base = strip_userinfo(base_url).rstrip("/")  # credentials: the session's header
     kind: str | None = None if settings.upstream_kind == "auto" else settings.upstream_kind
     props: Any = None
     gave_up = False  # the deadline passed (unreachable, or still loading): no slot count yet
@@ -135,7 +136,7 @@ async def redetect(
     """One more detection attempt for an upstream that never answered at start: the adapter
     it turns out to need, or None while it still does not answer (or answers 503 in a
     shape that is not llama-server's)."""
-    base = base_url.rstrip("/")
+    base = strip_userinfo(base_url).rstrip("/")  # credentials: the session's header
     try:
         kind, props = await _probe(session, base, settings)
         loading = False

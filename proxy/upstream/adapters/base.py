@@ -18,7 +18,10 @@ from typing import Any, ClassVar, TypedDict
 
 import aiohttp
 import structlog
+from aiohttp import encode_basic_auth
 from yarl import URL
+
+from llmproxy.common.redact import strip_userinfo, userinfo
 
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.routes import GATED_ROUTES
@@ -42,9 +45,17 @@ async def get_json(session: aiohttp.ClientSession, url: str | URL) -> tuple[int,
 
 
 def upstream_authorization(settings: ProxySettings) -> str | None:
-    """The ``Authorization`` value for every request to the upstream, if a key is configured."""
+    """The ``Authorization`` value for every request to the upstream (relayed requests and
+    the proxy's own probes): the upstream's API key, else Basic from the credentials in its
+    URL (``http://user:pass@host``), else None. The URL is used without its credentials
+    everywhere else (``Adapter.base_url``), so they are never shown."""
     key = settings.upstream_api_key
-    return None if key is None else f"Bearer {key.get_secret_value()}"
+    if key is not None:
+        return f"Bearer {key.get_secret_value()}"
+    creds = (
+        userinfo(settings.upstream) if settings.upstream and "," not in settings.upstream else None
+    )
+    return None if creds is None else encode_basic_auth(*creds)
 
 
 class AdapterInfo(TypedDict):
@@ -74,7 +85,7 @@ class Adapter:
         *,
         slots: int | None = None,
     ) -> None:
-        self.base_url = URL(base_url.rstrip("/"))
+        self.base_url = URL(strip_userinfo(base_url).rstrip("/"))  # credentials: a header
         self.session = session
         self.client = UpstreamClient(
             self.base_url,
