@@ -21,7 +21,8 @@ Per route:
 Every other field must be equal (sampling parameters, ``n_predict``, ``stream``, ...).
 Never a continuation: other routes (chat), a prompt that is not a string, warm-ups
 (``n_predict``/``max_tokens`` 0), per-token probabilities (``n_probs``, ``logprobs``),
-several completions (``n_cmpl``, ``n`` > 1), and an empty ``d`` (nothing typed).
+several completions (``n_cmpl``, ``n`` > 1), an empty ``d`` (nothing typed), and a ``d``
+longer than ``MAX_TYPED``: the work per request stays linear in its size.
 """
 
 from __future__ import annotations
@@ -61,21 +62,67 @@ def eligible(route: str, body: Any) -> bool:
     return all(isinstance(body.get(k, ""), str) for k in ("prompt", "input_prefix"))
 
 
+#: The most text one continuation may have typed (characters). Beyond it a request is no
+#: continuation: matching stays O(prompt) per request whatever a client sends (a prompt of
+#: megabytes of one repeated letter would otherwise make every rotation a candidate), and no
+#: generation writes that much between two keystrokes.
+MAX_TYPED = 1024
+_BLOCK = 4096  # prefix/suffix compared this many characters at a time, at C speed
+
+
+def _common_prefix(a: str, b: str, limit: int) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``, at most ``limit``:
+    equal blocks skipped by slice comparison, the first unequal one bisected. O(limit)."""
+    at = 0
+    while at < limit:
+        end = min(at + _BLOCK, limit)
+        if a[at:end] == b[at:end]:
+            at = end
+            continue
+        lo, hi = at, end  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if a[lo:mid] == b[lo:mid]:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+    return limit
+
+
+def _common_suffix(a: str, b: str, limit: int) -> int:
+    """The length of the longest common suffix of ``a`` and ``b``, at most ``limit``."""
+    la, lb = len(a), len(b)
+    at = 0
+    while at < limit:
+        end = min(at + _BLOCK, limit)
+        if a[la - end : la - at] == b[lb - end : lb - at]:
+            at = end
+            continue
+        lo, hi = at, end
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if a[la - mid : la - lo] == b[lb - mid : lb - lo]:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+    return limit
+
+
 def _inserted(old: str, new: str) -> tuple[str, ...]:
-    """Every ``d`` such that ``old = A + B`` and ``new = A + d + B`` (``d`` not empty).
+    """Every ``d`` such that ``old = A + B`` and ``new = A + d + B`` (``d`` not empty, at
+    most ``MAX_TYPED`` long).
 
     The places ``len(A)`` that work form one range; ``new`` repeats with period ``len(d)``
-    across it, so its first ``len(d)`` places give every distinct ``d``."""
+    across it, so its first ``len(d)`` places give every distinct ``d``. O(len(old)) to find
+    the range, O(MAX_TYPED ** 2) at most to list the candidates."""
     grown = len(new) - len(old)
-    if grown <= 0:
+    if grown <= 0 or grown > MAX_TYPED:
         return ()
     limit = len(old)
-    lcp = 0  # the longest A
-    while lcp < limit and old[lcp] == new[lcp]:
-        lcp += 1
-    lcs = 0  # the longest B
-    while lcs < limit and old[-1 - lcs] == new[-1 - lcs]:
-        lcs += 1
+    lcp = _common_prefix(old, new, limit)  # the longest A
+    lcs = _common_suffix(old, new, limit)  # the longest B
     first = limit - lcs  # the shortest A
     if first > lcp:
         return ()
@@ -96,7 +143,8 @@ def typed(route: str, old: Any, new: Any) -> tuple[str, ...]:
     if route == "/infill":
         before_old = old.get("input_prefix", "") + old.get("prompt", "")
         before_new = new.get("input_prefix", "") + new.get("prompt", "")
-        if not before_new.startswith(before_old) or before_new == before_old:
+        grown = len(before_new) - len(before_old)
+        if not 0 < grown <= MAX_TYPED or not before_new.startswith(before_old):
             return ()
         return (before_new[len(before_old) :],)
     return _inserted(old.get("prompt", ""), new.get("prompt", ""))
