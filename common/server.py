@@ -5,8 +5,10 @@ status the request carried. Both ``llmproxy serve`` (proxy/server.py) and ``llmp
 backend`` (backend/server.py) run through it.
 
 Contract:
-- The port file is cleared first (a stale one would be read while the app starts), written
-  once the socket listens and removed at exit only if it still names our port.
+- The socket is bound first (common/bind.py: a busy port is a one-line start-up mistake
+  before the app loads anything). The port file is cleared first (a stale one would be
+  read while the app starts), written once the socket listens and removed at exit only if
+  it still names our port.
 - ``runner.setup()`` (the app's startup and cleanup contexts: the proxy's embedded backend
   loads its model there) races the stop request: a signal during setup cancels it and
   returns at once.
@@ -35,6 +37,7 @@ from pathlib import Path
 import structlog
 from aiohttp import web
 
+from llmproxy.common.bind import bind
 from llmproxy.common.portfile import clear_port_file, remove_port_file, write_port_file
 
 log = structlog.get_logger("llmproxy.server")
@@ -118,6 +121,10 @@ async def serve(
         shutdown_timeout=listen.shutdown_timeout_s,
         keepalive_timeout=listen.keepalive_timeout_s,  # also bounds slow request headers
     )
+    # bound first: a busy port or a bad --host is a one-line mistake before anything loads
+    socks = (
+        [listen.sock] if listen.sock is not None else bind(listen.host, listen.port, listen.backlog)
+    )
     setup = asyncio.ensure_future(runner.setup())
     stopper = asyncio.ensure_future(stop.requested.wait())
     try:
@@ -132,14 +139,8 @@ async def serve(
         # Startup objects (modules, app, settings) go to the permanent generation, so a full
         # collection scans only what requests allocate.
         gc.freeze()
-        site: web.BaseSite
-        if listen.sock is not None:
-            site = web.SockSite(runner, listen.sock, backlog=listen.backlog)
-        else:
-            site = web.TCPSite(
-                runner, listen.host, listen.port, reuse_address=True, backlog=listen.backlog
-            )
-        await site.start()
+        for sock in socks:
+            await web.SockSite(runner, sock, backlog=listen.backlog).start()
         host, port = runner.addresses[0][:2]
         if listen.port_file is not None:
             write_port_file(listen.port_file, port)
@@ -150,6 +151,8 @@ async def serve(
     finally:
         stopper.cancel()
         await runner.cleanup()
+        for sock in socks:  # those no site took (a stop during setup)
+            sock.close()
         remove_port_file(listen.port_file, port)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
