@@ -14,11 +14,18 @@ own while the proxy serves stops the proxy with exit status 1 (``_watch_exit``);
 exits during start-up with status 2 (a start-up mistake, e.g. ``--model`` names no file,
 explained on the shared stderr) raises ``BackendMistake``, for ``llmproxy serve`` to exit
 with status 2 too.
+
+The backend wants a key on every route but ``/health``: a random one per start, passed in
+its environment (``KEY_ENV``; a command line is readable by every user through ``ps``) and
+published in ``BACKEND_KEY`` for the proxy to send. So ``--api-key`` cannot be walked
+around by calling the backend's loopback port directly, nor can its gate.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
 import sys
 import tempfile
 import time
@@ -40,6 +47,10 @@ log = structlog.get_logger("llmproxy.embedded")
 # The backend's own --shutdown-timeout-s: the proxy's connections are closed by then.
 BACKEND_DRAIN_S = 0.5
 BACKEND_STOP_S = stop_budget_s(BACKEND_DRAIN_S) + 1.0  # SIGTERM -> SIGKILL (9 s)
+#: the backend's ``api_key`` setting, from its environment (private to its user, unlike argv)
+KEY_ENV = "LLMPROXY_API_KEY"
+#: the key this start gave the backend: the proxy's upstream key for it
+BACKEND_KEY = web.AppKey("backend_key", str)
 
 
 class BackendMistake(RuntimeError):
@@ -152,7 +163,10 @@ async def embedded_backend(app: web.Application) -> AsyncIterator[None]:
             model=str(s.model or "default"),
             parallel=s.parallel,
         )
-        proc = await asyncio.create_subprocess_exec(*cmd, preexec_fn=child_preexec())
+        key = secrets.token_urlsafe(32)
+        app[BACKEND_KEY] = key
+        env = {**os.environ, KEY_ENV: key}  # not argv: ``ps`` shows every user a command line
+        proc = await asyncio.create_subprocess_exec(*cmd, env=env, preexec_fn=child_preexec())
         try:
             app[UPSTREAM_URL] = await _wait_ready(proc, port_file, s.backend_start_timeout_s)
             log.info("embedded backend ready", url=app[UPSTREAM_URL], pid=proc.pid)
