@@ -44,6 +44,7 @@ class LiveProxy:
         self._stop: asyncio.Event | None = None
         self.px: RunningProxy | None = None
         self.fake: FakeUpstream | None = None
+        self.logs: list[dict[str, Any]] = []
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
@@ -84,10 +85,12 @@ class LiveProxy:
 
 @pytest.fixture(scope="module")
 def live() -> Iterator[LiveProxy]:
-    lp = LiveProxy()
-    lp.start()
-    yield lp
-    lp.stop()
+    with structlog.testing.capture_logs() as logs:  # the proxy's thread logs here too
+        lp = LiveProxy()
+        lp.logs = logs
+        lp.start()
+        yield lp
+        lp.stop()
 
 
 json_values = st.recursive(
@@ -208,6 +211,12 @@ def test_after_fuzzing_healthy_and_permits_back(live: LiveProxy) -> None:
     assert code == 200 and st_["permits"] == {"total": 1, "free": 1, "held": 0}
     status, _ = live.call("POST", "/completion", b'{"prompt":"x"}', {"api-key": KEY})
     assert status == 200
+    # no traceback, no error of the proxy's own: hostile input is the client's mistake
+    assert any(e.get("event") == "upstream adapter ready" for e in live.logs)  # captured
+    assert not [e for e in live.logs if e.get("log_level") in ("error", "critical")], [
+        e for e in live.logs if e.get("log_level") in ("error", "critical")
+    ][:3]
+    assert not [e for e in live.logs if "exc_info" in e or "exception" in e][:3]
 
 
 SECRET = "hf_SECRETtokenDoNotLog1234567890"
