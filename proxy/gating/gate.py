@@ -113,6 +113,10 @@ class Gate:
     def queue_snapshot(self) -> list[Ticket]:
         return list(self._queue)
 
+    def places(self) -> list[tuple[str, Ticket | None]]:
+        """The queue in order, live holds included (WaitList.places); read-only."""
+        return self._queue.places()
+
     def inflight_snapshot(self) -> list[Ticket]:
         return list(self._inflight.values())
 

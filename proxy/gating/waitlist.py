@@ -59,6 +59,16 @@ class WaitList(Generic[W]):
     def holds(self) -> int:
         return len(self._items) - self._waiters
 
+    def places(self) -> list[tuple[str, W | None]]:
+        """Read-only, in queue order: (session, waiter) per waiter, (session, None) per live
+        hold (for the status page; changes nothing)."""
+        now = self._clock()
+        return [
+            (w.session, None) if isinstance(w, _Hold) else (w.session, w)
+            for w in self._items
+            if not isinstance(w, _Hold) or w.until > now
+        ]
+
     def head(self) -> W | None:
         """The first waiter (expired holds before it are dropped)."""
         self._expire()
