@@ -170,24 +170,25 @@ async def test_request_id_on_every_log_line_of_a_request(tmp_path: Path) -> None
         assert all(ln.get("request_id") == "req-abc" for ln in during), during
 
 
-async def test_loud_warning_when_exposed_without_api_key(tmp_path: Path) -> None:
-    async with FakeUpstream(slots=1) as fake:
-        for extra, warned in (((), True), (("--api-key", "k"), False)):
-            async with serve(tmp_path, "--upstream", fake.url, "--host", "0.0.0.0", *extra) as (
-                proc,
-                _url,
-            ):
-                proc.send_signal(signal.SIGTERM)
-                assert await asyncio.wait_for(proc.wait(), 10) == 0
-                out = (await proc.stderr.read()).decode()
-                lines = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
-                warnings = [
-                    ln for ln in lines if ln["level"] == "warning" and "API key" in ln["event"]
-                ]
-                assert bool(warnings) is warned, out[-2000:]
-            assert not (
-                tmp_path / "port"
-            ).exists()  # removed at exit: the next run's wait starts clean
+async def test_exposed_with_a_key_serves_any_address_of_this_machine(tmp_path: Path) -> None:
+    """Bound to every interface (which needs a key: tests/proxy/test_startup_mistakes.py),
+    a client naming any IP address of the machine in ``Host`` is served; a name is not
+    unless allowed (a rebinding page always has one)."""
+    async with (
+        FakeUpstream(slots=1) as fake,
+        serve(tmp_path, "--upstream", fake.url, "--host", "0.0.0.0", "--api-key", "k") as (
+            proc,
+            url,
+        ),
+        aiohttp.ClientSession() as http,
+    ):
+        port = url.rsplit(":", 1)[1]
+        for host, status in ((f"192.0.2.7:{port}", 200), (f"lan-box.example:{port}", 403)):
+            async with http.get(url + "/slots", headers={"Host": host, "api-key": "k"}) as r:
+                assert r.status == status, host
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    assert not (tmp_path / "port").exists()  # removed at exit: the next run's wait starts clean
 
 
 async def test_malformed_requests_log_one_json_warning_each(tmp_path: Path) -> None:
