@@ -1,4 +1,6 @@
-"""The proxy's own endpoints under /llmproxy/: health, status (JSON), metrics (Prometheus).
+"""The proxy's own endpoints under /llmproxy/: health, status (JSON), metrics (Prometheus),
+the live page (``/llmproxy/``, its script and style, files shipped in page/) and its event
+stream (``/llmproxy/events``, events.py).
 
 The whole /llmproxy/ prefix is the proxy's: another method on one of these paths is a 405,
 any other path under it a 404, and nothing there is ever forwarded to the upstream.
@@ -7,6 +9,8 @@ any other path under it a 404, and nothing there is ever forwarded to the upstre
 from __future__ import annotations
 
 import time
+from functools import cache
+from importlib.resources import files
 from typing import Any
 
 from aiohttp import web
@@ -14,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmproxy.proxy.errors import NotAllowed, NotFound
 from llmproxy.proxy.gating.ticket import Ticket
+from llmproxy.proxy.http.events import PAGES, Pages, close_pages, events
 from llmproxy.proxy.state import REQUEST_LOG, STATE, ProxyState
 
 
@@ -125,12 +130,38 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-_PATHS = ("/llmproxy/health", "/llmproxy/status", "/llmproxy/metrics")
+_PAGE_FILES = {
+    "/llmproxy/": ("index.html", "text/html"),
+    "/llmproxy/page.js": ("page.js", "text/javascript"),
+    "/llmproxy/page.css": ("page.css", "text/css"),
+}
+#: the page loads only what the proxy serves; nothing inline, nothing from elsewhere
+_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; connect-src 'self'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
+
+
+@cache
+def _page_file(name: str) -> bytes:
+    return files("llmproxy.proxy.http.page").joinpath(name).read_bytes()
+
+
+async def page(request: web.Request) -> web.Response:
+    """The live page's files, read from the package once."""
+    name, content_type = _PAGE_FILES[request.path]
+    return web.Response(
+        body=_page_file(name), content_type=content_type, charset="utf-8", headers=_PAGE_HEADERS
+    )
+
+
+_PATHS = ("/llmproxy/health", "/llmproxy/status", "/llmproxy/metrics", "/llmproxy/events")
 
 
 async def reserved(request: web.Request) -> web.Response:
     """Everything else under /llmproxy/ (registered before the proxy's catch-all)."""
-    if request.path in _PATHS:
+    if request.path in _PATHS or request.path in _PAGE_FILES:
         raise NotAllowed(
             f"{request.method} is not allowed on {request.path}", headers={"Allow": "GET, HEAD"}
         )
@@ -138,6 +169,10 @@ async def reserved(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    for path, handler in zip(_PATHS, (health, status, metrics), strict=True):
+    app[PAGES] = Pages()
+    app.on_shutdown.append(close_pages)
+    for path, handler in zip(_PATHS, (health, status, metrics, events), strict=True):
         app.router.add_get(path, handler)
+    for path in _PAGE_FILES:
+        app.router.add_get(path, page)
     app.router.add_route("*", "/llmproxy/{tail:.*}", reserved)

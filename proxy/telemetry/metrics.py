@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from llmproxy.proxy.gating.breaker import CircuitBreaker
 from llmproxy.proxy.gating.gate import Gate
+from llmproxy.proxy.telemetry.recent import Recent
 from llmproxy.proxy.telemetry.upstreams import BREAKER_CODES, PoolView, UpstreamMetrics
 
 if TYPE_CHECKING:
@@ -102,12 +103,14 @@ class Metrics:
             registry=r,
         )
         self.upstreams = UpstreamMetrics(r)
+        self.recent = Recent()  # the live page's timeline and counters (recent.py)
 
     def observe(self, rec: RequestRecord) -> None:
         """Count a finished gated request by outcome and observe the timings it has."""
         if not rec.gated:
             return
         self.requests.labels(outcome=rec.outcome, route=rec.path).inc()
+        self.recent.add(rec)
         if rec.upstream_name is not None:
             self.upstreams.observe(rec.upstream_name, rec.route_decision)
         if rec.reused_tokens:
