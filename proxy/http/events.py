@@ -27,7 +27,7 @@ from aiohttp import web
 
 from llmproxy.proxy.errors import HTTPStatusError
 from llmproxy.proxy.http.picture import picture
-from llmproxy.proxy.state import STATE
+from llmproxy.proxy.state import RECORD, STATE
 
 log = structlog.get_logger("llmproxy.events")
 
@@ -72,6 +72,8 @@ async def events(request: web.Request) -> web.StreamResponse:
         return await _stream(request, pages)
     finally:
         pages.open -= 1
+        # a page that leaves ends its stream as it should: logged as completed, not cancelled
+        request[RECORD].outcome = "completed"
 
 
 async def _stream(request: web.Request, pages: Pages) -> web.StreamResponse:

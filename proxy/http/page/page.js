@@ -4,7 +4,8 @@
 // No library, no build step; everything it loads comes from the proxy itself.
 "use strict";
 
-const WINDOW_MS = 120000; // the timeline's span
+const WINDOW_MS = 120000; // the timeline's longest span: the last two minutes
+const SPANS = [5000, 10000, 30000, 60000, WINDOW_MS]; // it zooms to the shortest that fits
 const MAX_BARS = 400; // the timeline keeps at most this many requests
 const KEY = "llmproxy-key";
 
@@ -149,16 +150,21 @@ function svg(tag, attrs) {
 function drawTimeline(now) {
   const box = $("timeline");
   const width = box.clientWidth || 800, height = box.clientHeight || 260;
-  const x = (t) => Math.max(0, width - ((now - t) / WINDOW_MS) * width);
   const bars = state.bars.filter((b) => now - b.ended < WINDOW_MS);
   const rows = Math.max(1, Math.floor((height - 16) / 7));
   const shown = bars.slice(-rows);
+  const oldest = shown.length ? now - shown[0].arrived : 0;
+  const span = SPANS.find((s) => oldest <= s * 0.95) || WINDOW_MS;
+  $("window").textContent = span >= 60000 ? `${span / 60000} min` : `${span / 1000} s`;
+  const x = (t) => Math.max(0, width - ((now - t) / span) * width);
+  const step = span / 5;
   const parts = [];
-  for (let s = 0; s <= WINDOW_MS / 1000; s += 15) {
-    const gx = width - (s * 1000 / WINDOW_MS) * width;
+  for (let ms = 0; ms <= span; ms += step) {
+    const s = ms / 1000;
+    const gx = width - (ms / span) * width;
     parts.push(svg("line", { class: "axis", x1: gx, x2: gx, y1: 0, y2: height - 12 }));
     const label = svg("text", { x: Math.max(2, gx - 24), y: height - 2 });
-    label.textContent = s ? `-${s} s` : "now";
+    label.textContent = s ? `-${+s.toFixed(2)} s` : "now";
     parts.push(label);
   }
   shown.forEach((b, i) => {
