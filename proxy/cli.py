@@ -13,6 +13,7 @@ from collections.abc import Sequence
 # subcommand module -> registered in this order in --help
 _COMMANDS = (
     "llmproxy.proxy.serve",
+    "llmproxy.proxy.status_cmd",
     "llmproxy.backend.cli",
     "llmproxy.bench.cli",
     "llmproxy.proxy.systemd",
