@@ -1,10 +1,10 @@
 """Per-request state of a running generation, shared by the llama-cpp and torch engines.
 
 A ``Seq`` holds one admitted request: its prompt tokens, the effective ``n_predict``
-cap, the text decoded so far but held back (``stops.hold_back``), token counts and the
+cap, the text decoded so far but held back (``stops.hold_scan``), token counts and the
 ``perf_counter`` stamps its final ``Done`` reports. ``accept`` applies the end-of-generation
 rules to each sampled token in the order both engines share: end-of-generation token
-(unless ``ignore_eos``), stop word or under-indented line (``stops.hold_back``),
+(unless ``ignore_eos``), stop word or under-indented line (``stops.hold_scan``),
 ``n_predict`` or a full context (stop type "limit"), then ``t_max_predict_ms``
 (``stops.time_up``). ``finish`` emits the held text and the ``Done``.
 
@@ -18,7 +18,8 @@ import time
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Literal, Protocol
 
-from llmproxy.backend.engines.stops import hold_back, time_up
+from llmproxy.backend.engines.stop_matcher import StopMatcher
+from llmproxy.backend.engines.stops import hold_scan, time_up
 from llmproxy.backend.protocol import Done, Event, StopReason, Submit, Token
 
 
@@ -49,6 +50,10 @@ class Seq:
     t_admit: float = field(default_factory=time.perf_counter)
     t_start: float = 0.0  # prompt evaluation started
     t_first: float = 0.0  # first token sampled
+    stops: StopMatcher = field(init=False)  # fed every decoded piece once
+
+    def __post_init__(self) -> None:
+        self.stops = StopMatcher(self.submit.params.stop)
 
     @property
     def rid(self) -> str:
@@ -84,7 +89,7 @@ class Seq:
         (events, "word" / "limit" when a stop word / an under-indented line ends the
         generation else None, the stop word)."""
         p = self.submit.params
-        hold = hold_back(self.held + piece, p.stop, p.n_indent)
+        hold = hold_scan(self.held, piece, self.stops, p.n_indent)
         self.held = hold.held
         out: list[Event] = []
         if hold.emit:

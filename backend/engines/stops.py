@@ -1,8 +1,8 @@
 """How a generation ends, shared by the llama-cpp and torch engines.
 
-* Stop words are matched on the generated text; text that could be the start of a stop
-  word is held back until it is known not to be one, so a stop word never leaks into a
-  stream (``split_held``).
+* Stop words are matched on the generated text (``stop_matcher.StopMatcher``: linear in
+  the text); text that could be the start of a stop word is held back until it is known
+  not to be one, so a stop word never leaks into a stream (``hold_scan``).
 * ``n_indent`` (llama-server's infill rule): once the generated text has a newline, every
   new line must start with at least ``n_indent`` spaces/tabs; the first line that does not
   ends the generation (stop type "limit") and is cut from its first non-blank character
@@ -20,28 +20,18 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from llmproxy.backend.engines.stop_matcher import StopMatcher
+
 
 def find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
     """The earliest occurrence of any (non-empty) stop word in ``text``: (index, word)."""
-    best: tuple[int, str] | None = None
-    for word in stops:
-        if not word:
-            continue
-        idx = text.find(word)
-        if idx >= 0 and (best is None or idx < best[0]):
-            best = (idx, word)
-    return best
+    return StopMatcher(stops).feed(text)
 
 
 def partial_stop_len(text: str, stops: tuple[str, ...]) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of a stop word."""
-    keep = 0
-    for word in stops:
-        for k in range(min(len(word) - 1, len(text)), keep, -1):
-            if text.endswith(word[:k]):
-                keep = k
-                break
-    return keep
+    m = StopMatcher(stops)
+    return 0 if m.feed(text) is not None else m.partial
 
 
 def split_held(text: str, stops: tuple[str, ...]) -> tuple[str, str, str | None]:
@@ -105,22 +95,33 @@ class Hold(NamedTuple):
 
 
 def hold_back(text: str, stops: tuple[str, ...], n_indent: int = 0) -> Hold:
-    """Split pending text (held text + newly decoded text) for the stop words and n_indent.
+    """``hold_scan`` of ``text`` as a whole (nothing held before it)."""
+    return hold_scan("", text, StopMatcher(stops), n_indent)
+
+
+def hold_scan(held: str, piece: str, matcher: StopMatcher, n_indent: int = 0) -> Hold:
+    """Split pending text (``held`` text + newly decoded ``piece``) for the stop words and
+    n_indent; ``matcher`` has been fed all text before ``piece`` and is fed ``piece`` here.
 
     A stop word found ends the generation before it (``word``); a line indented less than
     ``n_indent`` ends it at that line's first non-blank character (``indent_stop``),
     whichever comes first (a stop word at that very character wins, as in llama-server,
     which truncates at the stop word before checking the indentation). Otherwise
     ``held`` is the tail that could still become a stop word or whose indentation is
-    undecided (from its newline on), and ``emit`` the text before it.
+    undecided (from its newline on), and ``emit`` the text before it. The work is linear
+    in ``held`` + ``piece`` (``held`` is at most the longest stop word or an undecided
+    indentation).
     """
-    hit = find_stop(text, stops) if stops else None
+    text = held + piece
+    hit = matcher.feed(piece)
+    if hit is not None:
+        hit = (len(held) + hit[0], hit[1])
     cut = indent_cut(text, n_indent)
     if hit is not None and (cut is None or hit[0] <= cut):
         return Hold(text[: hit[0]], "", hit[1])
     if cut is not None:
         return Hold(text[:cut], "", None, True)
-    start = min(len(text) - partial_stop_len(text, stops), indent_hold_start(text, n_indent))
+    start = min(len(text) - matcher.partial, indent_hold_start(text, n_indent))
     return Hold(text[:start], text[start:])
 
 
