@@ -23,8 +23,38 @@ from llmproxy.proxy.state import REQUEST_LOG, STATE, ProxyState
 
 
 async def health(request: web.Request) -> web.Response:
+    """Liveness: always 200 while the proxy serves. ``status`` is ``degraded`` (with
+    ``reasons``) while an upstream cannot be reached, as far as the proxy knows without
+    sending anything: detection still failing, its breaker open, its last request unable to
+    connect, or (several upstreams) its health probe failing."""
     st = request.app[STATE]
-    return web.json_response({"status": "ok", "upstream": st.adapter.kind})
+    reasons = _degraded(st)
+    body: dict[str, Any] = {"status": "degraded" if reasons else "ok", "upstream": st.adapter.kind}
+    if reasons:
+        body["reasons"] = reasons
+    return web.json_response(body)
+
+
+def _degraded(st: ProxyState) -> list[str]:
+    unreachable = st.metrics.recent.unreachable
+    if st.pool is not None:
+        reasons = []
+        for m in st.pool.members:
+            if not m.healthy:
+                reasons.append(f"upstream {m.name}: its health probe fails")
+            elif m.breaker.state != "closed":
+                reasons.append(f"upstream {m.name}: failing, circuit breaker {m.breaker.state}")
+            elif m.name in unreachable:
+                reasons.append(f"upstream {m.name}: {unreachable[m.name]}")
+        return reasons
+    reasons = []
+    if st.adapter.undetected:
+        reasons.append("the upstream has not answered yet (detection goes on while serving)")
+    if st.breaker.state != "closed":
+        reasons.append(f"the upstream is failing: circuit breaker {st.breaker.state}")
+    if "" in unreachable:
+        reasons.append(f"the last request could not reach the upstream: {unreachable['']}")
+    return reasons
 
 
 async def status(request: web.Request) -> web.Response:

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from llmproxy.proxy.errors import UpstreamConnectTimeout, UpstreamUnreachable
 from llmproxy.proxy.gating.routes import family
 
 if TYPE_CHECKING:
@@ -85,10 +86,18 @@ class Recent:
         self.stopped_early = 0  # superseded or cancelled at the upstream mid-generation
         self.reused = 0
         self.reused_tokens = 0
+        # upstream name ("" for the one upstream) -> why its last request could not reach it;
+        # cleared by its next answer (/llmproxy/health says degraded meanwhile)
+        self.unreachable: dict[str, str] = {}
 
     def add(self, rec: RequestRecord) -> None:
         """A finished gated request (its outcome settled)."""
         kind = KINDS.get(rec.outcome or "error", "error")
+        name = rec.upstream_name or ""
+        if isinstance(rec.upstream_error, UpstreamUnreachable | UpstreamConnectTimeout):
+            self.unreachable[name] = rec.upstream_error.message
+        elif rec.upstream_status is not None:
+            self.unreachable.pop(name, None)
         self.seq += 1
         self.requests += 1
         self.by_outcome[kind] += 1
