@@ -16,6 +16,7 @@ Pure functions: the tokenizer comes in as a callable; called on the engine's thr
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from llmproxy.backend.protocol import Failed, Prompt
 
@@ -66,8 +67,16 @@ def infill_tokens(
     n_ctx: int,
     n_predict: int,
     n_predict_max: int,
+    max_chars: int | None = None,
 ) -> list[int]:
-    """Token ids of an infill prompt; ``plain`` tokenizes without parsing special tokens."""
+    """Token ids of an infill prompt; ``plain`` tokenizes without parsing special tokens.
+
+    ``max_chars``: no token covers more characters than ``max_chars / n_ctx``, so only the
+    last ``max_chars`` characters of the prefix, the first of the suffix and extra chunks
+    of at most that many in all can reach the context: the rest is cut before tokenizing
+    (``trim_infill``), which bounds the tokenizer's work whatever the body's size."""
+    if max_chars is not None:
+        prompt = trim_infill(prompt, max_chars, keep_extra_tail=fim is None)
     # room for the prompt: leave space for generation, at most a quarter of the context (a
     # large n_predict, Continue's 4096 say, runs until the context is full, see admit_tokens,
     # and must not squeeze the prompt to nothing)
@@ -103,12 +112,31 @@ def infill_tokens(
     return bos + extra + [pre] + prefix + [suf] + suffix + [mid]
 
 
+def trim_infill(prompt: Prompt, max_chars: int, keep_extra_tail: bool) -> Prompt:
+    """``prompt`` without the text that cannot reach a context of ``max_chars`` characters:
+    the prefix's head, the suffix's tail, and extra chunks longer than that in all (dropped,
+    as they are all or nothing; with ``keep_extra_tail``, the prefix-only fallback that
+    takes the tail of their joined text, that tail as one chunk)."""
+    prefix = prompt.prefix + prompt.text
+    extra = prompt.extra
+    if sum(len(name) + len(text) + 2 for name, text in extra) > max_chars:
+        joined = "".join(t for _, t in extra)
+        extra = (("", joined[-max_chars:]),) if keep_extra_tail else ()
+    if len(prefix) <= max_chars and len(prompt.suffix) <= max_chars and extra is prompt.extra:
+        return prompt
+    return replace(
+        prompt, prefix=prefix[-max_chars:], text="", suffix=prompt.suffix[:max_chars], extra=extra
+    )
+
+
 def admit_tokens(
     request_id: str, build: Callable[[], list[int]], n_predict: int, n_ctx: int, n_predict_max: int
 ) -> tuple[list[int], int] | Failed:
     """``(tokens, effective n_predict cap)`` for a request, or the ``Failed`` rejecting it."""
     try:
         tokens = build()
+    except PromptTooLong as exc:
+        return Failed(request_id, 400, str(exc), "exceed_context_size_error")
     except BadPrompt as exc:
         return Failed(request_id, 400, str(exc), "invalid_request_error")
     n = len(tokens)

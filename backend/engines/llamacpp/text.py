@@ -2,7 +2,8 @@
 
 Prompt rules are the shared ones (``engines/prompts.py``) over a loaded ``Llama``:
 
-* completion: the text (special tokens parsed) or the given token ids.
+* completion: the text (special tokens parsed) or the given token ids; a text that cannot
+  fit the context is refused before it is tokenized (``bounds.TokenBounds``).
 * infill: with FIM tokens in the vocab (``llama_vocab_fim_pre/suf/mid``):
   ``[BOS] [extra: FIM_REP "myproject\\n" (FIM_SEP filename "\\n" text)*] FIM_PRE prefix+prompt
   FIM_SUF suffix FIM_MID`` (llama-server's layout), the prefix truncated on the left and
@@ -21,6 +22,7 @@ import codecs
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
+from llmproxy.backend.engines.llamacpp.bounds import TokenBounds
 from llmproxy.backend.engines.prompts import CHATML, chat_messages, given_tokens, infill_tokens
 from llmproxy.backend.protocol import Prompt
 
@@ -56,6 +58,7 @@ class LlamaPrompts:
         self.n_predict_max = n_predict_max
         model = llm._model
         self._vocab = model.vocab
+        self.bounds = TokenBounds(self._vocab, n_ctx)
         self._is_eog = llama_cpp.llama_vocab_is_eog
         self.fim: tuple[int, int, int] | None = None
         self.fim_rep = -1
@@ -94,7 +97,7 @@ class LlamaPrompts:
             return bos + self._tok(text)
         return infill_tokens(
             prompt,
-            lambda text: self._tok(text, special=False),
+            lambda text: self._tok(text, special=False, check=False),
             self._add_bos(),
             self.fim,
             self.fim_rep,
@@ -102,12 +105,20 @@ class LlamaPrompts:
             self.n_ctx,
             n_predict,
             self.n_predict_max,
+            self.bounds.max_chars,
         )
 
-    def _tok(self, text: str, add_bos: bool = False, special: bool = True) -> list[int]:
+    def _tok(
+        self, text: str, add_bos: bool = False, special: bool = True, check: bool = True
+    ) -> list[int]:
+        """``text``'s tokens; with ``check``, a text that cannot fit the context is refused
+        first (``TokenBounds.check``: ``PromptTooLong``) rather than tokenized."""
         if not text:
             return []
-        return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
+        data = text.encode("utf-8")
+        if check:
+            self.bounds.check(data, special)
+        return self.llm.tokenize(data, add_bos=add_bos, special=special)
 
     def _add_bos(self) -> list[int]:
         model = self.llm._model
