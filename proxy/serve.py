@@ -24,9 +24,9 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(ProxySettings, args)
     configure_logging(settings.log_level, settings.log_json)
     loop_name, loop_factory = loops.choose(settings.loop, "llmproxy")
-    structlog.get_logger("llmproxy").info(
-        "starting llmproxy", loop=loop_name, settings=describe(settings)
-    )
+    log = structlog.get_logger("llmproxy")
+    log.info("starting llmproxy", loop=loop_name)
+    log.debug("settings", settings=describe(settings))  # every one: --log-level debug
     try:
         app = build_app(settings)
         return loops.run(

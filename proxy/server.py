@@ -35,6 +35,7 @@ from llmproxy.common.net import is_loopback
 from llmproxy.common.server import Listen, StopRequest
 from llmproxy.common.server import serve as run
 from llmproxy.proxy.http import parse_errors
+from llmproxy.proxy.pool.specs import upstream_specs
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import RELOAD, STOP
 
@@ -80,9 +81,14 @@ async def serve(
             )
 
     def on_listening(host: str, port: int) -> None:
+        url = f"http://{host}:{port}"
         log.info(
             "listening",
-            url=f"http://{host}:{port}",
+            url=url,
+            llama_vim=f"{url}/infill",  # what to paste into each editor (README's table)
+            continue_dev=f"{url}/",
+            page=f"{url}/llmproxy/",
+            model=_served(settings),
             socket_activated=sock is not None,
             loop=loops.running(),
         )
@@ -114,3 +120,13 @@ async def serve(
         on_reload=on_reload,
     )
     return await run(app, listen, stop, on_ready=parse_errors.install, on_listening=on_listening)
+
+
+def _served(settings: ProxySettings) -> str:
+    """What the start banner says is served: the embedded backend's model, or the upstreams."""
+    specs = upstream_specs(settings)
+    if specs:
+        return "from " + ", ".join(spec.label for spec in specs)
+    if settings.model is not None:
+        return settings.model.name
+    return "SmolLM2-135M-Instruct (the small demo model; --model PATH.gguf for a real one)"

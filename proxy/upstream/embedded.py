@@ -119,7 +119,13 @@ async def _wait_ready(proc: asyncio.subprocess.Process, port_file: Path, limit_s
                     info = None
                 if time.monotonic() - last_note > 1.0:
                     last_note = time.monotonic()
-                    log.info("embedded backend loading", url=url, state=info)
+                    log.info(
+                        "embedded backend loading the model",
+                        url=url,
+                        state=info,
+                        for_s=round(limit_s - (deadline - loop.time()), 1),
+                        limit_s=limit_s,
+                    )
             await asyncio.sleep(0.1)
     raise RuntimeError(f"embedded backend not ready within {limit_s:g}s")
 
@@ -168,8 +174,10 @@ async def embedded_backend(app: web.Application) -> AsyncIterator[None]:
         env = {**os.environ, KEY_ENV: key}  # not argv: ``ps`` shows every user a command line
         proc = await asyncio.create_subprocess_exec(*cmd, env=env, preexec_fn=child_preexec())
         try:
+            started = time.monotonic()
             app[UPSTREAM_URL] = await _wait_ready(proc, port_file, s.backend_start_timeout_s)
-            log.info("embedded backend ready", url=app[UPSTREAM_URL], pid=proc.pid)
+            took = round(time.monotonic() - started, 1)
+            log.info("embedded backend ready", url=app[UPSTREAM_URL], pid=proc.pid, took_s=took)
             watch = asyncio.create_task(
                 _watch_exit(proc, app.get(STOP)), name="llmproxy-backend-watch"
             )
