@@ -98,7 +98,11 @@ async def serve(
         if signals_seen > 1:
             log.warning("second signal: exiting now", signal=name)
             os._exit(1)
-        log.info("signal received: shutting down gracefully", signal=name)
+        # without sigint (the embedded backend) the SIGTERM is its parent's, which logged
+        # the user's signal already: one line per Ctrl-C
+        (log.info if listen.sigint else log.debug)(
+            "signal received: shutting down gracefully", signal=name
+        )
         stop.request(0)
 
     loop.add_signal_handler(signal.SIGTERM, on_signal, signal.SIGTERM)
