@@ -32,7 +32,10 @@ Upstream profiles (``--token-delay-ms``, one set of children per value):
 Concurrency contract: children are owned by ``child.child`` (an async context manager) which
 terminates them (then kills after 10 s) on exit, including on error or Ctrl-C. Each worker
 of the load generator sends its own ``X-LLMProxy-Session`` so that the proxy's supersede
-rule never cancels one worker's request on behalf of another.
+rule never cancels one worker's request on behalf of another. ``--page`` keeps the live
+page's event stream (``/llmproxy/events``) open on the proxy throughout, read by a task the
+profile's exit stack owns and cancels: what an open ``/llmproxy/`` costs the proxy.
+Progress (the step running and the time left) goes to stderr (bench/progress.py).
 """
 
 from __future__ import annotations
@@ -44,14 +47,17 @@ import gc
 import json
 import sys
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from llmproxy.bench.child import child, cpu_seconds
 from llmproxy.bench.loadgen import LoadResult, run_load
 from llmproxy.bench.overhead.table import Case, format_table
+from llmproxy.bench.progress import Steps
 from llmproxy.common import loops
 from llmproxy.common.config import LayeredSettings, add_settings_arguments, settings_from_args
 from llmproxy.common.logs import configure_logging
@@ -103,6 +109,11 @@ class OverheadSettings(LayeredSettings):
     loop: loops.LoopChoice = Field(
         "auto", description="Event loop of the proxy and the two reference children (their --loop)"
     )
+    page: bool = Field(
+        False,
+        description="Keep the live page's event stream (/llmproxy/events) open on the proxy "
+        "while measuring",
+    )
     proxy_log_level: str = Field(
         "info",
         description="The proxy child's log level; info, its own default, "
@@ -136,11 +147,16 @@ async def _load(
     )
 
 
+_TARGETS = ("direct", "raw", "floor", "proxied")
+
+
 async def _in_turn(
     targets: list[tuple[str | None, tuple[int, ...]]],
     settings: OverheadSettings,
     stream: bool,
     concurrency: int,
+    steps: Steps,
+    case: str,
 ) -> list[LoadResult | None]:
     """Measure the targets (None: skipped) in ``settings.rounds`` alternating blocks each.
 
@@ -161,6 +177,7 @@ async def _in_turn(
         )
         for i, (url, pids) in enumerate(targets):
             if url is not None:
+                steps.step(f"{case} round {r + 1}/{rounds} {_TARGETS[i]}")
                 parts[i].append(await _load(url, share, stream, concurrency, pids))
     return [LoadResult.merged(p) if p else None for p in parts]
 
@@ -187,7 +204,36 @@ def proxy_command(settings: OverheadSettings, upstream_url: str) -> list[str]:
     ]
 
 
-async def _profile(settings: OverheadSettings, delay_ms: float, workdir: Path) -> list[Case]:
+@contextlib.asynccontextmanager
+async def _page_open(url: str) -> AsyncIterator[None]:
+    """A page watching ``url`` meanwhile: its event stream, open once its first picture came,
+    read (and dropped) by a task that this context cancels and awaits on exit."""
+
+    async def drain(resp: aiohttp.ClientResponse) -> None:
+        async for _chunk in resp.content.iter_any():
+            pass
+
+    async with aiohttp.ClientSession() as http, http.get(url + "/llmproxy/events") as resp:
+        resp.raise_for_status()
+        await resp.content.readuntil(b"\n\n")
+        task = asyncio.create_task(drain(resp))
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+def _steps_total(settings: OverheadSettings) -> int:
+    targets = 1 + settings.proxy * (1 + settings.floor + settings.raw)
+    per_case = min(settings.rounds, settings.requests) * targets
+    cases = len(settings.token_delay_ms) * len(settings.modes) * len(settings.concurrency)
+    return cases * per_case
+
+
+async def _profile(
+    settings: OverheadSettings, delay_ms: float, workdir: Path, steps: Steps
+) -> list[Case]:
     """All modes x concurrencies against one fake (and one proxy) paced at ``delay_ms``."""
     fake_argv = [
         sys.executable,
@@ -223,6 +269,8 @@ async def _profile(settings: OverheadSettings, delay_ms: float, workdir: Path) -
         proxy_url, proxy_pid = await start(
             "proxy", proxy_command(settings, fake_url), settings.proxy
         )
+        if settings.page and proxy_url is not None:
+            await stack.enter_async_context(_page_open(proxy_url))
 
         def reference(module: str) -> list[str]:
             """The command line of a reference relay (forwarder.py, splice.py: same options)."""
@@ -251,7 +299,10 @@ async def _profile(settings: OverheadSettings, delay_ms: float, workdir: Path) -
                     (floor_url, (fake_pid, floor_pid)),
                     (proxy_url, (fake_pid, proxy_pid)),
                 ]
-                direct, raw, floor, proxied = await _in_turn(targets, settings, stream, c)
+                case = f"{delay_ms:g} ms/token {mode} c={c}"
+                direct, raw, floor, proxied = await _in_turn(
+                    targets, settings, stream, c, steps, case
+                )
                 assert direct is not None
                 cases.append(Case(mode, c, direct, proxied, delay_ms, floor, raw))
     return cases
@@ -259,11 +310,14 @@ async def _profile(settings: OverheadSettings, delay_ms: float, workdir: Path) -
 
 async def _bench(settings: OverheadSettings) -> list[Case]:
     cases: list[Case] = []
-    with tempfile.TemporaryDirectory(prefix="llmproxy-bench-") as tmp:
+    with (
+        tempfile.TemporaryDirectory(prefix="llmproxy-bench-") as tmp,
+        Steps(_steps_total(settings), "bench overhead") as steps,
+    ):
         for i, delay_ms in enumerate(settings.token_delay_ms):
             workdir = Path(tmp) / f"profile-{i}"  # fresh port files for each pair of children
             workdir.mkdir()
-            cases += await _profile(settings, delay_ms, workdir)
+            cases += await _profile(settings, delay_ms, workdir, steps)
     return cases
 
 
