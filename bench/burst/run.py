@@ -41,6 +41,7 @@ from llmproxy.bench.burst.profiles import PROFILES, Profile
 from llmproxy.bench.burst.report import Req, TargetResult, format_table
 from llmproxy.bench.burst.settings import BurstSettings
 from llmproxy.bench.burst.slots import SlotsPoller
+from llmproxy.bench.progress import Steps
 from llmproxy.common.config import add_settings_arguments, settings_from_args
 from llmproxy.common.logs import configure_logging
 
@@ -97,8 +98,9 @@ async def _model_name(http: aiohttp.ClientSession, url: str) -> str:
     return "default"
 
 
-async def run_target(url: str, settings: BurstSettings) -> TargetResult:
-    """Baseline, then ``bursts`` bursts per editor against ``url``; see the module docstring."""
+async def run_target(url: str, settings: BurstSettings, steps: Steps | None = None) -> TargetResult:
+    """Baseline, then ``bursts`` bursts per editor against ``url``; see the module docstring.
+    ``steps``: the progress shown on stderr (bench/progress.py)."""
     url = url.rstrip("/")
     profile = PROFILES[settings.profile]
     async with aiohttp.ClientSession() as http:
@@ -113,12 +115,16 @@ async def run_target(url: str, settings: BurstSettings) -> TargetResult:
             async with asyncio.TaskGroup() as tg:
                 if poller.available:  # polling from the start: the baseline pays its cost too
                     tg.create_task(poller.run(stop))
+                if steps is not None:
+                    steps.step(f"{url} baseline")
                 baseline = await _baseline(url, profile, settings, poller)
                 await _settle(poller, settings)
                 poller.reset()  # count the bursts only
                 before = await counters.read(http, url)
                 result = TargetResult(url, profile.name, baseline, time.perf_counter())
                 for b in range(settings.bursts):
+                    if steps is not None:
+                        steps.step(f"{url} burst {b + 1}/{settings.bursts}")
                     await _settle(poller, settings)
                     typist = run_follow if settings.typist == "follow" else run_burst
                     async with asyncio.TaskGroup() as editors:
@@ -136,7 +142,9 @@ async def run_target(url: str, settings: BurstSettings) -> TargetResult:
 
 
 async def _main(url: str, settings: BurstSettings) -> list[TargetResult]:
-    return [await run_target(target, settings) for target in (url, *settings.compare)]
+    targets = (url, *settings.compare)
+    with Steps(len(targets) * (1 + settings.bursts), "bench burst") as steps:
+        return [await run_target(target, settings, steps) for target in targets]
 
 
 def run(args: argparse.Namespace) -> int:

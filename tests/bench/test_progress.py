@@ -7,6 +7,9 @@ import io
 
 import pytest
 
+from llmproxy.bench.burst.run import _main
+from llmproxy.bench.burst.settings import BurstSettings
+from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.bench.overhead.run import OverheadSettings, _bench
 from llmproxy.bench.progress import Steps
 
@@ -37,3 +40,21 @@ def test_overhead_with_a_page_open_reports_each_step(capsys: pytest.CaptureFixtu
         "1 ms/token nonstream c=2 round 2/2 direct",
         "1 ms/token nonstream c=2 round 2/2 proxied",
     ]
+
+
+async def test_burst_reports_the_baseline_and_each_burst_per_target(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    settings = BurstSettings(
+        keystrokes=3, interval_ms=30, bursts=2, baseline_runs=1, gap_ms=0, n_predict=4,
+        poll_slots=False, profile="continue",
+    )  # fmt: skip
+    script = lambda _p, _b: Script(tokens=4, token_delay_s=0.005)  # noqa: E731
+    async with FakeUpstream(slots=2, script=script) as a, FakeUpstream(slots=2, script=script) as b:
+        await _main(a.url, settings.model_copy(update={"compare": [b.url]}))
+    err = capsys.readouterr().err
+    steps = [ln.split("] ", 1)[1].split(",")[0] for ln in err.splitlines() if "] " in ln]
+    assert steps == [
+        f"{u} {what}" for u in (a.url, b.url) for what in ("baseline", "burst 1/2", "burst 2/2")
+    ]
+    assert "bench burst: done in " in err
