@@ -19,7 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from llmproxy.proxy.errors import NotAllowed, NotFound
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.http.events import PAGES, Pages, close_pages, events
-from llmproxy.proxy.state import REQUEST_LOG, STATE, ProxyState
+from llmproxy.proxy.pool.specs import upstream_specs
+from llmproxy.proxy.state import REQUEST_LOG, SETTINGS, STATE, ProxyState
 
 
 async def health(request: web.Request) -> web.Response:
@@ -198,11 +199,20 @@ async def reserved(request: web.Request) -> web.Response:
     raise NotFound(f"no such llmproxy endpoint: {request.path}")
 
 
+async def to_page(request: web.Request) -> web.Response:
+    """``GET /`` with the embedded backend (which serves nothing there): the live page."""
+    return web.Response(status=302, headers={"Location": "/llmproxy/"})
+
+
 def add_routes(app: web.Application) -> None:
+    """The /llmproxy/ routes, and ``GET /`` -> the page where the upstream is the embedded
+    backend (an upstream's own ``/``, llama-server's web UI, passes through)."""
     app[PAGES] = Pages()
     app.on_shutdown.append(close_pages)
     for path, handler in zip(_PATHS, (health, status, metrics, events), strict=True):
         app.router.add_get(path, handler)
     for path in _PAGE_FILES:
         app.router.add_get(path, page)
+    if not upstream_specs(app[SETTINGS]):
+        app.router.add_get("/", to_page)
     app.router.add_route("*", "/llmproxy/{tail:.*}", reserved)

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from llmproxy.bench.fake.upstream import FakeUpstream
@@ -54,3 +55,6 @@ async def test_the_embedded_backend_says_how_long_it_loaded(tmp_path: Path) -> N
         ready = next(ln for ln in lines if ln["event"] == "embedded backend ready")
         assert ready["took_s"] >= 0
         assert lines[-1]["model"].startswith("SmolLM2-135M-Instruct (the small demo model")
+        async with aiohttp.ClientSession() as http, http.get(url + "/") as r:
+            assert r.status == 200 and r.url.path == "/llmproxy/"  # a browser lands on the page
+            assert "<title>llmproxy</title>" in await r.text()

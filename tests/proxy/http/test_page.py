@@ -120,3 +120,12 @@ async def test_pages_are_capped_and_end_when_the_proxy_stops(http: aiohttp.Clien
                     assert await first.content.read() == b""  # it ended
             await asyncio.sleep(0)  # the handler's finally ran: the count is back
             assert px.app[PAGES].open == 0
+
+
+async def test_an_upstreams_own_root_passes_through(http: aiohttp.ClientSession) -> None:
+    """Only the embedded backend's ``/`` leads to the page (tests/e2e/test_banner.py): a
+    llama-server keeps its web UI there."""
+    async with FakeUpstream() as fake, run_proxy(fake.url) as px:
+        async with http.get(px.url + "/", allow_redirects=False) as r:
+            assert r.status != 302
+        assert fake.received[-1].path == "/"
