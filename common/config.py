@@ -244,6 +244,13 @@ def _invalid_lines(cls: type[BaseSettings], exc: ValidationError) -> list[str]:
     for err in exc.errors():
         msg = err["msg"].removeprefix("Value error, ")
         name = err["loc"][0] if err["loc"] else None
+        inner = err["loc"][1:]  # inside a table or list: which entry, which key
+        if inner and err["type"] == "extra_forbidden":
+            entry = f" in entry {inner[0] + 1}" if isinstance(inner[0], int) else ""
+            msg = f"unknown key {inner[-1]!r}{entry}"
+        elif inner:
+            where = ", ".join(f"entry {p + 1}" if isinstance(p, int) else str(p) for p in inner)
+            msg = f"{where}: {msg}"
         if isinstance(name, str) and name in cls.model_fields:
             where = f"{_flag(name)} (env {env_prefix}{name.upper()}, config {name})"
             got = "" if _holds_secrets(cls, name) else f"; got {redact_urls(repr(err['input']))}"
