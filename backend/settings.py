@@ -77,6 +77,26 @@ class BackendSettings(LayeredSettings):
         False, description="Serve llama-server's Prometheus counters on GET /metrics"
     )
 
+    # bounds on what one client can hold
+    max_queue: int = Field(
+        16, ge=0, description="Requests that may wait for a busy slot; more get 429 + Retry-After"
+    )
+    body_read_timeout_s: float = Field(
+        60.0, gt=0, description="A request body not received within this long gets 408"
+    )
+    write_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="A stream whose client reads none of it for this long is dropped and its "
+        "generation stopped",
+    )
+    step_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A worker stuck this long in one step (a prompt to tokenize, one decode) "
+        "is reported by /health and /slots and restarted",
+    )
+
     # supervision and shutdown
     shutdown_timeout_s: float = Field(
         10.0, ge=0, description="On SIGTERM, how long in-flight requests may finish"

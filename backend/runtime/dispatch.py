@@ -8,6 +8,7 @@
   table. A slot is marked idle **only** when the worker's ``Done``/``Failed`` for its
   request arrives (or the worker is dead), never when a client goes away: /slots shows a
   cancelled generation as processing until the worker has really stopped.
+* A watchdog task (``_watch_steps``) restarts a worker stuck inside one unit of work.
 * Slots are global ids ``0..total_slots-1`` mapped onto (worker, local slot); the
   ``Submit`` sent to a worker carries the *local* slot id.
 """
@@ -35,7 +36,7 @@ from llmproxy.backend.protocol import (
     WorkerState,
 )
 from llmproxy.backend.runtime.counters import Counters
-from llmproxy.backend.runtime.slots import Request, Slot, Unavailable
+from llmproxy.backend.runtime.slots import QueueFull, Request, Slot, Unavailable
 from llmproxy.backend.runtime.supervisor import Supervisor, WorkerHandle
 from llmproxy.backend.settings import WORKER_JOIN_S
 
@@ -66,6 +67,7 @@ class Dispatcher:
         self.counters = Counters()
         self.deferred = 0  # acquire calls waiting for free slots now
         self.started_at = time.time()
+        self._watchdog: asyncio.Task[None] | None = None
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -77,8 +79,12 @@ class Dispatcher:
         self.loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
         await self.supervisor.start_all()
+        self._watchdog = asyncio.create_task(self._watch_steps(), name="backend-step-watchdog")
 
     async def stop(self, timeout_s: float = WORKER_JOIN_S) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
         await self.supervisor.stop_all(timeout_s)
         for req in list(self.requests.values()):
             self._finish(req, Failed(req.id, 503, "server shutting down", "unavailable_error"))
@@ -91,6 +97,20 @@ class Dispatcher:
             daemon=True,
         )
         t.start()
+
+    async def _watch_steps(self) -> None:
+        """Every few tenths of ``step_timeout_s``: a worker stuck in one unit of work past
+        it is reported and killed (``Supervisor.kill_stuck``); the reader thread then sees
+        it die. Runs from ``start`` until ``stop`` cancels it."""
+        period = min(1.0, self.settings.step_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for w in self.workers:
+                age = self.supervisor.stuck_for(w, now)
+                if age:
+                    self.supervisor.kill_stuck(w, age)
+                    self._notify()
 
     def _reader(
         self, w: WorkerHandle, generation: int, conn: Connection, proc: SpawnProcess
@@ -219,7 +239,9 @@ class Dispatcher:
         pin only buys prompt-cache reuse, and that cache died with the worker; answering 503
         instead would fail every request of an editor whose session the proxy keeps on that
         slot, and trip the proxy's circuit breaker for all, while the other slots idle.
-        ``Unavailable`` (503) only when no worker (or, for ``count`` > 1, too few) can run it."""
+        ``Unavailable`` (503) only when no worker (or, for ``count`` > 1, too few) can run it;
+        ``QueueFull`` (429) when it would wait behind ``max_queue`` others already waiting
+        (each holds its body in memory meanwhile)."""
         if id_slot >= len(self.slots):
             raise ValueError(f"id_slot {id_slot} out of range (total_slots={len(self.slots)})")
         if not 1 <= count <= len(self.slots):
@@ -235,6 +257,8 @@ class Dispatcher:
                 return slots
             changed = self._changed
             assert changed is not None
+            if self.deferred >= self.settings.max_queue:
+                raise QueueFull(f"server busy: {self.deferred} requests already wait for a slot")
             self.deferred += 1
             try:
                 await changed.wait()

@@ -19,7 +19,18 @@ from llmproxy.backend.runtime.supervisor import WorkerHandle
 
 
 class Unavailable(Exception):
-    """No worker can take the request now (loading / restarting): answer 503."""
+    """No worker can take the request now: 503 (loading / restarting), or 429 with
+    ``Retry-After`` when the wait queue is full (``QueueFull``)."""
+
+    status = 503
+    retry_after_s = 0
+
+
+class QueueFull(Unavailable):
+    """``max_queue`` requests already wait for a slot."""
+
+    status = 429
+    retry_after_s = 1
 
 
 @dataclass

@@ -10,6 +10,11 @@ the worker is marked ``error`` and restarted after the current backoff delay. Th
 starts at ``restart_backoff_min_s`` and doubles (capped at ``restart_backoff_max_s``)
 each time a worker dies without having served for a minute; a longer life resets it.
 
+A worker stuck in one unit of work (its ``busy`` stamp older than ``step_timeout_s``:
+a prompt the tokenizer takes minutes over, a hung decode) cannot be interrupted, so the
+dispatcher's watchdog reports it (``kill_stuck``: state ``error`` with the reason) and
+kills it; it then dies and restarts as above.
+
 Shutdown: ``Shutdown`` poison pills, ``join`` with a deadline, then ``kill`` for
 stragglers. Workers also exit on their own when the server process dies (they watch
 ``os.getppid()``), so no path leaves orphans.
@@ -41,6 +46,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("llmproxy.backend.runtime.supervisor")
 
 STABLE_AFTER_S = 60.0
+STUCK = "worker stuck in one step"  # how a stuck worker's message starts
 _ctx = mp.get_context("spawn")
 
 
@@ -60,6 +66,7 @@ class WorkerHandle:
     restarts: int = 0
     started_at: float = 0.0
     backoff_s: float = 0.0
+    busy: Any = None  # the incarnation's ``worker.Busy`` (a shared double)
     restart_task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -114,10 +121,11 @@ class Supervisor:
             _close_queue(w.inq)
         w.inq = _ctx.Queue()
         w.outq, child_out = _ctx.Pipe(duplex=False)
+        w.busy = _ctx.RawValue("d", 0.0)
         w.state, w.progress, w.message = "starting", 0.0, ""
         w.process = _ctx.Process(
             target=worker_main,
-            args=(w.index, self._settings_data, w.inq, child_out, os.getpid()),
+            args=(w.index, self._settings_data, w.inq, child_out, os.getpid(), w.busy),
             name=f"llmproxy-backend-worker-{w.index}",
             daemon=False,
         )
@@ -126,6 +134,27 @@ class Supervisor:
         w.started_at = time.monotonic()
         log.info("worker_started", worker=w.index, pid=w.pid, generation=w.generation)
         self._on_started(w)
+
+    def stuck_for(self, w: WorkerHandle, now: float) -> float:
+        """How long ``w`` has been in its current unit of work past ``step_timeout_s``
+        (0.0 when it is not, or is not running)."""
+        if w.busy is None or w.process is None or w.state not in ("ready", "sleeping"):
+            return 0.0
+        since = float(w.busy.value)
+        age = now - since if since else 0.0
+        return age if age > self.settings.step_timeout_s else 0.0
+
+    def kill_stuck(self, w: WorkerHandle, age: float) -> None:
+        """Report ``w`` stuck (its state and message, for /health and /slots) and SIGKILL
+        it; its death then takes the usual path (``on_exit``: requests fail, restart)."""
+        w.state = "error"
+        w.message = (
+            f"{STUCK} for {age:.1f} s (step_timeout_s "
+            f"{self.settings.step_timeout_s:g}); restarting it"
+        )
+        log.error("worker_stuck", worker=w.index, pid=w.pid, stuck_s=round(age, 1))
+        if w.process is not None and w.process.is_alive():
+            w.process.kill()
 
     def on_exit(self, w: WorkerHandle, exitcode: int | None) -> None:
         """The worker process died (called on the loop). Schedule its restart."""

@@ -10,6 +10,10 @@ synchronously: no feeder thread between a token and the server) as *lists* of ev
 * busy: drain ``inq`` without blocking, then ``engine.step()`` (one bounded unit), so a
   Cancel lands between two tokens and a new Submit joins at the next step.
 
+Before each unit of work (admitting, one ``step``) the loop stamps ``busy`` (shared
+memory, see ``Busy``), so the server can see a worker stuck inside one C call (a
+tokenizer, a decode) and restart it; it cannot interrupt the call itself.
+
 The worker exits on Shutdown, or by itself when its parent dies (``os.getppid()``
 changes), so a SIGKILLed server never leaves orphans. Any engine exception on a request
 becomes a ``Failed`` event; an exception outside a request ends the process (the
@@ -26,7 +30,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from llmproxy.backend.protocol import (
     Cancel,
@@ -58,6 +62,7 @@ def worker_main(
     inq: Queue[Inbound],
     conn: Connection,
     parent_pid: int,
+    busy: Busy,
 ) -> None:
     """Entry point of a worker process (must be importable: spawn pickles it by name)."""
     # The server handles SIGINT/SIGTERM and tells workers to stop; a terminal's Ctrl-C
@@ -70,7 +75,7 @@ def worker_main(
     settings = BackendSettings.from_worker(settings_data)
     code = 0
     try:
-        code = run_worker(index, settings, inq, outq, parent_pid)
+        code = run_worker(index, settings, inq, outq, parent_pid, busy)
     except ParentGone:
         code = 0
     except BaseException:
@@ -104,8 +109,22 @@ class Sender:
             raise ParentGone() from exc
 
 
+class Busy(Protocol):
+    """Shared memory the server reads (``multiprocessing.RawValue("d")``): the
+    ``time.monotonic()`` at which the worker began its current unit of work (admitting or
+    cancelling requests, one ``step``), 0.0 while it waits for work or loads the model.
+    The dispatcher's watchdog restarts a worker whose unit has run past ``step_timeout_s``."""
+
+    value: float
+
+
 def run_worker(
-    index: int, settings: BackendSettings, inq: Queue[Inbound], outq: Sender, parent_pid: int
+    index: int,
+    settings: BackendSettings,
+    inq: Queue[Inbound],
+    outq: Sender,
+    parent_pid: int,
+    busy: Busy,
 ) -> int:
     from llmproxy.backend.engines import create_engine
 
@@ -133,6 +152,7 @@ def run_worker(
             out: list[Event] = []
             msgs: list[Inbound] = []
             if engine.active() == 0:
+                busy.value = 0.0
                 try:
                     msgs.append(inq.get(timeout=IDLE_POLL_S))
                 except queue.Empty:
@@ -150,6 +170,7 @@ def run_worker(
                     msgs.append(inq.get_nowait())
                 except queue.Empty:
                     break
+            busy.value = time.monotonic()
             for msg in msgs:
                 if isinstance(msg, Shutdown):
                     # finish nothing new: cancel what is left (the server drained first)
@@ -161,9 +182,11 @@ def run_worker(
                 if isinstance(msg, Submit):
                     if sleeping:  # reload now, reporting it, rather than inside admit()
                         sleeping = False
+                        busy.value = 0.0  # a load is not a step: no step bound on it
                         outq.put([WorkerState("waking", progress=0.0, info=info)])
                         info = engine.load(lambda _p: None)
                         outq.put([WorkerState("ready", progress=1.0, info=info)])
+                        busy.value = time.monotonic()
                     out.extend(_guard(msg.request_id, engine.admit, msg))
                 elif isinstance(msg, Cancel):
                     out.extend(_guard(msg.request_id, engine.cancel, msg.request_id))
@@ -171,6 +194,7 @@ def run_worker(
                 outq.put(out)
                 out = []
             if engine.active() > 0:
+                busy.value = time.monotonic()
                 out.extend(engine.step())
                 if out:
                     outq.put(out)

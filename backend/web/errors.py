@@ -25,7 +25,9 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    429: "unavailable_error",
     500: "server_error",
     501: "not_supported_error",
     502: "server_error",
@@ -71,10 +73,14 @@ def failed_response(f: Failed) -> web.Response:
 class BadRequest(Exception):
     """A client error raised by request parsing; the middleware answers it with ``status``."""
 
-    def __init__(self, message: str, status: int = 400, type_: str | None = None) -> None:
+    def __init__(
+        self, message: str, status: int = 400, type_: str | None = None, close: bool = False
+    ) -> None:
+        """``close``: end the connection after the answer (a body that never arrived)."""
         super().__init__(message)
         self.status = status
         self.type = type_
+        self.close = close
 
 
 @web.middleware
@@ -82,9 +88,19 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
     try:
         return await handler(request)
     except BadRequest as exc:
-        return error_response(exc.status, str(exc), exc.type)
+        resp = error_response(exc.status, str(exc), exc.type)
+        if exc.close:  # answer, then close at once (not after aiohttp's lingering read)
+            resp.force_close()
+            await resp.prepare(request)
+            await resp.write_eof()
+            if request.transport is not None:
+                request.transport.close()
+        return resp
     except Unavailable as exc:
-        return error_response(503, str(exc), "unavailable_error")
+        resp = error_response(exc.status, str(exc), "unavailable_error")
+        if exc.retry_after_s:
+            resp.headers["Retry-After"] = str(exc.retry_after_s)
+        return resp
     except web.HTTPException as exc:
         if exc.status >= 400:
             msg = "File Not Found" if exc.status == 404 else exc.reason

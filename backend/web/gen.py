@@ -11,7 +11,9 @@ always ends after the worker finished with it. The slot stays ``is_processing`` 
 /slots until that ``Done`` arrives (the dispatcher owns that bookkeeping).
 
 SSE: ``sse_start`` prepares the stream, ``sse`` writes one ``data:`` event and
-``sse_error`` the in-stream error event used after the first token.
+``sse_error`` the in-stream error event used after the first token. Every write has a
+deadline (``write``: ``write_timeout_s``): a client that stops reading is dropped, so its
+unsent events and connection are not held for ever.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import structlog
 from aiohttp import web
 
 from llmproxy.backend.protocol import Done, Failed, Prompt, SamplingParams, Token
 from llmproxy.backend.runtime.slots import Request
-from llmproxy.backend.web.context import DISPATCHER
+from llmproxy.backend.web.context import DISPATCHER, SETTINGS
 from llmproxy.backend.web.errors import dumps, failed_body, failed_response
 
+log = structlog.get_logger("llmproxy.backend.web")
 STOP_TYPE = {"eos": "eos", "limit": "limit", "time": "limit", "word": "word", "cancelled": "none"}
 FINISH = {"eos": "stop", "word": "stop", "limit": "length", "time": "length", "cancelled": "stop"}
 
@@ -132,12 +136,32 @@ async def sse_start(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def sse(resp: web.StreamResponse, obj: Any) -> None:
-    await resp.write(f"data: {dumps(obj)}\n\n".encode())
+class SlowReader(ConnectionResetError):
+    """The client read nothing for ``write_timeout_s``: its connection was dropped."""
 
 
-async def sse_error(resp: web.StreamResponse, f: Failed) -> None:
-    await sse(resp, failed_body(f))
+async def write(request: web.Request, resp: web.StreamResponse, data: bytes | None) -> None:
+    """Write ``data`` to a stream (None: end it). A client that reads none of it for
+    ``write_timeout_s`` (the write waits while the socket's buffers are full) has its
+    connection closed and gets ``SlowReader``, which ends the handler like a client that
+    left (``Gen`` stops the generation)."""
+    timeout_s = request.app[SETTINGS].write_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            await (resp.write(data) if data is not None else resp.write_eof())
+    except TimeoutError:
+        log.warning("client_write_timeout", path=request.path, timeout_s=timeout_s)
+        if request.transport is not None:
+            request.transport.abort()
+        raise SlowReader(f"the client read nothing for {timeout_s:g} s") from None
+
+
+async def sse(request: web.Request, resp: web.StreamResponse, obj: Any) -> None:
+    await write(request, resp, f"data: {dumps(obj)}\n\n".encode())
+
+
+async def sse_error(request: web.Request, resp: web.StreamResponse, f: Failed) -> None:
+    await sse(request, resp, failed_body(f))
 
 
 async def collect(g: Gen) -> Failed | None:
@@ -162,21 +186,21 @@ async def stream_sse(
         if isinstance(ev, Failed):
             if resp is None:
                 return failed_response(ev)
-            await sse_error(resp, ev)
+            await sse_error(request, resp, ev)
             break
         if resp is None:
             resp = await sse_start(request)
             for frame in prelude:
-                await _write_frame(resp, frame)
+                await _write_frame(request, resp, frame)
         for frame in render(ev):
-            await _write_frame(resp, frame)
+            await _write_frame(request, resp, frame)
     assert resp is not None
-    await resp.write_eof()
+    await write(request, resp, None)
     return resp
 
 
-async def _write_frame(resp: web.StreamResponse, frame: Any) -> None:
+async def _write_frame(request: web.Request, resp: web.StreamResponse, frame: Any) -> None:
     if isinstance(frame, bytes):
-        await resp.write(frame)
+        await write(request, resp, frame)
     else:
-        await sse(resp, frame)
+        await sse(request, resp, frame)

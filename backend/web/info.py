@@ -3,7 +3,8 @@
 Shapes follow llama-server (what the proxy and editors poll), plus our own fields:
 per-worker state in /props and /slots, ``engine`` in /props. /health answers 200
 ``{"status": "ok"}`` only when every worker is ready, else a 503 error envelope with
-``status`` (``loading``/``error``), ``progress`` and ``workers``. All read-only.
+``status`` (``loading``/``error``), ``progress`` and ``workers`` (a worker stuck in one
+step says so in the message, and /slots in ``worker_message``). All read-only.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
+from llmproxy.backend.runtime.supervisor import STUCK
 from llmproxy.backend.web.context import DISPATCHER, SETTINGS, alias, model_path
 from llmproxy.backend.web.errors import error_response, json_response
 from llmproxy.backend.web.gen import gen_settings
@@ -29,6 +31,8 @@ async def health(request: web.Request) -> web.Response:
     status = "error" if any(w.state in ("error", "stopped") for w in workers) else "loading"
     progress = min(w.progress if not w.ready else 1.0 for w in workers)
     msg = "Loading model" if status == "loading" else "Model worker failed; restarting"
+    stuck = next((w.message for w in workers if w.message.startswith(STUCK)), "")
+    msg = f"{msg}: {stuck}" if stuck else msg
     return error_response(
         503,
         msg,
@@ -106,6 +110,7 @@ async def slots(request: web.Request) -> web.Response:
                 "worker": s.worker.index,
                 "worker_pid": s.worker.pid,
                 "worker_state": s.worker.state,
+                "worker_message": s.worker.message[-500:] if s.worker.state != "ready" else "",
             }
         )
     return json_response(out)

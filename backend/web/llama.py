@@ -28,6 +28,7 @@ from llmproxy.backend.protocol import Done, Failed, Prompt, SamplingParams, Toke
 from llmproxy.backend.web.context import DISPATCHER, SETTINGS, alias
 from llmproxy.backend.web.errors import BadRequest, failed_response, json_response
 from llmproxy.backend.web.gen import STOP_TYPE, Gen, collect, gen_settings, stream_sse, timings
+from llmproxy.backend.web.params import boolean, sampling_params
 from llmproxy.backend.web.requests import (
     check_model,
     id_slot,
@@ -36,7 +37,6 @@ from llmproxy.backend.web.requests import (
     read_body,
     read_completion,
     response_fields,
-    sampling_params,
 )
 
 
@@ -105,7 +105,7 @@ async def _run_llama(
     app = request.app
     params = sampling_params(body)
     slot = id_slot(body, app[DISPATCHER])
-    stream = bool(body.get("stream", False))
+    stream = boolean(body, "stream")
     count = n_cmpl(body, app[DISPATCHER])
     fields = response_fields(body)
     if count > 1:

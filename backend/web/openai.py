@@ -16,16 +16,16 @@ from typing import Any
 from aiohttp import web
 
 from llmproxy.backend.protocol import Done, Prompt, Token
-from llmproxy.backend.web.context import DISPATCHER, alias
+from llmproxy.backend.web.context import DISPATCHER, SETTINGS, alias
 from llmproxy.backend.web.errors import BadRequest, failed_response, json_response
 from llmproxy.backend.web.gen import FINISH, Gen, collect, stream_sse, timings
+from llmproxy.backend.web.params import boolean, sampling_params
 from llmproxy.backend.web.requests import (
     chat_prompt,
     check_model,
     id_slot,
     read_body,
     read_completion,
-    sampling_params,
 )
 
 
@@ -45,7 +45,7 @@ async def _run_openai(
     if body.get("n", 1) != 1:
         raise BadRequest("only n=1 is supported")
     slot = id_slot(body, app[DISPATCHER])
-    stream = bool(body.get("stream", False))
+    stream = boolean(body, "stream")
     cid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     model = body.get("model") or alias(app)
@@ -122,4 +122,5 @@ async def v1_completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_body(request)
     check_model(request, body)
-    return await _run_openai(request, body, chat_prompt(body), chat=True)
+    prompt = chat_prompt(body, request.app[SETTINGS].n_ctx)
+    return await _run_openai(request, body, prompt, chat=True)

@@ -1,29 +1,44 @@
-"""Request parsing for the web layer: JSON bodies into ``Prompt`` and ``SamplingParams``.
+"""Request parsing for the web layer: JSON bodies into ``Prompt`` (``SamplingParams`` are
+params.py's).
 
-Every function here raises ``BadRequest`` (answered as a 400/404 envelope by the
+Every function here raises ``BadRequest`` (answered as a 400/408 envelope by the
 middleware) on a malformed field; nothing here touches the dispatcher beyond reading
-its slot count.
+its slot count. ``read_body`` is the only one that waits (for the body, with a deadline).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import math
 from typing import Any
 
 from aiohttp import web
 
-from llmproxy.backend.protocol import Prompt, SamplingParams
+from llmproxy.backend.protocol import Prompt
 from llmproxy.backend.runtime.dispatch import Dispatcher
-from llmproxy.backend.web.context import model_names
+from llmproxy.backend.web.context import SETTINGS
 from llmproxy.backend.web.errors import BadRequest
+
+MAX_MODEL_CHARS = 256  # the name is echoed in every chunk of an OpenAI stream
 
 
 async def read_body(request: web.Request) -> dict[str, Any]:
+    """The JSON object of the body, read within ``body_read_timeout_s`` (else a 408 that
+    closes the connection). The bytes must be strict UTF-8: ``json.loads`` on bytes would
+    let surrogates through (it decodes with ``surrogatepass``), which no engine can take."""
+    timeout_s = request.app[SETTINGS].body_read_timeout_s
     try:
-        raw = await request.read()
-        body = json.loads(raw or b"{}")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise BadRequest(
+            f"the request body was not received within {timeout_s:g} s", 408, close=True
+        ) from None
+    try:
+        body = json.loads(raw.decode("utf-8") if raw else "{}")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the request body is not valid UTF-8: {exc.reason}") from None
+    except json.JSONDecodeError as exc:
         raise BadRequest(f"malformed JSON body: {exc}") from None
     except RecursionError:
         raise BadRequest("malformed JSON body: nested too deeply") from None
@@ -37,71 +52,6 @@ async def read_body(request: web.Request) -> dict[str, Any]:
                 "malformed JSON body: a \\u escape is an unpaired UTF-16 surrogate"
             ) from None
     return body
-
-
-def _finite(v: Any) -> bool:
-    """A JSON number the engines can take: not a bool, NaN, inf (Python's json reads NaN and
-    1e400) or an integer too large for a float (it reads 400 digits as an int)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    try:
-        return math.isfinite(v)
-    except OverflowError:
-        return False
-
-
-def _num(body: dict[str, Any], key: str, default: Any, kind: type) -> Any:
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if not _finite(v):
-        raise BadRequest(f"'{key}' must be a finite number")
-    return kind(v)
-
-
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (stop,)
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return tuple(s for s in stop if s)
-    raise BadRequest("'stop' must be a string or a list of strings")
-
-
-def sampling_params(body: dict[str, Any], openai: bool = False) -> SamplingParams:
-    d = SamplingParams()
-    n_predict = body.get("n_predict")
-    if openai:
-        n_predict = body.get("max_completion_tokens", body.get("max_tokens", n_predict))
-    if n_predict is None:
-        n_predict = -1
-    if isinstance(n_predict, bool) or not isinstance(n_predict, int):
-        raise BadRequest("'n_predict' / 'max_tokens' must be an integer")
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise BadRequest("'seed' must be an integer")
-    tmax = body.get("t_max_predict_ms")
-    if tmax is not None and not _finite(tmax):
-        raise BadRequest("'t_max_predict_ms' must be a finite number")
-    n_indent = body.get("n_indent")
-    if n_indent is None:
-        n_indent = 0
-    if isinstance(n_indent, bool) or not isinstance(n_indent, int):
-        raise BadRequest("'n_indent' must be an integer")
-    return SamplingParams(
-        n_predict=max(-1, n_predict),
-        temperature=_num(body, "temperature", d.temperature, float),
-        top_k=_num(body, "top_k", d.top_k, int),
-        top_p=_num(body, "top_p", d.top_p, float),
-        min_p=_num(body, "min_p", d.min_p, float),
-        seed=None if seed is None or seed < 0 else seed % 2**32,  # llama-server's seed is a uint32
-        stop=_stop(body),
-        t_max_predict_ms=int(tmax) if tmax else None,
-        n_indent=max(0, n_indent),
-        ignore_eos=bool(body.get("ignore_eos", False)),
-    )
 
 
 def response_fields(body: dict[str, Any]) -> tuple[str, ...]:
@@ -140,11 +90,11 @@ def n_cmpl(body: dict[str, Any], dispatcher: Dispatcher) -> int:
 
 
 def check_model(request: web.Request, body: dict[str, Any]) -> None:
+    """One model is loaded, so its name is not checked (llama-server's rule: clients such as
+    minuet-ai.nvim send ``"PLACEHOLDER"``); it must be a string of a sane length."""
     model = body.get("model")
-    if model is None or model == "":
-        return
-    if not isinstance(model, str) or model not in model_names(request.app):
-        raise BadRequest(f"model '{model}' not found", 404, "not_found_error")
+    if model is not None and (not isinstance(model, str) or len(model) > MAX_MODEL_CHARS):
+        raise BadRequest(f"'model' must be a string of at most {MAX_MODEL_CHARS} characters")
 
 
 def prompt_field(value: Any, key: str = "prompt") -> Prompt:
@@ -216,10 +166,19 @@ def _content_text(content: Any) -> str:
     raise BadRequest("message 'content' must be a string or a list of text parts")
 
 
-def chat_prompt(body: dict[str, Any]) -> Prompt:
+def chat_prompt(body: dict[str, Any], n_ctx: int) -> Prompt:
+    """The chat's messages; more messages than tokens of context cannot fit (each renders
+    to at least one token), so they are refused before the template renders them all."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list")
+    if len(messages) >= n_ctx:
+        raise BadRequest(
+            "the request exceeds the available context size: "
+            f"{len(messages)} messages, the context is {n_ctx} tokens",
+            400,
+            "exceed_context_size_error",
+        )
     msgs: list[tuple[str, str]] = []
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):

@@ -22,7 +22,7 @@ import pytest
 
 from llmproxy.backend.engines.stops import hold_back, indent_cut, split_held, time_up
 from llmproxy.backend.web.errors import BadRequest
-from llmproxy.backend.web.requests import sampling_params
+from llmproxy.backend.web.params import sampling_params
 
 # --- pure: the n_indent rule and the holding of undecided lines -------------------------
 

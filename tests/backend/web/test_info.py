@@ -29,3 +29,18 @@ def test_model_names_accepted(backend: Any) -> None:
             "/v1/completions", {"prompt": "x", "max_tokens": 1, "model": name}
         )
         assert status == 200, body
+
+
+def test_any_model_name_answers_as_llama_server(backend: Any) -> None:
+    """One model is loaded: the name is not checked (minuet-ai.nvim sends "PLACEHOLDER")
+    and is echoed back; /v1/models still lists the real one."""
+    status, body = backend.post(
+        "/v1/completions", {"prompt": "x", "max_tokens": 1, "model": "PLACEHOLDER"}
+    )
+    assert status == 200 and body["model"] == "PLACEHOLDER", body
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    status, body = backend.post("/v1/chat/completions", {**chat, "model": "PLACEHOLDER"})
+    assert status == 200 and body["model"] == "PLACEHOLDER", body
+    _, props = backend.get("/props")
+    _, models = backend.get("/v1/models")
+    assert [m["id"] for m in models["data"]] == [props["model_alias"]]

@@ -18,7 +18,6 @@ def test_bad_input(backend: Any) -> None:
     envelope(*backend.post("/completion", {"prompt": "x", "id_slot": 7}), 400)
     envelope(*backend.post("/nope", {}), 404)
     envelope(*backend.get("/nope"), 404)
-    envelope(*backend.post("/v1/completions", {"prompt": "x", "model": "no-such-model"}), 404)
     envelope(*backend.post("/v1/chat/completions", {"messages": "hi"}), 400)
     # beyond the context (n_ctx 2048): a long prompt, and n_predict past the end
     status, body = backend.post("/completion", {"prompt": "hello " * 3000, "n_predict": 4})
