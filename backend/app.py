@@ -20,6 +20,7 @@ from aiohttp import web
 from llmproxy.backend.model_path import resolve_model
 from llmproxy.backend.runtime.dispatch import Dispatcher
 from llmproxy.backend.settings import BackendSettings
+from llmproxy.backend.web.auth import key_middleware
 from llmproxy.backend.web.context import DISPATCHER, MODEL_PATH, SETTINGS
 from llmproxy.backend.web.errors import error_middleware
 from llmproxy.backend.web.info import health, models, props, slots
@@ -32,7 +33,10 @@ __all__ = ["DISPATCHER", "SETTINGS", "create_app"]
 
 def create_app(settings: BackendSettings) -> web.Application:
     """The backend app; workers start with the app (on startup) and stop on cleanup."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=16 * 1024 * 1024)
+    middlewares = [error_middleware]
+    if settings.api_key is not None:  # inside the error envelope's middleware
+        middlewares.append(key_middleware(settings.api_key.get_secret_value()))
+    app = web.Application(middlewares=middlewares, client_max_size=16 * 1024 * 1024)
     app[SETTINGS] = settings
     app[MODEL_PATH] = str(resolve_model(settings.model))
     dispatcher = Dispatcher(settings)

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from llmproxy.common.config import LayeredSettings
@@ -39,6 +39,11 @@ class BackendSettings(LayeredSettings):
         None,
         description="Write the bound port to this file once listening "
         "(cleared at start, removed at exit)",
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description="If set, every route but /health and /v1/models needs 'Authorization: "
+        "Bearer KEY' (llmproxy serve gives its embedded backend a random one per start)",
     )
     loop: LoopChoice = Field(
         "auto",
@@ -170,8 +175,9 @@ class BackendSettings(LayeredSettings):
         return max(1, (os.cpu_count() or 1) // len(self.slot_layout()))
 
     def to_worker(self) -> dict[str, Any]:
-        """A picklable form for the worker process (the class may be a TOML-bound subclass)."""
-        return self.model_dump()
+        """A picklable form for the worker process (the class may be a TOML-bound subclass);
+        the API key stays in the web process."""
+        return self.model_dump(exclude={"api_key"})
 
     @classmethod
     def from_worker(cls, data: dict[str, Any]) -> BackendSettings:

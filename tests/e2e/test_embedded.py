@@ -205,3 +205,41 @@ async def test_backend_death_stops_the_proxy_with_a_failure_status(tmp_path: Pat
     died = [e for e in events if e["event"].startswith("embedded backend exited unexpectedly")]
     assert len(died) == 1 and died[0]["exit_code"] == -signal.SIGKILL, died
     await wait_until(lambda: not any(alive(k) for k in kids), 20, what="workers gone")
+
+
+def _seen_by_ps(pid: int) -> tuple[list[bytes], list[bytes], int]:
+    """A process's argv and environment (from /proc), and the port its --port-file names."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    port_file = Path(argv[argv.index(b"--port-file") + 1].decode())
+    return argv, environ, int(port_file.read_text())
+
+
+async def test_the_embedded_backend_wants_its_per_start_key(tmp_path: Path) -> None:
+    """``--api-key`` cannot be walked around by calling the backend's loopback port: it
+    wants a random key the proxy gave it in its environment, not on its command line."""
+    proc, url = await start(tmp_path)
+    try:
+        backend = [k for k in descendants(proc.pid) if parent(k) == proc.pid]
+        assert len(backend) == 1, backend
+        argv, environ, port = _seen_by_ps(backend[0])
+        keys = [e.split(b"=", 1)[1] for e in environ if e.startswith(b"LLMPROXY_API_KEY=")]
+        assert len(keys) == 1 and len(keys[0]) >= 32
+        assert not any(keys[0] in arg for arg in argv)  # ps shows argv to every user
+        direct = f"http://127.0.0.1:{port}"
+        body = {"prompt": "x = 1", "n_predict": 2}
+        async with aiohttp.ClientSession() as http:
+            for method, path in (("GET", "/slots"), ("GET", "/props"), ("POST", "/completion")):
+                async with http.request(method, direct + path, json=body) as r:
+                    assert r.status == 401, path
+                async with http.request(
+                    method, direct + path, json=body, headers={"Authorization": "Bearer wrong"}
+                ) as r:
+                    assert r.status == 401, path
+                async with http.request(method, url + path, json=body) as r:
+                    assert r.status == 200, path  # the proxy sends the key
+            async with http.get(direct + "/health") as r:
+                assert r.status == 200  # public, as llama-server's
+    finally:
+        proc.terminate()
+        await proc.wait()
