@@ -13,6 +13,7 @@ _BENCHES = (
     "llmproxy.bench.soak.run",
     "llmproxy.bench.pool.run",
     "llmproxy.bench.tokenize",
+    "llmproxy.bench.match",
 )
 
 
