@@ -1,7 +1,8 @@
 """Prompts that would cost llama.cpp's tokenizer minutes (its special-token split grows
 with the square of the matches) are refused before they are tokenized, with llama-server's
-``exceed_context_size_error``; the slot serves the next request at once. Sized to run in seconds here: before the bounds the
-1.5 MB prompt held the slot for about 90 s (``llmproxy bench tokenize`` shows the growth)."""
+``exceed_context_size_error``; the slot serves the next request at once. Sized to run in
+seconds here: before the bounds the 1.5 MB prompt held the slot for about 90 s
+(``llmproxy bench tokenize`` shows the growth)."""
 
 from __future__ import annotations
 
