@@ -1,6 +1,6 @@
 """Configuration reference generated from the settings classes (nothing written by hand).
 
-- ``config_markdown()``: the README's reference tables for ``llmproxy serve``
+- ``config_markdown()``: docs/configuration.md's reference tables for ``llmproxy serve``
   (ProxySettings) and ``llmproxy backend`` (BackendSettings), placed between the
   ``BEGIN``/``END`` markers below;
 - ``sample_toml()``: a config file with every ``serve`` option commented out at its
@@ -108,12 +108,16 @@ def sample_toml() -> str:
     return "\n".join(lines)
 
 
-def splice(readme: str) -> str:
-    """``readme`` with the text between the markers replaced by the current reference."""
-    head, sep, rest = readme.partition(BEGIN)
+#: where the reference lives, from the repository root
+DOC = Path("docs") / "configuration.md"
+
+
+def splice(doc: str) -> str:
+    """``doc`` with the text between the markers replaced by the current reference."""
+    head, sep, rest = doc.partition(BEGIN)
     _old, sep2, tail = rest.partition(END)
     if not sep or not sep2:
-        raise ValueError("README.md lacks the config reference markers")
+        raise ValueError(f"{DOC} lacks the config reference markers")
     return head + config_markdown() + tail
 
 
@@ -123,7 +127,7 @@ def main(argv: list[str]) -> int:
         return 0
     root = Path.cwd()
     targets = {
-        root / "README.md": splice((root / "README.md").read_text()),
+        root / DOC: splice((root / DOC).read_text()),
         root / "examples" / "llmproxy.toml": sample_toml(),
     }
     stale = [p for p, text in targets.items() if not p.exists() or p.read_text() != text]
