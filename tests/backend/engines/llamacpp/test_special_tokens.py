@@ -38,4 +38,3 @@ def test_special_token_floods_refused_before_tokenizing(llama_backend: Any) -> N
     msg = exceeds(*b.post("/completion", {"prompt": "<|im_end|>" * 2100}, timeout=30))
     assert "special-token" in msg, msg
     assert b.post("/completion", {"prompt": "Hello", "n_predict": 2})[0] == 200
-
