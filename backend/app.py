@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from llmproxy.backend.model_path import resolve_model
 from llmproxy.backend.runtime.dispatch import Dispatcher
@@ -33,7 +34,7 @@ __all__ = ["DISPATCHER", "SETTINGS", "create_app"]
 
 def create_app(settings: BackendSettings) -> web.Application:
     """The backend app; workers start with the app (on startup) and stop on cleanup."""
-    middlewares = [error_middleware]
+    middlewares: list[Middleware] = [error_middleware]
     if settings.api_key is not None:  # inside the error envelope's middleware
         middlewares.append(key_middleware(settings.api_key.get_secret_value()))
     app = web.Application(middlewares=middlewares, client_max_size=16 * 1024 * 1024)
