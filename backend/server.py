@@ -1,6 +1,8 @@
 """Running the backend: the shared lifecycle (common/server.py) over the backend's app.
 
-With ``--no-sigint`` (``llmproxy serve``'s embedded backend) SIGINT is ignored.
+With ``--no-sigint`` (``llmproxy serve``'s embedded backend) SIGINT is ignored. Requests
+aiohttp's HTTP parser rejects are answered in llama-server's envelope too
+(``common/parse_errors.py``), as every other error.
 
 Shutdown order: stop listening; in-flight requests get ``shutdown_timeout_s`` to finish
 (aiohttp's graceful shutdown); handlers still running are then cancelled (each sends
@@ -11,10 +13,12 @@ and kills stragglers.
 from __future__ import annotations
 
 import structlog
+from aiohttp import web
 
 from llmproxy.backend.app import create_app
 from llmproxy.backend.settings import BackendSettings
-from llmproxy.common import loops
+from llmproxy.backend.web.errors import error_bytes
+from llmproxy.common import loops, parse_errors
 from llmproxy.common.config import describe
 from llmproxy.common.server import Listen, StopRequest
 from llmproxy.common.server import serve as run
@@ -39,7 +43,13 @@ async def serve(settings: BackendSettings, stop: StopRequest | None = None) -> i
         shutdown_timeout_s=settings.shutdown_timeout_s,
         sigint=settings.sigint,
     )
+
+    def on_ready(runner: web.AppRunner) -> None:
+        parse_errors.install(runner, error_bytes, structlog.get_logger("llmproxy.backend.web"))
+
     try:
-        return await run(create_app(settings), listen, stop, on_listening=on_listening)
+        return await run(
+            create_app(settings), listen, stop, on_ready=on_ready, on_listening=on_listening
+        )
     finally:
         log.info("backend_stopped")

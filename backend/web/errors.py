@@ -54,6 +54,11 @@ def error_body(code: int, message: str, type_: str | None = None) -> dict[str, A
     }
 
 
+def error_bytes(code: int, message: str) -> bytes:
+    """The envelope's body, encoded (for answers written outside a handler)."""
+    return dumps(error_body(code, message)).encode()
+
+
 def failed_body(f: Failed) -> dict[str, Any]:
     """The envelope for a failed generation (a generic worker type maps from its status)."""
     return error_body(f.status, f.message, f.type if f.type != "server_error" else None)
