@@ -59,5 +59,9 @@ def test_the_wheel_holds_every_module(tmp_path: Path) -> None:
     )
     (wheel,) = out.glob("llmproxy-*.whl")
     with zipfile.ZipFile(wheel) as whl:
-        packaged = {n for n in whl.namelist() if n.endswith(".py")}
+        names = set(whl.namelist())
+    packaged = {n for n in names if n.endswith(".py")}
     assert packaged == modules_on_disk()
+    page = ROOT / "proxy" / "http" / "page"
+    files = {f"llmproxy/proxy/http/page/{p.name}" for p in page.glob("*.*") if p.suffix != ".py"}
+    assert len(files) == 3 and files <= names  # the live page's files ship
