@@ -69,7 +69,10 @@ async def test_pool_status_and_startup_line_mask_credentials(tmp_path: Path) -> 
                 async with http.get(px.url + "/llmproxy/status") as r:
                     status = await r.text()
         assert PASSWORD not in status
-        async with serve(tmp_path, "--upstream", _with_creds(a.url)) as (proc, url):
+        async with serve(tmp_path, "--upstream", _with_creds(a.url), "--log-level", "debug") as (
+            proc,
+            url,
+        ):  # debug: the line with every setting
             proc.terminate()
             await asyncio.wait_for(proc.wait(), 10)
             assert proc.stderr is not None
