@@ -3,11 +3,14 @@
 Pure asyncio logic, no sockets (tested directly). Concurrency contract:
 
 - ``submit`` never blocks: it enqueues a ``Ticket`` (or grants a free permit at once),
-  supersedes an older queued ticket of the same session (its waiter gets ``Superseded`` and
-  the newcomer takes its queue position, as it takes the position a ticket of the session
-  that left the queue holds for ``hold_s``: waitlist.py), asks in-flight tickets of the
-  same session to stop (``Ticket.on_supersede``; the job decides by policy), and raises
-  ``QueueFull`` or ``ShuttingDown``.
+  supersedes the older queued tickets of the same session (their waiters get
+  ``Superseded`` and the newcomer takes the first one's queue position, as it takes the
+  position a ticket of the session that left the queue holds for ``hold_s``:
+  waitlist.py), asks in-flight tickets of the same session to stop
+  (``Ticket.on_supersede``; the job decides by policy), and raises ``QueueFull`` or
+  ``ShuttingDown``. A ticket whose ``twin`` key equals the newcomer's is its twin
+  (proxy/twins.py: the same body, at the same time) and is neither superseded nor
+  replaced: the newcomer queues (or is granted) beside it as any request.
 - ``Ticket.wait`` blocks until a permit (slot id) is granted. The waiter's task may be
   cancelled (client disconnect, queue timeout): it must then call ``abandon``, which removes
   a queued ticket or returns a permit that was granted but never taken.
@@ -50,6 +53,7 @@ from llmproxy.proxy.errors import SUPERSEDED, ProxyError, QueueFull, ShuttingDow
 from llmproxy.proxy.gating.slots import Slots
 from llmproxy.proxy.gating.ticket import Ticket as Ticket  # upstream/ imports it from here
 from llmproxy.proxy.gating.waitlist import WaitList
+from llmproxy.proxy.twins import twins
 
 
 class Gate:
@@ -135,6 +139,7 @@ class Gate:
         sizer: Callable[[int], int] | None = None,
         supersedes: bool | None = None,
         first: bool = False,
+        twin: str | None = None,
     ) -> Ticket:
         """Admit a new request (never blocks). Admission is decided first; only an admitted
         newcomer supersedes anything, so a 429 never costs the session its running request.
@@ -145,49 +150,52 @@ class Gate:
         module's contract). ``supersedes`` (default ``supersedable``): it supersedes the
         session's other requests here (a pool of upstreams did that already). ``first``: it
         waits at the head of the queue, not its tail (a keystroke that waited on its
-        session's generation already, type-through); the queue's bound does not refuse it."""
+        session's generation already, type-through); the queue's bound does not refuse it.
+        ``twin``: its body's twin key (proxy/twins.py); the session's tickets with the same
+        key are its twins, which it leaves alone."""
         if not 1 <= permits <= self.total:
             raise ValueError(f"permits must be 1..{self.total}, got {permits}")
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
-        placed, replaced = self._queue.place_of(session) if supersedable else (False, None)
+        placed, replaced = self._queue.place_of(session, twin) if supersedable else (False, None)
         grant_now = replaced is None and self.free >= permits and not self._queue
         if replaced is None and not grant_now and not first and len(self._queue) >= self.max_queue:
             retry = {"Retry-After": str(self.retry_after_s)}
             raise QueueFull(f"queue full ({self.max_queue} waiting)", headers=retry)
         future = asyncio.get_running_loop().create_future()
-        ticket = Ticket(next(self._ids), session, supersedable, route, future, permits, sizer)
+        ticket = Ticket(next(self._ids), session, supersedable, route, future, permits, sizer, twin)
         self._idle.clear()
         if supersedable if supersedes is None else supersedes:
-            self.supersede_inflight(session)
+            self.supersede_inflight(session, twin)
         if grant_now and not self._waits_for_its_slot(ticket):
             if placed:
                 self._queue.drop_hold(session)
             self._grant(ticket)
         elif placed:
-            self._queue.take_place(session, ticket)  # the old one's position (or its hold's)
-            if replaced is not None:
-                replaced.end(Superseded(SUPERSEDED))
-            self._grant_waiters()  # the newcomer may need fewer permits than the one it replaced
+            rivals = self._queue.rivals(session, twin)  # all superseded
+            self._queue.take_place(session, ticket, twin)  # the first one's place (or a hold's)
+            for rival in rivals:
+                if rival is not replaced:
+                    self._queue.discard(rival)
+                rival.end(Superseded(SUPERSEDED))
+            self._grant_waiters()  # the newcomer may need fewer permits than those it replaced
         elif first:
             self._queue.push_front(ticket)
         else:
             self._queue.append(ticket)
         return ticket
 
-    def supersede_queued(self, session: str) -> None:
-        """End the session's supersedable ticket waiting here (a pool placed a newer one of
-        the session elsewhere)."""
-        _, queued = self._queue.place_of(session)
-        if queued is not None:
-            self._queue.discard(queued)
-            queued.end(Superseded(SUPERSEDED))
+    def supersede_queued(self, session: str, twin: str | None = None) -> None:
+        """End the session's supersedable tickets waiting here that are not twins of a
+        newcomer with key ``twin`` (a pool placed it elsewhere)."""
+        if self._end_rivals(session, twin):
             self._advance()
 
-    def supersede_inflight(self, session: str) -> None:
-        """Ask the session's supersedable requests holding permits here to stop."""
+    def supersede_inflight(self, session: str, twin: str | None = None) -> None:
+        """Ask the session's supersedable requests holding permits here to stop, but for
+        twins of a newcomer with key ``twin``."""
         for old in list(self._inflight.values()):
-            if old.supersedable and old.session == session:
+            if old.supersedable and old.session == session and not twins(old.twin, twin):
                 if old.state == "granted":
                     old.superseded = True  # take() refuses it: it never reaches upstream
                 elif old.on_supersede is not None:
@@ -301,6 +309,15 @@ class Gate:
                 return  # strict FIFO: nobody overtakes the head
             self._queue.discard(ticket)
             self._grant(ticket)
+
+    def _end_rivals(self, session: str, twin: str | None) -> bool:
+        """End the session's queued tickets that a newcomer with key ``twin`` supersedes
+        (their places go with them); whether there were any."""
+        rivals = self._queue.rivals(session, twin)
+        for rival in rivals:
+            self._queue.discard(rival)
+            rival.end(Superseded(SUPERSEDED))
+        return bool(rivals)
 
     def _waits_for_its_slot(self, ticket: Ticket) -> bool:
         return self._slots.waits_for_affinity(

@@ -8,6 +8,10 @@ queue without a grant (its client left, or its wait timed out) leaves a *hold* a
 position for its session, for ``hold_s``: the session's next supersedable request takes the
 hold's position instead of the tail, as it would take the place of a request still queued.
 
+Twins (proxy/twins.py: the session's requests with equal bodies) never take each other's
+places: ``place_of`` and ``take_place`` pass over a waiter that is the newcomer's twin, and
+``rivals`` lists the session's waiters that are not, all of which a newcomer supersedes.
+
 A hold is not a waiter: it is never granted, never counted in ``len``, never blocks the
 waiters behind it and never keeps its owner quiescent-busy. Holds expire after ``hold_s``
 and there are at most ``max_holds`` (the oldest goes first), so the list stays bounded.
@@ -22,10 +26,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from llmproxy.proxy.twins import twins
+
 
 class Waiter(Protocol):
     session: str
     supersedable: bool
+    twin: str | None
 
 
 W = TypeVar("W", bound=Waiter)
@@ -91,31 +98,32 @@ class WaitList(Generic[W]):
         self._items.insert(0, waiter)
         self._waiters += 1
 
-    def place_of(self, session: str) -> tuple[bool, W | None]:
-        """Whether ``session`` has a place here (a supersedable waiter, also one whose waiter
-        is leaving, or a live hold), and that waiter if it is one."""
+    def place_of(self, session: str, twin: str | None = None) -> tuple[bool, W | None]:
+        """Whether ``session`` has a place here for a newcomer with twin key ``twin`` (a
+        supersedable waiter that is not its twin, also one whose waiter is leaving, or a
+        live hold), and that waiter if it is one."""
         self._expire()
         for w in self._items:
-            if isinstance(w, _Hold):
-                if w.session == session:
-                    return True, None
-            elif w.supersedable and w.session == session:
-                return True, w
+            if _place_for(w, session, twin):
+                return True, None if isinstance(w, _Hold) else w
         return False, None
 
-    def take_place(self, session: str, newcomer: W) -> W | None:
+    def take_place(self, session: str, newcomer: W, twin: str | None = None) -> W | None:
         """Put ``newcomer`` at ``session``'s place (see ``place_of``, which must have found
         one); returns the waiter it replaces, if it was one (a hold is just gone)."""
         for i, w in enumerate(self._items):
-            if isinstance(w, _Hold):
-                if w.session == session:
-                    self._items[i] = newcomer
+            if _place_for(w, session, twin):
+                self._items[i] = newcomer
+                if isinstance(w, _Hold):
                     self._waiters += 1
                     return None
-            elif w.supersedable and w.session == session:
-                self._items[i] = newcomer
                 return w
         raise LookupError(session)
+
+    def rivals(self, session: str, twin: str | None = None) -> list[W]:
+        """The session's supersedable waiters that are not twins of a newcomer with key
+        ``twin``: those it supersedes."""
+        return [w for w in self._items if not isinstance(w, _Hold) and _place_for(w, session, twin)]
 
     def drop_hold(self, session: str) -> None:
         """The session got a grant without queueing: its hold is no longer needed."""
@@ -158,6 +166,13 @@ class WaitList(Generic[W]):
             return
         now = self._clock()
         self._items = [w for w in self._items if not isinstance(w, _Hold) or w.until > now]
+
+
+def _place_for(item: Waiter | _Hold, session: str, twin: str | None) -> bool:
+    """Is ``item`` a place of ``session`` a newcomer with key ``twin`` may take?"""
+    if isinstance(item, _Hold):
+        return item.session == session
+    return item.supersedable and item.session == session and not twins(item.twin, twin)
 
 
 def _held_for(item: object, session: str) -> bool:

@@ -33,6 +33,7 @@ class Entry:
     exclude: Member | None
     future: asyncio.Future[Placement]
     prompt_chars: int = 0
+    twin: str | None = None  # its body's twin key (proxy/twins.py)
     created: float = field(default_factory=time.monotonic)
     placement: Placement | None = None
 

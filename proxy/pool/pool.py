@@ -4,9 +4,12 @@ Concurrency contract (the Gate's, gating/gate.py, with the upstream chosen at th
 
 - ``submit`` never blocks. It admits a request (``QueueFull``, ``ShuttingDown``;
   ``UpstreamUnavailable`` when no upstream is in rotation, so a dead pool fails fast;
-  ``BadRequest`` when it fits no upstream), supersedes the session's queued request (the
-  newcomer takes its place, or the place its last one left: gating/waitlist.py) and asks
-  the session's requests in flight on every upstream to stop, then queues an ``Entry``.
+  ``BadRequest`` when it fits no upstream), supersedes the session's queued requests (the
+  newcomer takes the first one's place, or the place its last one left:
+  gating/waitlist.py) and asks the session's requests in flight on every upstream to
+  stop, then queues an ``Entry``. Twins (proxy/twins.py: the session's requests whose body
+  equals the newcomer's) are left alone, here and on every upstream's gate, as by the
+  gate itself.
 - ``advance`` (on every submit, and whenever an upstream's gate gives permits back, a
   health probe changes, or a routing wait ends) hands the queue's head to the upstream the
   router picks (router.py): it submits the request to that upstream's gate, which grants
@@ -44,6 +47,7 @@ from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.prefix import block_hashes, prompt_text
 from llmproxy.proxy.pool.router import Choice, Request, Router, Wait
 from llmproxy.proxy.settings import ProxySettings
+from llmproxy.proxy.twins import twin_key
 
 #: permits a request needs on an upstream (BadRequest: it cannot run there)
 Sizing = Callable[[Member, int], int]
@@ -121,7 +125,8 @@ class Pool:
 
         if all(permits(m) is None for m in members) and first_error is not None:
             raise first_error
-        placed, replaced = self.queue.place_of(session) if supersedable else (False, None)
+        twin = twin_key(route, parsed) if supersedable else None
+        placed, replaced = self.queue.place_of(session, twin) if supersedable else (False, None)
         if replaced is None and exclude is None and not first and len(self.queue) >= self.max_queue:
             if self.queue or not any(m.has_room(permits(m) or 1) for m in members):
                 raise QueueFull(
@@ -139,16 +144,20 @@ class Pool:
             exclude,
             asyncio.get_running_loop().create_future(),
             prompt_chars=len(text),
+            twin=twin,
         )
         self._idle.clear()
         if supersedable:
             for m in self.members:
-                m.gate.supersede_queued(session)
-                m.gate.supersede_inflight(session)
-        if placed:  # the old one's position (or its hold's: see gating/waitlist.py)
-            self.queue.take_place(session, entry)
-            if replaced is not None:
-                replaced.end(Superseded(SUPERSEDED))
+                m.gate.supersede_queued(session, twin)
+                m.gate.supersede_inflight(session, twin)
+        if placed:  # the first rival's position (or its hold's: see gating/waitlist.py)
+            rivals = self.queue.rivals(session, twin)  # all superseded
+            self.queue.take_place(session, entry, twin)
+            for rival in rivals:
+                if rival is not replaced:
+                    self.queue.discard(rival)
+                rival.end(Superseded(SUPERSEDED))
         elif exclude is not None or first:
             self.queue.push_front(entry)
         else:
@@ -238,6 +247,7 @@ class Pool:
                 permits=permits,
                 sizer=entry.sizer(m),
                 supersedes=False,
+                twin=entry.twin,
             )
         except ProxyError as exc:
             entry.end(exc)

@@ -88,6 +88,8 @@ class Generation:
         self.error: ProxyError | None = None  # the upstream failed, or the generation was cut
         self.ended_at: float | None = None
         self.readers = 0  # followers joined so far: the turn of the newest
+        # twin keys of the requests that followed it or waited on it (registry.py)
+        self.followers: set[str] = set()
         self.reused_tokens = 0
         self._pending = b""
         self._changed = asyncio.Event()

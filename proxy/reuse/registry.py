@@ -5,6 +5,12 @@ the session's previous one); ``Generations.follow`` decides whether a new reques
 session continues it and, when the user typed ahead of the model, waits until its text
 confirms or contradicts what was typed.
 
+Twins (proxy/twins.py: the session's requests with equal bodies at the same time) are one
+keystroke: a twin's arrival makes none of its siblings stale. A generation answers no twin
+of a request it answers (or that waits on it): they asked for different samples, so the
+twin goes through the gate for its own. A twin of the generation's own request never
+continues it anyway (it typed nothing).
+
 Concurrency contract: event loop thread only. ``follow`` blocks only while the user typed
 ahead of the model, until the next piece of text or the generation's end; its caller
 cancels it when its client leaves. Nothing here starts a task or holds a permit.
@@ -23,6 +29,7 @@ from typing import Any
 from llmproxy.proxy.errors import SUPERSEDED, Superseded
 from llmproxy.proxy.reuse.generation import Generation
 from llmproxy.proxy.reuse.match import eligible, typed
+from llmproxy.proxy.twins import twin_key, twins
 from llmproxy.proxy.upstream.assemble import OAI_ROUTES
 
 
@@ -55,7 +62,8 @@ class Generations:
         self._latest: OrderedDict[str, Generation] = OrderedDict()
         # each session's newest request, by arrival number (as many sessions, least recent out)
         self._arrivals = itertools.count(1)
-        self._newest: OrderedDict[str, int] = OrderedDict()
+        # each session's newest keystroke: (arrival of its first twin, twin key)
+        self._newest: OrderedDict[str, tuple[int, str | None]] = OrderedDict()
 
     def start(
         self,
@@ -120,11 +128,16 @@ class Generations:
         ``Superseded`` instead when a newer request of the session arrived while this one
         waited: this one is stale, and going through the gate after the newer one would
         supersede it."""
-        arrival = self._arrive(session)
+        key = twin_key(route, body)
+        arrival = self._arrive(session, key)
         generation = self.latest(session)
         if generation is None or generation.route != route or generation.error is not None:
             return None
+        if key is not None and key in generation.followers:
+            return None  # its twin reads this generation: it gets a sample of its own
         options = typed(route, generation.body, body)
+        if options and key is not None:
+            generation.followers.add(key)
         kept = False  # this request keeps the generation running while it waits
         try:
             while (d := _written(generation.text, options)) is None:
@@ -151,17 +164,23 @@ class Generations:
             if kept:
                 generation.leave()
 
-    def _arrive(self, session: str) -> int:
+    def _arrive(self, session: str, key: str | None) -> int:
+        """Number a request of ``session`` whose twin key is ``key``; a twin of the
+        session's newest keystroke joins it (the keystroke keeps its first arrival)."""
         arrival = next(self._arrivals)
-        self._newest.pop(session, None)
-        self._newest[session] = arrival
+        newest = self._newest.pop(session, None)
+        if newest is None or not twins(newest[1], key):
+            newest = (arrival, key)
+        self._newest[session] = newest
         while len(self._newest) > self.max_sessions:
             self._newest.popitem(last=False)
         return arrival
 
     def stale(self, session: str, arrival: int) -> bool:
-        """Has a newer request of ``session`` arrived since the one numbered ``arrival``?"""
-        return self._newest.get(session, arrival) > arrival
+        """Has a newer keystroke of ``session`` (a request that is not a twin of the one
+        numbered ``arrival``) arrived since that one?"""
+        first, _ = self._newest.get(session, (arrival, None))
+        return first > arrival
 
     def _raise_if_stale(self, session: str, arrival: int) -> None:
         """Not a continuation: the request goes through the gate, unless it is stale."""

@@ -12,6 +12,7 @@ from tests.helpers.clock import Clock
 class W:
     session: str
     supersedable: bool = True
+    twin: str | None = None
 
 
 def test_a_departed_waiters_place_goes_to_its_sessions_next_one() -> None:

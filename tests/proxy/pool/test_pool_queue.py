@@ -70,13 +70,38 @@ async def test_strict_fifo_a_wide_head_holds_up_the_queue(session: aiohttp.Clien
 async def test_a_newer_request_takes_its_sessions_place(session: aiohttp.ClientSession) -> None:
     pool, (a,) = make_pool(session, [1])
     first = await pool.acquire(submit(pool, "other"), 1)
-    old = submit(pool, "editor")
-    new = submit(pool, "editor")
+    old = submit(pool, "editor", "def f")
+    new = submit(pool, "editor", "def fo")  # the next keystroke (an equal body is a twin)
     assert list(pool.queue) == [new]
     with pytest.raises(Superseded):
         await pool.acquire(old, 1)
     a.gate.release(first.ticket)
     assert (await pool.acquire(new, 1)).member is a
+
+
+async def test_twins_keep_their_places_until_a_newer_request(
+    session: aiohttp.ClientSession,
+) -> None:
+    """Equal bodies of one session (minuet's n_completions): all queued, none superseded,
+    placed on the upstreams as any requests; the next keystroke supersedes them all, in the
+    pool's queue and on the upstreams' gates, and takes the first one's place."""
+    pool, (a, b) = make_pool(session, [1, 1], route="round-robin")
+    running = [submit(pool, "minuet", "def f") for _ in range(2)]
+    placed = [await pool.acquire(e, 1) for e in running]
+    assert {p.member.name for p in placed} == {"u0", "u1"}  # a permit each
+    other = submit(pool, "other")
+    queued = [submit(pool, "minuet", "def f") for _ in range(2)]
+    assert list(pool.queue) == [other, *queued]
+    asked: list[str] = []
+    for p in placed:
+        p.member.gate.take(p.ticket, on_supersede=lambda m=p.member.name: asked.append(m))
+    assert asked == []
+    new = submit(pool, "minuet", "def fo")
+    assert sorted(asked) == ["u0", "u1"]  # both running twins asked to stop
+    assert list(pool.queue) == [other, new]
+    for e in queued:
+        with pytest.raises(Superseded):
+            await pool.acquire(e, 1)
 
 
 async def test_admission_refusals(session: aiohttp.ClientSession) -> None:
