@@ -23,8 +23,9 @@ from llmproxy.proxy.pool.specs import (
     split_urls,
     upstream_specs,
 )
+from llmproxy.proxy.routes import KEYSTROKE_ROUTES
 
-COMPLETION_ROUTES = ("/infill", "/completion", "/v1/completions", "/completions", "/api/generate")
+COMPLETION_ROUTES = KEYSTROKE_ROUTES
 SESSION_PARTS = ("peer", "user_agent", "authorization", "route_family", "model")
 
 Policy = Literal["auto", "cancel", "finish"]

@@ -13,8 +13,11 @@ import json
 import os
 from typing import Any
 
-TEXT_ROUTES = frozenset({"/completion", "/completions", "/v1/completions", "/api/generate"})
-CHAT_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions", "/api/chat", "/v1/messages"})
+from llmproxy.proxy.routes import paths
+
+TEXT_ROUTES = paths(prompt="text")
+CHAT_ROUTES = paths(prompt="chat")
+INFILL_ROUTES = paths(prompt="infill")
 
 
 def _text(value: Any) -> str:
@@ -33,7 +36,7 @@ def prompt_text(path: str, body: dict[str, Any]) -> str | None:
     ``/infill``: each ``input_extra`` chunk's ``filename`` and ``text`` in order, then
     ``input_prefix``, ``prompt`` and ``input_suffix``; the text routes: ``prompt``; the chat
     routes: ``messages`` as sorted-key JSON ("" when absent)."""
-    if path == "/infill":
+    if path in INFILL_ROUTES:
         extra = body.get("input_extra")
         chunks = [c for c in extra if isinstance(c, dict)] if isinstance(extra, list) else []
         head = "".join(_text(c.get("filename")) + _text(c.get("text")) for c in chunks)

@@ -1,4 +1,5 @@
-"""Which routes are gated, their family (for session keys) and their stream format.
+"""Which routes are gated, their family (for session keys) and their stream format: the
+sets the gate uses, read from the one route table (proxy/routes.py).
 
 ``GATED_ROUTES`` are gated on every upstream; ``LLAMACPP_GATED_ROUTES`` too on a llama-server
 (``Adapter.gated_routes``): its own routes that run on its slots. Embeddings and reranking
@@ -7,55 +8,16 @@ run one task per input (document) on any idle slots and cannot be pinned; ``/v1/
 
 from __future__ import annotations
 
-GATED_ROUTES = frozenset(
-    {
-        "/infill",
-        "/completion",
-        "/completions",
-        "/v1/completions",
-        "/chat/completions",
-        "/v1/chat/completions",
-        "/v1/embeddings",
-        "/api/generate",
-        "/api/chat",
-    }
-)
+from llmproxy.proxy.routes import ROUTES, paths
 
-EMBEDDING_ROUTES = frozenset({"/v1/embeddings", "/embedding", "/embeddings"})
-RERANK_ROUTES = frozenset({"/rerank", "/reranking", "/v1/rerank", "/v1/reranking"})
-LLAMACPP_GATED_ROUTES = frozenset({"/embedding", "/embeddings", "/v1/messages"}) | RERANK_ROUTES
-
-_FAMILY = {
-    "/infill": "infill",
-    "/completion": "completion",
-    "/completions": "completion",
-    "/v1/completions": "completion",
-    "/api/generate": "completion",
-    "/chat/completions": "chat",
-    "/v1/chat/completions": "chat",
-    "/api/chat": "chat",
-    "/v1/embeddings": "embeddings",
-    "/embedding": "embeddings",
-    "/embeddings": "embeddings",
-    "/v1/messages": "chat",
-    **{route: "rerank" for route in RERANK_ROUTES},
-}
-
+GATED_ROUTES = paths(gated="all")
+LLAMACPP_GATED_ROUTES = paths(gated="llamacpp")
+EMBEDDING_ROUTES = paths(family="embeddings")
+RERANK_ROUTES = paths(family="rerank")
 # Routes whose request body may carry llama-server's id_slot (the llamacpp adapter injects it).
 # llama-server answers /api/chat (Ollama style) and /v1/messages (Anthropic style) with its
 # chat-completions handler.
-SLOT_ROUTES = frozenset(
-    {
-        "/infill",
-        "/completion",
-        "/completions",
-        "/v1/completions",
-        "/chat/completions",
-        "/v1/chat/completions",
-        "/api/chat",
-        "/v1/messages",
-    }
-)
+SLOT_ROUTES = paths(slot=True)
 
 
 def is_gated(method: str, path: str) -> bool:
@@ -64,7 +26,8 @@ def is_gated(method: str, path: str) -> bool:
 
 
 def family(path: str) -> str:
-    return _FAMILY.get(path, "other")
+    route = ROUTES.get(path)
+    return "other" if route is None else route.family
 
 
 def is_safe_path(raw_path: str) -> bool:

@@ -18,6 +18,8 @@ import json
 from collections import OrderedDict
 from typing import Any
 
+from llmproxy.proxy.routes import ROUTES
+
 BLOCK_CHARS = 64
 MAX_BLOCKS = 8192  # per prompt: longer prompts count their first MAX_BLOCKS blocks
 
@@ -28,7 +30,8 @@ def prompt_text(route: str, body: Any) -> str:
     a chat's messages (serialized); "" for anything else."""
     if not isinstance(body, dict):
         return ""
-    if route == "/infill":
+    shape = ROUTES.get(route)
+    if shape is not None and shape.prompt == "infill":
         extra = body.get("input_extra")
         parts = []
         if isinstance(extra, list):

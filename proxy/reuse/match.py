@@ -29,15 +29,18 @@ from __future__ import annotations
 
 from typing import Any
 
-ROUTES = frozenset({"/infill", "/completion", "/completions", "/v1/completions"})
+from llmproxy.proxy.routes import ROUTES as ROUTES_TABLE
+from llmproxy.proxy.routes import paths
 
-# The fields that carry the text at the cursor, per route; every other field must be equal.
-_TEXT_FIELDS = {
-    "/infill": frozenset({"input_prefix", "prompt", "input_extra"}),
-    "/completion": frozenset({"prompt"}),
-    "/completions": frozenset({"prompt"}),
-    "/v1/completions": frozenset({"prompt"}),
+ROUTES = paths(assembled=True)
+
+# The fields that carry the text at the cursor, by where the route's prompt is; every other
+# field must be equal.
+_CURSOR_FIELDS = {
+    "infill": frozenset({"input_prefix", "prompt", "input_extra"}),
+    "text": frozenset({"prompt"}),
 }
+_TEXT_FIELDS = {path: _CURSOR_FIELDS[str(ROUTES_TABLE[path].prompt)] for path in ROUTES}
 
 
 def _positive(body: dict[str, Any], key: str) -> bool:
@@ -140,7 +143,7 @@ def typed(route: str, old: Any, new: Any) -> tuple[str, ...]:
     keys = (old.keys() | new.keys()) - text_fields
     if any(old.get(k) != new.get(k) for k in keys):
         return ()
-    if route == "/infill":
+    if ROUTES_TABLE[route].prompt == "infill":
         before_old = old.get("input_prefix", "") + old.get("prompt", "")
         before_new = new.get("input_prefix", "") + new.get("prompt", "")
         grown = len(before_new) - len(before_old)

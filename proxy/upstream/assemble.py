@@ -33,9 +33,10 @@ import json
 from typing import Any
 
 from llmproxy.proxy.errors import UpstreamFailed
+from llmproxy.proxy.routes import paths
 
-NATIVE_ROUTES = frozenset({"/completion", "/completions", "/infill"})
-OAI_ROUTES = frozenset({"/v1/completions"})
+NATIVE_ROUTES = paths(assembled=True, answer="native")
+OAI_ROUTES = paths(assembled=True, answer="oai")
 ROUTES = NATIVE_ROUTES | OAI_ROUTES
 CONTENT_TYPE = "application/json; charset=utf-8"  # llama-server's for a JSON body
 
