@@ -23,7 +23,15 @@ from aiohttp import web
 
 from llmproxy.bench.fake.prompts import add_timings, common_prefix, prompt_text
 from llmproxy.bench.fake.script import Kind, Received, Script
-from llmproxy.bench.fake.shapes import Shape, dumps, error_body, indexed, json_response, token_count
+from llmproxy.bench.fake.shapes import (
+    Shape,
+    dumps,
+    error_body,
+    indexed,
+    json_response,
+    pick_fields,
+    token_count,
+)
 
 if TYPE_CHECKING:
     from llmproxy.bench.fake.upstream import FakeUpstream
@@ -150,11 +158,14 @@ class Generation:
 
     def _timed(self, obj: Any) -> Any:
         """``obj`` (closing pieces or a whole body) with llama-server's prompt ``timings``
-        when the model is on and the fake imitates llama-server."""
+        when the model is on and the fake imitates llama-server, then, on its native routes,
+        only the request's ``response_fields`` (as llama-server filters its final object)."""
         if self.prompt is not None and self.up.kind == "llamacpp":
             add_timings(
                 self.shape.fmt, obj, self.rec.prompt_chars_evaluated, self.rec.prompt_chars_cached
             )
+        if self.up.kind == "llamacpp" and self.shape.fmt == "llama":
+            return pick_fields(obj, self.body.get("response_fields"))
         return obj
 
     async def _respond(

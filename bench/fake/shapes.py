@@ -209,6 +209,30 @@ class Shape:
         return merged
 
 
+def pick_fields(obj: Any, fields: Any) -> Any:
+    """llama-server's ``response_fields`` on a native final object (a whole body, or the
+    closing stream piece): only the named fields, nested ones by ``a/b`` path under that flat
+    key, absent ones left out. ``obj`` may be a list of such objects (each filtered; strings
+    such as ``[DONE]`` kept); a ``fields`` that is not a non-empty list of strings changes
+    nothing."""
+    if not (isinstance(fields, list) and fields and all(isinstance(f, str) for f in fields)):
+        return obj
+    if isinstance(obj, list):
+        return [pick_fields(o, fields) for o in obj]
+    if not isinstance(obj, dict):
+        return obj
+    out: dict[str, Any] = {}
+    for path in fields:
+        value: Any = obj
+        for part in path.split("/"):
+            if not isinstance(value, dict) or part not in value:
+                break
+            value = value[part]
+        else:
+            out[path] = value
+    return out
+
+
 def indexed(obj: Any, j: int) -> Any:
     """Completion ``j``'s copy of a piece: its ``index`` (OpenAI: its choice's) set to ``j``."""
     if isinstance(obj, dict):

@@ -5,8 +5,8 @@ the typed text ends in is cut, see ``Generation.stream_from``), then each new on
 arrives, and ends when the generation ends; a generation cut short ends it with an error
 event in the stream's own format. A non-streaming request waits for the generation's end
 and gets the body the upstream's final event gives (``Assembler``) with the typed text
-taken off the front of ``content`` (``choices[0].text`` on ``/v1/completions``), written
-compactly as the upstream writes it.
+taken off the front of ``content`` (``choices[0].text`` on ``/v1/completions``; none where
+``response_fields`` left it out), written compactly as the upstream writes it.
 
 A later keystroke that joins the generation supersedes this request, as a newer request of
 the session does (``Generation`` turns): nothing written yet, it is answered ``Superseded``
@@ -56,10 +56,12 @@ def whole(generation: Generation, skip: int) -> tuple[int, bytes]:
     if status != 200:
         return status, payload
     obj: Any = json.loads(payload)
-    if generation.oai:
-        obj["choices"][0]["text"] = obj["choices"][0]["text"][skip:]
-    else:
-        obj["content"] = obj["content"][skip:]
+    # the typed text off the front of the text, where the body has one (a client's
+    # ``response_fields`` may leave ``content`` out, as llama-server then does)
+    target = obj["choices"][0] if generation.oai else obj
+    key = "text" if generation.oai else "content"
+    if isinstance(target.get(key), str):
+        target[key] = target[key][skip:]
     return status, json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 

@@ -99,6 +99,27 @@ class Generation:
         """Ended complete: every reader can be given its whole answer."""
         return self.done and self.error is None
 
+    @property
+    def said_all(self) -> bool:
+        """Ended complete and by itself (end of text, a stop word): its final event says so.
+        False when it stopped at its token limit, or its final event does not tell (its
+        ``response_fields`` left the reason out): a new request may write more."""
+        if not self.ok:
+            return False
+        for event in reversed(self.events):
+            obj = event.obj
+            if obj is None:
+                continue
+            if self.oai:
+                choices = obj.get("choices")
+                if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+                    reason = choices[0].get("finish_reason")
+                    if reason is not None:
+                        return bool(reason == "stop")
+            elif obj.get("stop") is not False:  # the final event
+                return obj.get("stop_type") in ("eos", "word")
+        return False
+
     def feed(self, data: bytes) -> None:
         """Bytes of the upstream's event stream, as they arrive."""
         blocks = (self._pending + data).split(b"\n\n")

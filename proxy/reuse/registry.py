@@ -124,7 +124,9 @@ class Generations:
         generation: the user typed ``d`` and the generation wrote ``d``. While it has written
         less than ``d`` (typing ahead), keeps it running and waits for more. Otherwise the
         caller goes through the gate, superseding it: None, or ``Waited`` (the queue's head)
-        once it waited and the generation wrote something else or ended short. Raises
+        once it waited and the generation wrote something else or ended short. A generation
+        that ended answers only while it has something left to say: its whole text typed,
+        it continues it only if it stopped by itself (``Generation.said_all``). Raises
         ``Superseded`` instead when a newer request of the session arrived while this one
         waited: this one is stale, and going through the gate after the newer one would
         supersede it."""
@@ -152,10 +154,13 @@ class Generations:
                     generation.keep()
                     kept = True
                 await generation.changed()
-            # cut before it wrote past what was typed, or replaced while this one waited
+            # cut before it wrote past what was typed, typed to the end of a generation that
+            # stopped at its limit (a request of its own writes more), or replaced meanwhile
             if (
-                generation.error is not None and len(generation.text) <= len(d)
-            ) or self._latest.get(session) is not generation:
+                (generation.error is not None and len(generation.text) <= len(d))
+                or (generation.done and len(generation.text) == len(d) and not generation.said_all)
+                or self._latest.get(session) is not generation
+            ):
                 self._raise_if_stale(session, arrival)
                 return Waited() if kept else None
             stale = functools.partial(self.stale, session, arrival)
