@@ -95,10 +95,22 @@ class BackendSettings(LayeredSettings):
         description="A stream whose client reads none of it for this long is dropped and its "
         "generation stopped",
     )
+    tokenizer_threads: int = Field(
+        2,
+        ge=1,
+        description="Threads of the server process that tokenize prompts before they take a "
+        "slot (a long prompt to tokenize never holds a slot)",
+    )
+    tokenize_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="A prompt not tokenized within this long gets 400 (503 if it waited for a "
+        "tokenizer thread all that time)",
+    )
     step_timeout_s: float = Field(
         30.0,
         gt=0,
-        description="A worker stuck this long in one step (a prompt to tokenize, one decode) "
+        description="A worker stuck this long in one step (one prompt chunk, one decode) "
         "is reported by /health and /slots and restarted",
     )
 

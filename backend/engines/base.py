@@ -13,8 +13,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Protocol
 
-from llmproxy.backend.protocol import EngineInfo, Event, Submit
+from llmproxy.backend.protocol import EngineInfo, Event, Prompt, Submit
+
+
+class PromptTokens(Protocol):
+    """An engine's prompt rules over its tokenizer: a ``Prompt`` (completion text, chat
+    messages, infill parts) to the token ids its engine would make of it. Raises
+    ``prompts.BadPrompt`` (``PromptTooLong``) for a prompt the model cannot take. May be
+    called from several threads at once; blocks for as long as the tokenizer runs."""
+
+    def tokens(self, prompt: Prompt, n_predict: int) -> list[int]: ...
 
 
 class Engine(ABC):

@@ -9,6 +9,8 @@
   request arrives (or the worker is dead), never when a client goes away: /slots shows a
   cancelled generation as processing until the worker has really stopped.
 * A watchdog task (``_watch_steps``) restarts a worker stuck inside one unit of work.
+* ``start_request(s)`` tokenizes the prompt first (``tokenize.Tokenizer``, threads of this
+  process) and only then waits for a slot: a slot never waits on a tokenizer.
 * Slots are global ids ``0..total_slots-1`` mapped onto (worker, local slot); the
   ``Submit`` sent to a worker carries the *local* slot id.
 """
@@ -38,6 +40,7 @@ from llmproxy.backend.protocol import (
 from llmproxy.backend.runtime.counters import Counters
 from llmproxy.backend.runtime.slots import QueueFull, Request, Slot, Unavailable
 from llmproxy.backend.runtime.supervisor import Supervisor, WorkerHandle
+from llmproxy.backend.runtime.tokenize import Tokenizer
 from llmproxy.backend.settings import WORKER_JOIN_S
 
 if TYPE_CHECKING:
@@ -68,6 +71,7 @@ class Dispatcher:
         self.deferred = 0  # acquire calls waiting for free slots now
         self.started_at = time.time()
         self._watchdog: asyncio.Task[None] | None = None
+        self.tokenizer = Tokenizer(settings)
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -88,6 +92,7 @@ class Dispatcher:
         await self.supervisor.stop_all(timeout_s)
         for req in list(self.requests.values()):
             self._finish(req, Failed(req.id, 503, "server shutting down", "unavailable_error"))
+        self.tokenizer.close()
 
     def _worker_started(self, w: WorkerHandle) -> None:
         t = threading.Thread(
@@ -167,6 +172,8 @@ class Dispatcher:
             w.message = ev.message
         if ev.state == "ready":
             w.message = ""
+            if ev.info is not None:
+                self.tokenizer.on_ready(ev.info)
             log.info("worker_ready", worker=w.index, pid=w.pid)
         self._notify()
 
@@ -296,9 +303,19 @@ class Dispatcher:
             self._finish(req, Failed(rid, 503, f"worker unavailable: {exc}", "unavailable_error"))
         return req
 
+    async def tokenize(self, prompt: Prompt, n_predict: int) -> Prompt:
+        """``prompt`` as token ids, tokenized off the slots (``Tokenizer.tokenize``: raises
+        ``PromptRefused``, ``QueueFull``; ``Unavailable`` while no worker is ready, as
+        ``acquire`` would). Holds no slot; a cancelled caller stops waiting."""
+        if not self.any_ready():
+            raise Unavailable(self._unavailable_message())
+        return await self.tokenizer.tokenize(uuid.uuid4().hex, prompt, n_predict)
+
     async def start_request(
         self, prompt: Prompt, params: SamplingParams, id_slot: int = -1
     ) -> Request:
+        """Tokenize ``prompt`` (no slot held meanwhile), then take a slot and submit."""
+        prompt = await self.tokenize(prompt, params.n_predict)
         [slot] = await self.acquire(id_slot)
         return self.submit(slot, prompt, params, id_slot)
 
@@ -306,7 +323,9 @@ class Dispatcher:
         self, prompt: Prompt, params: Sequence[SamplingParams], id_slot: int = -1
     ) -> list[Request]:
         """One request per ``params`` on as many slots, started together once all are free
-        (llama-server's ``n_cmpl``): ``id_slot``'s slot runs the first."""
+        (llama-server's ``n_cmpl``): ``id_slot``'s slot runs the first. The prompt is
+        tokenized once, before any slot is taken."""
+        prompt = await self.tokenize(prompt, params[0].n_predict)
         slots = await self.acquire(id_slot, len(params))
         return [
             self.submit(slot, prompt, p, id_slot if i == 0 else -1)

@@ -2,10 +2,10 @@
 
 Errors use llama-server's envelope ``{"error": {"code", "message", "type"}}`` (with any
 extra top-level keys a caller adds, e.g. /health's ``status``). ``error_middleware`` turns
-``BadRequest``, the dispatcher's ``Unavailable`` and aiohttp's HTTP errors into that
-envelope, and any other exception into a logged 500 in it (or, once a response has been
-written, a dropped connection); a worker's ``Failed`` event becomes one through
-``failed_response``.
+``BadRequest``, the dispatcher's ``Unavailable`` and ``PromptRefused`` and aiohttp's HTTP
+errors into that envelope, and any other exception into a logged 500 in it (or, once a
+response has been written, a dropped connection); a worker's ``Failed`` event becomes one
+through ``failed_response``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from aiohttp import web
 
 from llmproxy.backend.protocol import Failed
 from llmproxy.backend.runtime.slots import Unavailable
+from llmproxy.backend.runtime.tokenize import PromptRefused
 
 log = structlog.get_logger("llmproxy.backend.web")
 ERROR_TYPES = {
@@ -101,6 +102,8 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
             if request.transport is not None:
                 request.transport.close()
         return resp
+    except PromptRefused as exc:
+        return failed_response(exc.failed)
     except Unavailable as exc:
         resp = error_response(exc.status, str(exc), "unavailable_error")
         if exc.retry_after_s:

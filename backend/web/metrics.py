@@ -38,7 +38,8 @@ async def metrics(request: web.Request) -> web.Response:
          c.tokens_predicted / c.tokens_predicted_seconds if c.tokens_predicted_seconds else 0.0),
         ("requests_processing", "Number of requests processing",
          sum(s.request is not None for s in d.slots)),
-        ("requests_deferred", "Number of requests deferred", d.deferred),
+        # waiting for a slot, or tokenized before they take one
+        ("requests_deferred", "Number of requests deferred", d.deferred + d.tokenizer.active),
     ]  # fmt: skip
     lines: list[str] = []
     for kind, items in (("counter", counters), ("gauge", gauges)):

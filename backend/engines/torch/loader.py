@@ -135,7 +135,7 @@ def load_model(
     model_path: Path, cache_dir: Path, placement: Placement, progress: Callable[[float], None]
 ) -> Loaded:
     """Load (converting and caching a GGUF first if needed) the model onto the placement."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # tqdm bars on a worker's stderr are noise in the logs
@@ -150,16 +150,24 @@ def load_model(
             convert_gguf(model_path, src, placement.dtype)
             converted = True
     progress(0.5)
-    tok = AutoTokenizer.from_pretrained(src)
+    tok, add_bos = load_tokenizer(src)
     model = AutoModelForCausalLM.from_pretrained(
         src, dtype=placement.dtype, attn_implementation="sdpa"
     )
     model.to(placement.device)
     model.eval()
+    progress(0.8)
+    return Loaded(model, tok, src, converted, add_bos)
+
+
+def load_tokenizer(src: Path) -> tuple[Any, bool]:
+    """The tokenizer of a loaded (or converted) model directory, and whether it adds BOS."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src)
     meta_file = src / "llmproxy.json"
     if meta_file.exists():
         add_bos = bool(json.loads(meta_file.read_text()).get("add_bos"))
     else:
         add_bos = tok.bos_token_id is not None and tok("a").input_ids[:1] == [tok.bos_token_id]
-    progress(0.8)
-    return Loaded(model, tok, src, converted, add_bos)
+    return tok, add_bos

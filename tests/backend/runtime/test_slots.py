@@ -187,7 +187,8 @@ async def test_a_down_slot_stays_busy_while_any_request_pinned_to_it_runs_elsewh
     for w in d.workers:
         w.state, w.inq = "ready", queue.SimpleQueue()
     d.workers[1].state = "error"
-    prompt, params = Prompt(kind="completion", text="x"), SamplingParams(n_predict=4)
+    # token ids: nothing to tokenize (no worker ever reported ready, so no tokenizer loaded)
+    prompt, params = Prompt(kind="completion", tokens=(1,)), SamplingParams(n_predict=4)
     first = await d.start_request(prompt, params, id_slot=1)
     second = await d.start_request(prompt, params, id_slot=1)
     assert (first.slot.id, second.slot.id) == (0, 2) and d.slots[1].standins == {
