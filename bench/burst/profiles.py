@@ -7,7 +7,14 @@ a request when the user types again:
 - ``abort`` (llm-ls, Continue, twinny): the previous request's connection is closed as
   soon as the next request goes out;
 - ``serial`` (llama.vim): never aborts; the next request (for the text as it is *then*)
-  goes out only when the previous one has finished.
+  goes out only when the previous one has finished;
+- ``trigger`` (minuet-ai.nvim): a keystroke (re)starts a debounce timer, ignored while the
+  throttle runs; when the timer fires, the client kills every request still running
+  (their connections close) and sends ``twins`` identical requests at once (its
+  ``n_completions``), then throttles.
+
+And how the client reads an answer (``reads``): the suggestion it shows from the bytes it
+got, and whether it shows the user an error, written from each client's parsing code.
 
 Also here: counting the tokens a response delivered, whatever its format (one JSON
 object, SSE ``data:`` lines or NDJSON lines).
@@ -32,14 +39,88 @@ Body = Callable[[str, int, str], dict[str, Any]]
 
 
 @dataclass(frozen=True)
+class Seen:
+    """What a client makes of one answer: the suggestion it shows (None: none), whether
+    that suggestion came from a stream that ended in an error event (a cut one), and
+    whether it shows the user an error."""
+
+    text: str | None
+    cut: bool = False
+    error_shown: bool = False
+
+
+#: (status, the body's bytes as read, whether the transfer completed) -> what the client sees
+Reader = Callable[[int | None, bytes, bool], Seen]
+
+
+def data_objects(body: bytes) -> list[Any]:
+    """The JSON values of a body's lines, ``data:`` stripped (what SSE readers parse)."""
+    out = []
+    for line in body.split(b"\n"):
+        line = line.strip()
+        line = line[5:] if line.startswith(b"data:") else line
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def _error_event(body: bytes) -> bool:
+    return any(isinstance(o, dict) and "error" in o for o in data_objects(body))
+
+
+def read_any(status: int | None, body: bytes, complete: bool) -> Seen:
+    """A client that takes the text of a complete 200 answer and shows any other status."""
+    if status != 200 or not complete:
+        return Seen(None, error_shown=status not in (200, 499))
+    return Seen(delivered_text(body) or None, cut=_error_event(body))
+
+
+def read_continue(status: int | None, body: bytes, complete: bool) -> Seen:
+    """Continue (core/llm/stream.ts): a ``data:`` line whose JSON has ``error`` throws, as a
+    transfer that fails does; 499 is a silent cancel. Autocomplete errors are logged."""
+    if status != 200 or not complete or _error_event(body):
+        return Seen(None)
+    return Seen(delivered_text(body) or None)
+
+
+def read_minuet(status: int | None, body: bytes, complete: bool) -> Seen:
+    """minuet-ai.nvim (utils.lua ``stream_decode``): curl without ``--fail``, so any status
+    exits 0. Exit 0 or 28 (its ``--max-time``): every line, ``data:`` stripped, is decoded
+    and ``choices[1].text`` of each joined, whatever else the lines say (an error event
+    included); no text and a line containing "error": an error notification. Any other
+    exit (18: the body ended before its terminator) is an error notification."""
+    if not complete:
+        return Seen(None, error_shown=True)
+    pieces = []
+    for obj in data_objects(body):
+        try:
+            piece = obj["choices"][0]["text"]
+        except (KeyError, IndexError, TypeError):
+            continue
+        if isinstance(piece, str) and piece:
+            pieces.append(piece)
+    if pieces:
+        return Seen("".join(pieces), cut=_error_event(body))
+    return Seen(None, error_shown=b"error" in body)
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     route: str
     user_agent: str
     stream: bool
-    abandon: Literal["abort", "serial"]
+    abandon: Literal["abort", "serial", "trigger"]
     body: Body  # (typed text, n_predict, model) -> request JSON
     compact: bool = False  # serialise without spaces (llama.vim)
+    reads: Reader = read_any
+    headers: tuple[tuple[str, str], ...] = ()  # sent besides Content-Type and User-Agent
+    # ``trigger`` clients' own timers and request count (the settings may override them)
+    debounce_ms: float = 0.0
+    throttle_ms: float = 0.0
+    twins: int = 1
 
     def encode(
         self, typed: str, n_predict: int, model: str, extra: dict[str, Any] | None = None
@@ -119,6 +200,14 @@ def _twinny(typed: str, n: int, model: str) -> dict[str, Any]:
     }
 
 
+def _minuet(typed: str, n: int, _model: str) -> dict[str, Any]:
+    # minuet-ai.nvim, openai_fim_compatible as its README sets it up for llama.cpp: the
+    # template writes the FIM prompt itself (Qwen2.5-coder's tokens), no suffix, the model
+    # a placeholder, optional max_tokens and top_p; stream on (its default)
+    prompt = f"<|fim_prefix|>{PREFIX}{typed}<|fim_suffix|>{SUFFIX}<|fim_middle|>"
+    return {"model": "PLACEHOLDER", "stream": True, "max_tokens": n, "top_p": 0.9, "prompt": prompt}
+
+
 PROFILES: dict[str, Profile] = {
     "llm-ls": Profile(
         "llm-ls",
@@ -128,11 +217,27 @@ PROFILES: dict[str, Profile] = {
         "abort",
         _llm_ls,
     ),
-    "continue": Profile("continue", "/completion", "Continue/1.0", True, "abort", _continue),
+    "continue": Profile(
+        "continue", "/completion", "Continue/1.0", True, "abort", _continue, reads=read_continue
+    ),
     "llama-vim": Profile(
         "llama-vim", "/infill", "curl/8.5.0", False, "serial", _llama_vim, compact=True
     ),
     "twinny": Profile("twinny", "/api/generate", "twinny/3.0", True, "abort", _twinny),
+    "minuet": Profile(
+        "minuet",
+        "/v1/completions",
+        "curl/8.5.0",
+        True,
+        "trigger",
+        _minuet,
+        reads=read_minuet,
+        # its api_key option names an environment variable; its README uses TERM's value
+        headers=(("Accept", "application/json"), ("Authorization", "Bearer xterm-256color")),
+        debounce_ms=400.0,
+        throttle_ms=1000.0,
+        twins=3,
+    ),
 }
 
 

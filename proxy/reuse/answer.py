@@ -3,10 +3,12 @@
 A stream gets the generation's events from the first one after the typed text (the event
 the typed text ends in is cut, see ``Generation.stream_from``), then each new one as it
 arrives, and ends when the generation ends; a generation cut short ends it with an error
-event in the stream's own format. A non-streaming request waits for the generation's end
-and gets the body the upstream's final event gives (``Assembler``) with the typed text
-taken off the front of ``content`` (``choices[0].text`` on ``/v1/completions``; none where
-``response_fields`` left it out), written compactly as the upstream writes it.
+event in the stream's own format, and then the connection closes without the stream's
+terminator, as any failed stream on a completion route (upstream/error_event.py). A
+non-streaming request waits for the generation's end and gets the body the upstream's
+final event gives (``Assembler``) with the typed text taken off the front of ``content``
+(``choices[0].text`` on ``/v1/completions``; none where ``response_fields`` left it out),
+written compactly as the upstream writes it.
 
 A later keystroke that joins the generation supersedes this request, as a newer request of
 the session does (``Generation`` turns): nothing written yet, it is answered ``Superseded``
@@ -39,6 +41,7 @@ from llmproxy.proxy.reuse.generation import Generation
 from llmproxy.proxy.reuse.registry import Follow
 from llmproxy.proxy.state import RECORD, ProxyState
 from llmproxy.proxy.upstream.assemble import CONTENT_TYPE, Assembler
+from llmproxy.proxy.upstream.error_event import cuts_after_error
 from llmproxy.proxy.upstream.responder import stream_error_bytes
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -121,6 +124,11 @@ async def answer(request: web.Request, follow: Follow) -> web.StreamResponse | N
         if not ended:
             request[RECORD].outcome = "superseded"
         await resp.write(_error_event(error))
+        if cuts_after_error(request.path):  # no terminator (see upstream/error_event.py)
+            resp.force_close()
+            if request.transport is not None:
+                request.transport.close()
+            return resp
     await resp.write_eof()
     return resp
 

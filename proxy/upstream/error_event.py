@@ -3,6 +3,16 @@
 Once a response has started its status cannot change: ``Responder.outcome`` ends a stream
 that fails after its start with this event, and a body that has no such format is cut
 instead (the connection closed).
+
+On completion routes (``cuts_after_error``) the event is followed by no terminator either:
+the connection closes after it, mid-body. Editor clients there take what a stream that
+ended cleanly carried for a suggestion, whatever its last event said (minuet-ai.nvim keeps
+the text of any stream curl read to its end: see docs/clients.md), so a superseded or
+failed stream would be inserted cut. A body cut before its terminator is a transfer error
+to every HTTP client (curl exits 18, aiohttp raises ``ClientPayloadError``, fetch rejects),
+so none takes it for a suggestion, and clients that read the event (Continue, Tabby) still
+read it first. Chat routes keep the clean end: a chat client shows the partial answer with
+its error.
 """
 
 from __future__ import annotations
@@ -10,6 +20,15 @@ from __future__ import annotations
 import json
 
 from llmproxy.proxy.errors import ProxyError
+from llmproxy.proxy.gating.routes import family
+
+#: route families whose streams are cut after their error event (see the module docstring)
+CUT_FAMILIES = frozenset({"completion", "infill"})
+
+
+def cuts_after_error(path: str) -> bool:
+    """Does a started stream of ``path`` that fails end without its terminator?"""
+    return family(path) in CUT_FAMILIES
 
 
 def stream_error_bytes(content_type: str, error: ProxyError, tail: bytes = b"") -> bytes | None:

@@ -7,9 +7,11 @@ so the writer can read its upstream to the end without waiting for a slower clie
 body that arrived whole with the upstream's head goes out with the status line and
 headers in one write; a stream's last piece goes out with its terminator. Once the
 response has started its status cannot change, so a later error ends the stream with an
-error event in the stream's own format (SSE ``data:`` line or NDJSON line: error_event.py);
-for other bodies, and for any body of fixed length (Content-Length), the connection is
-closed so the client sees a truncated response rather than a silently short one.
+error event in the stream's own format (SSE ``data:`` line or NDJSON line: error_event.py),
+then, on completion routes, with the connection closed before the stream's terminator (no
+editor client takes a cut stream for a suggestion then: error_event.py); for other
+bodies, and for any body of fixed length (Content-Length), the connection is closed so the
+client sees a truncated response rather than a silently short one.
 
 Concurrency contract (``Responder``):
 - One writer task at a time calls ``whole``/``head``/``piece``/``end``: a gated request's
@@ -46,6 +48,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from llmproxy.proxy.errors import ProxyError
+from llmproxy.proxy.upstream.error_event import cuts_after_error
 from llmproxy.proxy.upstream.error_event import (
     stream_error_bytes as stream_error_bytes,  # others import it from here too
 )
@@ -249,7 +252,10 @@ class Responder:
                 if last is not None:
                     async with self._guard(len(last)):
                         await resp.write(last)
-                        await resp.write_eof()
+                        if cuts_after_error(self._request.path):
+                            self._close()  # once the event is out: no terminator
+                        else:
+                            await resp.write_eof()
                 else:
                     self._close()
             except ConnectionError:

@@ -22,6 +22,7 @@ from llmproxy.proxy.upstream.job import UpstreamJob, UpstreamRequest
 from llmproxy.proxy.upstream.responder import Responder
 from tests.helpers.net import dechunk, serve_app, wait_until
 from tests.helpers.proxy import request_events, run_proxy
+from tests.helpers.streams import read_all
 
 
 def infill(seq: int, **extra: Any) -> dict[str, Any]:
@@ -224,13 +225,14 @@ async def test_superseded_mid_stream_is_counted_superseded(http: aiohttp.ClientS
                     headers={"X-LLMProxy-Session": "S", "X-Request-Id": "B"},
                 )
             )
-            body_a = await ra.read()
+            body_a, whole = await read_all(ra)
             (await tb).release()
             await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
             await wait_until(
                 lambda: sum(e.get("event") == "request" for e in logs) == 2, what="two log lines"
             )
         assert b'"type":"superseded"' in body_a  # the stream ended with our error event
+        assert not whole  # and then without its terminator: no client takes it as complete
         outcome = {e["request_id"]: e["outcome"] for e in logs if e.get("event") == "request"}
         assert outcome == {"A": "superseded", "B": "completed"}
         assert len(fake.aborted) == 1
@@ -239,7 +241,9 @@ async def test_superseded_mid_stream_is_counted_superseded(http: aiohttp.ClientS
 async def test_superseded_while_its_job_waits_on_a_client_that_lags() -> None:
     """A streamed request whose client stopped reading is superseded (policy cancel) while
     its job waits to write: the client still gets what was sent, then the superseded event,
-    standing on its own; the request is logged superseded with its 200, not as a client
+    standing on its own, then the connection closes without the chunked body's end (a
+    completion route: upstream/error_event.py); the request is logged superseded with its
+    200, not as a client
     that left (the job's cancel must not reach the handler through aiohttp's shared
     flow-control future)."""
     piece = b"data: " + b"x" * (64 << 10) + b"\n\n"
@@ -286,17 +290,16 @@ async def test_superseded_while_its_job_waits_on_a_client_that_lags() -> None:
         newer.write(ask("S"))
         await wait_until(lambda: job.record.outcome == "superseded", what="the stream superseded")
         got = bytearray()
-        while not got.endswith(b"\r\n0\r\n\r\n"):  # read it all now, to the chunked body's end
-            data = await asyncio.wait_for(reader.read(1 << 20), 30)
-            assert data, f"closed before the body's end: {bytes(got[-100:])!r}"
+        while data := await asyncio.wait_for(reader.read(1 << 20), 30):  # all now, to the close
             got += data
+        assert not got.endswith(b"\r\n0\r\n\r\n"), "a cut stream must not end whole"
         writer.close()
         newer.close()
         await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
         await wait_until(
             lambda: job.record.total_s is not None, what="the request to be accounted for"
         )
-    body = dechunk(bytes(got[got.index(b"\r\n\r\n") + 4 :]))
+    body = dechunk(bytes(got[got.index(b"\r\n\r\n") + 4 :]) + b"0\r\n\r\n")
     before, sep, event = body.rpartition(b'data: {"error"')
     # an event of its own
     assert sep and before.endswith(b"\n\n") and event.endswith(b"}\n\n"), body[-200:]

@@ -16,6 +16,7 @@ from llmproxy.proxy.errors import Superseded
 from llmproxy.proxy.upstream.responder import stream_error_bytes
 from tests.helpers.net import serve_app
 from tests.helpers.proxy import run_proxy
+from tests.helpers.streams import read_all
 
 
 @pytest.mark.parametrize(
@@ -70,15 +71,33 @@ async def test_response_body_exact_and_request_id_echoed(
         assert norm(got) == norm(direct) and got
 
 
-async def test_error_after_stream_start_is_an_event(http: aiohttp.ClientSession) -> None:
+@pytest.mark.parametrize(
+    ("route", "body", "cut"),
+    [
+        ("/completion", {"prompt": "x", "stream": True}, True),
+        ("/v1/completions", {"model": "m", "prompt": "x", "stream": True}, True),
+        (
+            "/v1/chat/completions",
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True},
+            False,
+        ),
+    ],
+)
+async def test_error_after_stream_start_is_an_event(
+    http: aiohttp.ClientSession, route: str, body: dict[str, object], cut: bool
+) -> None:
+    """The proxy's error event ends the stream; on a completion route the connection then
+    closes without the stream's terminator (an editor that keeps the text of a stream that
+    ended whole must not take it for a suggestion); a chat stream ends whole."""
     script = lambda _p, _b: Script(tokens=10, token_delay_s=0.01, fail="reset_mid_stream")  # noqa: E731
     async with FakeUpstream(slots=1, script=script) as fake, run_proxy(fake.url) as px:
-        async with http.post(px.url + "/completion", json={"prompt": "x", "stream": True}) as r:
+        async with http.post(px.url + route, json=body) as r:
             assert r.status == 200
-            text = (await r.read()).decode()
-        last = [ln for ln in text.split("\n\n") if ln.strip()][-1]
+            raw, whole = await read_all(r)
+        last = [ln for ln in raw.decode().split("\n\n") if ln.strip()][-1]
         assert last.startswith("data: ")
         assert json.loads(last[6:])["error"]["src"] == "llmproxy"
+        assert whole is not cut
         await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
 
 
@@ -94,7 +113,9 @@ async def test_error_after_ndjson_stream_start_is_an_ollama_error_line(
     ):
         async with http.post(px.url + "/api/generate", json={"model": "m", "prompt": "x"}) as r:
             assert r.status == 200 and r.headers["Content-Type"].startswith("application/x-ndjson")
-            lines = (await r.read()).decode().splitlines()
+            raw, whole = await read_all(r)
+            lines = raw.decode().splitlines()
+            assert not whole  # a completion route: cut after the error line
         await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
     tokens, last = [json.loads(ln) for ln in lines[:-1]], json.loads(lines[-1])
     assert tokens and all("response" in t and not t["done"] for t in tokens)  # relayed as sent
@@ -175,7 +196,8 @@ async def test_stream_cut_inside_an_event_ends_with_an_error_event_that_parses(
     app.router.add_post("/v1/completions", completions)
     async with serve_app(app) as upstream, run_proxy(upstream, upstream_kind="openai") as px:
         async with http.post(px.url + "/v1/completions", json={"prompt": "a", "stream": True}) as r:
-            body = await r.read()
+            body, whole = await read_all(r)
+        assert not whole  # a completion route: cut after the event
     relayed = b"".join(sent)
     assert body.startswith(relayed)
     if ctype == "text/event-stream":

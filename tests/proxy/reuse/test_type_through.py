@@ -93,21 +93,29 @@ async def setup(
 
 
 async def outcome(route: str, resp: aiohttp.ClientResponse, stream: bool) -> tuple[str, str]:
-    """(completion text read, how it ended: "ok" or the error type) of a response."""
+    """(completion text read, how it ended: "ok" or the error type) of a response. A stream
+    the proxy ends with its error event is cut after it, without its terminator
+    (upstream/error_event.py): "cut" if one ends so without the event. The upstream's own
+    error event is relayed as it came."""
     if resp.status != 200:
         return "", json.loads(await resp.read())["error"]["type"]
     if not stream:
         return await answer_text(route, resp, stream), "ok"
-    text, end = [], "ok"
-    async for line in resp.content:
-        if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
-            obj = json.loads(line[6:])
-            if "error" in obj:
-                end = obj["error"]["type"]
-            elif route == "/v1/completions":
-                text.append(obj["choices"][0]["text"])
-            else:
-                text.append(obj["content"])
+    text, end, ours = [], "ok", False
+    try:
+        async for line in resp.content:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                obj = json.loads(line[6:])
+                if "error" in obj:
+                    end, ours = obj["error"]["type"], obj["error"].get("src") == "llmproxy"
+                elif route == "/v1/completions":
+                    text.append(obj["choices"][0]["text"])
+                else:
+                    text.append(obj["content"])
+    except aiohttp.ClientPayloadError:
+        end = "cut" if end == "ok" else end
+    else:
+        assert not ours, f"{end}: the proxy's error event must be followed by the cut"
     return "".join(text), end
 
 

@@ -19,6 +19,7 @@ from aiohttp import web
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from tests.helpers.net import wait_until
 from tests.helpers.proxy import run_proxy
+from tests.helpers.streams import read_all
 
 
 def canonical(logs: list[dict[str, Any]], route: str = "/completion") -> list[dict[str, Any]]:
@@ -50,7 +51,9 @@ async def hung_mid_body(http: aiohttp.ClientSession) -> dict[str, Any]:
             t0 = time.monotonic()
             async with http.post(px.url + "/completion", json={"prompt": "x", "stream": True}) as r:
                 assert r.status == 200
-                text = (await r.read()).decode()
+                raw, whole = await read_all(r)
+                text = raw.decode()
+                assert not whole  # cut after the error event (a completion route)
             elapsed = time.monotonic() - t0
             await quiet(px)
         return {
@@ -184,7 +187,7 @@ async def test_upstream_restarted_while_requests_queued(http: aiohttp.ClientSess
                         json={"prompt": str(i), "stream": True},
                         headers={"X-LLMProxy-Session": f"s{i}"},
                     ) as r:
-                        return r.status, await r.read()
+                        return r.status, (await read_all(r))[0]
 
                 tasks = [asyncio.create_task(one(0))]
                 await old.wait_for(lambda f: len(f.generations) == 1)
