@@ -8,6 +8,9 @@ two linear scans the backend runs first; past ``n_ctx`` matches it refuses the p
 The tokenizer's time grows with the square of N (the ratio column: time / N^2, scaled to
 the first row, stays near 1); the bounds' time grows linearly and stops at ``n_ctx``.
 Nothing is started; one process, one thread of llama.cpp.
+
+``--ttft`` measures instead what a flood does to a real backend: another request's time to
+first token right after a flood's client left (``tokenize_ttft.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--counts", default="5000,10000,20000,40000", help="Repetitions, comma-separated"
     )
     p.add_argument("--n-ctx", type=int, default=2048, help="Context the bounds check against")
+    p.add_argument(
+        "--ttft",
+        action="store_true",
+        help="Time to first token of a short request after a flood, on a real backend",
+    )
+    p.add_argument(
+        "--ttft-n-ctx", type=int, default=16384, help="--ttft: the started backend's n_ctx"
+    )
+    p.add_argument("--url", default=None, help="--ttft: a running backend (with --metrics) instead")
     p.set_defaults(func=main)
 
 
@@ -40,6 +52,12 @@ def _timed(fn: object, *args: object) -> tuple[float, object]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.ttft:
+        import asyncio
+
+        from llmproxy.bench.tokenize_ttft import run
+
+        return asyncio.run(run(args, [int(c) for c in args.counts.split(",")]))
     import llama_cpp
 
     from llmproxy.backend.engines.llamacpp.bounds import TokenBounds
