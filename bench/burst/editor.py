@@ -7,6 +7,15 @@ previous one's task (which closes its connection); with ``serial`` the next requ
 the text as it is then, goes out only when the previous one has finished. The burst's
 latency is from its last keystroke to the end of the final completion.
 
+``run_triggers`` types a burst as minuet-ai.nvim sends it (profile ``trigger``): each
+keystroke (re)starts the debounce timer unless the throttle runs; when the timer fires,
+every request still running is killed (its connection closed) and ``twins`` identical
+requests go out at once. The burst's latency is from its last keystroke to the first of the
+last trigger's requests that gave a suggestion (minuet shows each as it arrives).
+
+Every answer is read as the profile's client reads it (``Profile.reads``): the suggestion
+it shows, cut or not, and whether it shows the user an error.
+
 ``run_follow`` (``--typist follow``) is a user who reads the suggestion and types it: it
 asks for a completion, then types the text that came back, one character per keystroke,
 each keystroke a request (abandoning the previous as ``run_burst`` does). Each burst
@@ -31,7 +40,11 @@ class Client:
 
     def __init__(self, url: str, profile: Profile, settings: BurstSettings, editor: int) -> None:
         self.url, self.profile, self.settings, self.editor = url, profile, settings, editor
-        self.headers = {"Content-Type": "application/json", "User-Agent": profile.user_agent}
+        self.headers = {
+            "Content-Type": "application/json",
+            "User-Agent": profile.user_agent,
+            **dict(profile.headers),
+        }
         if settings.editors > 1:
             self.headers["X-LLMProxy-Session"] = f"burst-editor-{editor}"
         timeout = aiohttp.ClientTimeout(
@@ -46,18 +59,20 @@ class Client:
         text = typed_text(keystroke) if typed is None else typed
         body = self.profile.encode(text, self.settings.n_predict, self.settings.model, self.extra)
         data = bytearray()
+        complete = False  # the body was read to its end (its terminator included)
         req.t_sent = time.perf_counter()
         try:
             async with self.http.post(
                 self.url + self.profile.route, data=body, headers=self.headers
             ) as resp:
+                req.status = resp.status
                 try:
                     async for chunk in resp.content.iter_any():  # streams read as they arrive
                         data += chunk
                 except asyncio.CancelledError:
                     resp.close()  # abandon: drop the connection, as the real client does
                     raise
-                req.status = resp.status
+                complete = True
             req.t_done = time.perf_counter()
             req.outcome = "ok" if resp.status == 200 else "error"
             req.tokens = delivered_tokens(bytes(data)) if resp.status == 200 else 0
@@ -66,13 +81,43 @@ class Client:
             raise
         except (aiohttp.ClientError, TimeoutError):
             req.t_done, req.outcome = time.perf_counter(), "error"
+        seen = self.profile.reads(req.status, bytes(data), complete)
+        req.shown, req.cut, req.error_shown = seen.text is not None, seen.cut, seen.error_shown
         return bytes(data) if req.outcome == "ok" else b""
+
+
+def timers(settings: BurstSettings, profile: Profile) -> tuple[float, float, int]:
+    """(debounce s, throttle s, requests per trigger): the settings', else the client's own."""
+    debounce = profile.debounce_ms if settings.debounce_ms is None else settings.debounce_ms
+    throttle = profile.throttle_ms if settings.throttle_ms is None else settings.throttle_ms
+    return debounce / 1000, throttle / 1000, settings.twins or profile.twins
 
 
 def send_times(settings: BurstSettings, start: float) -> list[tuple[int, float]]:
     """(keystroke, when its request goes out) after client-side debounce."""
-    iv, db, n = settings.interval_ms / 1000, settings.debounce_ms / 1000, settings.keystrokes
+    iv, n = settings.interval_ms / 1000, settings.keystrokes
+    db = (settings.debounce_ms or 0.0) / 1000
     return [(k, start + k * iv + db) for k in range(n) if k == n - 1 or db < iv]
+
+
+def trigger_times(
+    keys: list[float], debounce_s: float, throttle_s: float
+) -> list[tuple[int, float]]:
+    """(keystroke, when its requests go out) for keystrokes at times ``keys``, as
+    minuet-ai.nvim schedules them (virtualtext.lua): a keystroke while the throttle runs is
+    ignored; any other restarts the debounce timer; the timer, firing, starts the throttle."""
+    out: list[tuple[int, float]] = []
+    throttled_until = float("-inf")
+    timer: tuple[int, float] | None = None
+    for k, t in enumerate(keys):
+        if timer is not None and timer[1] <= t:  # it fired before this keystroke
+            out.append(timer)
+            throttled_until, timer = timer[1] + throttle_s, None
+        if t >= throttled_until:
+            timer = (k, t + debounce_s)
+    if timer is not None:
+        out.append(timer)
+    return out
 
 
 async def _sleep_until(t: float) -> None:
@@ -110,6 +155,29 @@ async def run_burst(client: Client, result: TargetResult, burst: int) -> None:
             await client.send(final, sent)
     if final is not None and final.outcome == "ok" and final.t_done is not None:
         out.latency_s = final.t_done - out.t_last_key
+
+
+async def run_triggers(client: Client, result: TargetResult, burst: int) -> None:
+    """Type burst number ``burst`` as minuet-ai.nvim; see the module docstring."""
+    settings = client.settings
+    start, iv = time.perf_counter(), settings.interval_ms / 1000
+    debounce, throttle, twins = timers(settings, client.profile)
+    keys = [start + k * iv for k in range(settings.keystrokes)]
+    out = Burst(client.editor, burst, keys[-1])
+    result.bursts.append(out)
+    last: list[Req] = []
+    async with asyncio.TaskGroup() as tg:
+        running: list[asyncio.Task[bytes]] = []
+        for k, when in trigger_times(keys, debounce, throttle):
+            await _sleep_until(when)
+            for task in running:  # the previous trigger's curl jobs, killed
+                task.cancel()
+            last = [Req(client.editor, burst, k, 0.0) for _ in range(twins)]
+            result.reqs.extend(last)
+            running = [tg.create_task(client.send(r, k)) for r in last]
+    done = [r.t_done for r in last if r.shown and r.t_done is not None]
+    if done:
+        out.latency_s = min(done) - out.t_last_key
 
 
 async def run_follow(client: Client, result: TargetResult, burst: int) -> None:

@@ -17,6 +17,11 @@ class Req:
     status: int | None = None
     outcome: str = "pending"  # ok | aborted | error
     tokens: int = 0
+    # as the profile's client reads it (profiles.Seen): a suggestion shown, a cut one (from
+    # a stream that ended in an error event), an error shown to the user
+    shown: bool = False
+    cut: bool = False
+    error_shown: bool = False
 
 
 @dataclass
@@ -66,6 +71,9 @@ class TargetResult:
             "aborted": sum(r.outcome == "aborted" for r in self.reqs),
             "errors": sum(r.outcome == "error" for r in self.reqs),
             "failed_bursts": sum(b.latency_s is None for b in self.bursts),
+            "suggestions_shown": sum(r.shown for r in self.reqs),
+            "cut_suggestions_shown": sum(r.cut for r in self.reqs),
+            "errors_shown": sum(r.error_shown for r in self.reqs),
             "empty_suggestions": self.empty_suggestions,
             "baseline_ms": self.baseline_s * 1000,
             "last_p50_ms": self.pct_ms(50),
@@ -134,6 +142,12 @@ def format_table(results: list[TargetResult], follow: bool = False) -> str:
         ("last completion p95 ms", lambda s: num(s["last_p95_ms"], ".0f")),
         ("p50 / uncontended", lambda s: num(s["ratio_p50"], ".2f") + "x"),
         ("failed bursts", lambda s: str(s["failed_bursts"])),
+        (
+            "client: shown / cut / errors",
+            lambda s: (
+                f"{s['suggestions_shown']} / {s['cut_suggestions_shown']} / {s['errors_shown']}"
+            ),
+        ),
         *(
             [("  empty suggestions, not typed", lambda s: str(s["empty_suggestions"]))]
             if follow
@@ -158,6 +172,8 @@ def format_table(results: list[TargetResult], follow: bool = False) -> str:
     lines.append(
         "last completion = from the burst's last keystroke to the end of the final completion; "
         "keystroke = a typed keystroke's request to its answer; "
+        "client = what the emulated client makes of the answers it read to the end "
+        "(suggestions it shows, those cut short by an error event, errors it shows the user); "
         "backend counts from GET /slots polling (n/a: not available), prompt tokens and "
         "tokens decoded exactly from GET /metrics where the backend serves it "
         "(>=: a lower bound from /slots)"

@@ -36,7 +36,7 @@ from dataclasses import asdict
 import aiohttp
 
 from llmproxy.bench.burst import counters
-from llmproxy.bench.burst.editor import Client, run_burst, run_follow
+from llmproxy.bench.burst.editor import Client, run_burst, run_follow, run_triggers
 from llmproxy.bench.burst.profiles import PROFILES, Profile
 from llmproxy.bench.burst.report import Req, TargetResult, format_table
 from llmproxy.bench.burst.settings import BurstSettings
@@ -127,6 +127,8 @@ async def run_target(url: str, settings: BurstSettings, steps: Steps | None = No
                         steps.step(f"{url} burst {b + 1}/{settings.bursts}")
                     await _settle(poller, settings)
                     typist = run_follow if settings.typist == "follow" else run_burst
+                    if typist is run_burst and profile.abandon == "trigger":
+                        typist = run_triggers
                     async with asyncio.TaskGroup() as editors:
                         for c in clients:
                             editors.create_task(typist(c, result, b))
@@ -166,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
 def register(bench_sub: argparse._SubParsersAction) -> None:
     parser = bench_sub.add_parser(
         "burst",
-        help="Emulate editors typing (llm-ls, Continue, llama.vim, twinny) against a URL; "
+        help="Emulate editors typing (llm-ls, Continue, llama.vim, twinny, minuet) against a "
+        "URL; "
         "--compare two",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -15,7 +15,7 @@ from pydantic_settings import SettingsConfigDict
 
 from llmproxy.common.config import LayeredSettings
 
-ProfileName = Literal["llm-ls", "continue", "llama-vim", "twinny"]
+ProfileName = Literal["llm-ls", "continue", "llama-vim", "twinny", "minuet"]
 
 
 class BurstSettings(LayeredSettings):
@@ -26,10 +26,23 @@ class BurstSettings(LayeredSettings):
     profile: ProfileName = Field(default="llm-ls", description="Client to emulate")
     keystrokes: int = Field(default=20, ge=1, description="Keystrokes per burst")
     interval_ms: float = Field(default=50.0, ge=0, description="Time between keystrokes")
-    debounce_ms: float = Field(
-        default=0.0,
+    debounce_ms: float | None = Field(
+        default=None,
         ge=0,
-        description="Client-side debounce (a request goes out only after this quiet time)",
+        description="Client-side debounce (a request goes out only after this quiet time); "
+        "unset: the client's own (minuet 400, others 0)",
+    )
+    throttle_ms: float | None = Field(
+        default=None,
+        ge=0,
+        description="minuet: after a request goes out, keystrokes are ignored this long; "
+        "unset: its own (1000)",
+    )
+    twins: int | None = Field(
+        default=None,
+        ge=1,
+        description="minuet: identical requests per trigger (its n_completions); "
+        "unset: its own (3)",
     )
     bursts: int = Field(default=5, ge=1, description="Bursts per editor")
     editors: int = Field(
