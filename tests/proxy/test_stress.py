@@ -1,8 +1,9 @@
 """Property-based stress of the gate's invariants under random load (real loopback servers).
 
 Random arrivals, sessions, client aborts, upstream errors, slow aborts, requests on
-several slots at once (``n_cmpl``) and keystrokes that type what the session's previous
-request was answered (type-through continuations). Invariants (docs/design.md):
+several slots at once (``n_cmpl``), keystrokes that type what the session's previous
+request was answered (type-through continuations) and twins (identical requests of a
+session at once, proxy/twins.py). Invariants (docs/design.md):
 generations at the upstream (each ``n_cmpl`` completion counts) <= N at every instant; all
 N permits free at quiescence; exactly one outcome per request; what the proxy says reached
 the upstream is exactly what the upstream saw, so superseded, queue-cancelled and reused
@@ -12,6 +13,7 @@ requests never reach it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 
 import aiohttp
@@ -36,6 +38,7 @@ class Op:
     warmup: bool
     n_cmpl: int  # completions at once (slots); more than the capacity must be refused (400)
     typed: int  # > 0: type this many more characters of the session's previous request's output
+    twins: int = 0  # as many more identical requests at once (minuet's n_completions)
 
 
 ops_strategy = st.lists(
@@ -50,6 +53,7 @@ ops_strategy = st.lists(
         warmup=st.booleans(),
         n_cmpl=st.sampled_from([1, 1, 1, 2, 3]),
         typed=st.sampled_from([0, 0, 1, 2, 4]),
+        twins=st.sampled_from([0, 0, 0, 1, 2]),
     ),
     min_size=1,
     max_size=14,
@@ -81,9 +85,10 @@ async def scenario(
         ) as px,
         aiohttp.ClientSession() as http,
     ):
+        # requests are numbered 10 * op + twin (twin 0: the op's own request)
         statuses: dict[int, int] = {}
         last: dict[int, tuple[dict[str, object], int]] = {}  # session -> (first body, typed)
-        sent: dict[int, dict[str, object]] = {}  # what each client sent
+        sent: dict[int, dict[str, object]] = {}  # what each request sent
         with structlog.testing.capture_logs() as logs:
 
             async def client(i: int, op: Op) -> None:
@@ -105,29 +110,35 @@ async def scenario(
                     last[op.session] = (first, typed)
                 else:
                     last[op.session] = (body, 0)
-                sent[i] = body
 
-                async def call() -> None:
+                async def call(n: int) -> None:
+                    sent[n] = body
                     async with http.post(
                         px.url + "/completion",
                         json=body,
-                        headers={"X-LLMProxy-Session": str(op.session), "X-Request-Id": f"r{i}"},
+                        headers={"X-LLMProxy-Session": str(op.session), "X-Request-Id": f"r{n}"},
                     ) as r:
-                        await r.read()
-                        statuses[i] = r.status
+                        with contextlib.suppress(aiohttp.ClientPayloadError):  # a cut stream
+                            await r.read()
+                        statuses[n] = r.status
 
-                task = asyncio.create_task(call())
+                tasks = [asyncio.create_task(call(10 * i + j)) for j in range(1 + op.twins)]
                 if op.abort_ms is not None:
-                    done, _ = await asyncio.wait([task], timeout=op.abort_ms / 1000)
-                    if not done:
+                    _, pending = await asyncio.wait(tasks, timeout=op.abort_ms / 1000)
+                    for task in pending:
                         task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+                await asyncio.gather(*tasks, return_exceptions=True)
 
             await asyncio.gather(*(client(i, op) for i, op in enumerate(ops)))
             await asyncio.wait_for(px.state.gate.wait_quiescent(), 15)
             px.flush_log()
             # A client aborted at once may never reach the proxy; every other one must be logged.
-            must = {f"r{i}" for i, op in enumerate(ops) if op.abort_ms is None}
+            must = {
+                f"r{10 * i + j}"
+                for i, op in enumerate(ops)
+                for j in range(1 + op.twins)
+                if op.abort_ms is None
+            }
             await wait_until(
                 lambda: must <= {e.get("request_id") for e in logs if e.get("event") == "request"},
                 10,
@@ -139,7 +150,7 @@ async def scenario(
         events = [e for e in logs if e.get("event") == "request"]
         ids = [e["request_id"] for e in events]
         assert len(ids) == len(set(ids)), "a request got more than one outcome"
-        assert must <= set(ids) <= {f"r{i}" for i in range(len(ops))}
+        assert must <= set(ids) <= {f"r{n}" for n in sent}
         assert all(e["outcome"] in OUTCOMES for e in events)
         reached_proxy = {int(e["request_id"][1:]) for e in events if e["reached_upstream"]}
         reached_fake = {int(r.headers["X-Request-Id"][1:]) for r in fake.generations}
@@ -151,10 +162,10 @@ async def scenario(
                 assert e["outcome"] in ("superseded", "cancelled_queued", "rejected", "reused"), e
             if e["outcome"] == "reused":
                 assert not e["reached_upstream"], e
-        too_wide = {i for i, body in sent.items() if int(str(body["n_cmpl"])) > capacity}
-        assert all(statuses[i] == 400 for i in too_wide if i in statuses), statuses
+        too_wide = {n for n, body in sent.items() if int(str(body["n_cmpl"])) > capacity}
+        assert all(statuses[n] == 400 for n in too_wide if n in statuses), statuses
         # answered at once
-        assert all(i in statuses for i in too_wide if ops[i].abort_ms is None), statuses
+        assert all(n in statuses for n in too_wide if ops[n // 10].abort_ms is None), statuses
         assert not too_wide & reached_fake
         return events
 
@@ -198,4 +209,9 @@ def test_the_mix_includes_reused_continuations() -> None:
     ops = [op(0, 0, 12, 0), op(5, 1, 3, 0), op(5, 0, 12, 2), op(5, 0, 12, 1)]
     events = asyncio.run(scenario(ops, capacity=2, linger=0.0, policy="auto"))
     outcomes = {e["request_id"]: e["outcome"] for e in events}
-    assert outcomes == {"r0": "superseded", "r1": "completed", "r2": "superseded", "r3": "reused"}
+    assert outcomes == {
+        "r0": "superseded",
+        "r10": "completed",
+        "r20": "superseded",
+        "r30": "reused",
+    }
