@@ -88,6 +88,7 @@ CONFIGS = {
     "llm.nvim.lua": 'url = "http://127.0.0.1:8080",',  # llm-ls appends /v1/completions
     "lsp-ai.languages.toml": 'completions_endpoint = "http://127.0.0.1:8080/v1/completions"',
     "tabby.config.toml": 'api_endpoint = "http://127.0.0.1:8080"',  # + /completion
+    "minuet.lua": 'end_point = "http://127.0.0.1:8080/v1/completions",',
 }
 # every URL in them (comments included) is the proxy's, on a route it serves
 ROUTES = {"", "/", "/v1", "/v1/", "/v1/models", *COMPLETION_ROUTES}
