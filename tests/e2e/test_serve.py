@@ -18,6 +18,7 @@ from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.common.children import child_preexec
 from tests.helpers.net import raw_exchange
 from tests.helpers.serve import LLMPROXY, serve, wait_for_log
+from tests.helpers.streams import read_all
 
 
 async def test_serve_subprocess_proxies_and_stops_cleanly(tmp_path: Path) -> None:
@@ -107,8 +108,10 @@ async def test_sigterm_cuts_inflight_at_the_deadline(tmp_path: Path) -> None:
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             proc.send_signal(signal.SIGTERM)
-            rest = await asyncio.wait_for(r.content.read(), 10)  # to the end the proxy gives it
+            # to the end the proxy gives it: a completion stream is cut after its error event
+            rest, whole = await asyncio.wait_for(read_all(r), 10)
         assert b'"type":"shutting_down"' in rest.rstrip().rsplit(b"\n", 1)[-1]  # the last event
+        assert not whole
         assert await asyncio.wait_for(proc.wait(), 10) == 0
         assert loop.time() - t0 < 4.5  # 2 s, plus slack
         lines = [
