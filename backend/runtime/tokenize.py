@@ -6,13 +6,15 @@ ids (``Prompt(kind="completion", tokens=...)``) and only checks them. A slot is 
 by a tokenizer: while a request is tokenized its slot serves others, and a cancel reaches
 a generation between two tokens as before.
 
-Concurrency contract (all methods on the event loop's thread):
+Concurrency contract (the public methods on the event loop's thread; ``_job`` on a
+tokenizer thread, the job count under a lock from either):
 
 * ``tokenizer_threads`` threads (a ``ThreadPoolExecutor`` this object owns) run the
   engine's prompt rules (``engines.create_prompts``), built once on one of them when the
   first worker is ready (``on_ready``; the torch engine's tokenizer comes from the
-  weights its worker loaded). llama.cpp's and Hugging Face's tokenizers release the GIL,
-  so a long tokenization does not stall the loop or the other threads.
+  weights its worker loaded). llama.cpp's tokenizer is a ctypes call, which releases the
+  GIL, so a long tokenization does not stall the loop or the other threads; a Hugging
+  Face fast tokenizer matches special tokens with an automaton (linear in the text).
 * At most ``tokenizer_threads + max_queue`` requests tokenize or wait for a thread (jobs
   whose client left count until their thread is done with them); more get ``QueueFull``
   (429 + ``Retry-After``).
@@ -25,7 +27,8 @@ Concurrency contract (all methods on the event loop's thread):
   ``PromptRefused`` with a 400 when it was being tokenized (the prompt itself costs that
   much), a 503 when it was still waiting for a thread; the thread finishes as above.
 * ``close`` (the dispatcher's stop) shuts the pool down without waiting for a running
-  job (its threads end with the C call they are in).
+  job; its thread ends with the C call it is in (the interpreter's exit waits for it,
+  within ``TokenBounds``'s bound).
 """
 
 from __future__ import annotations
