@@ -36,6 +36,7 @@ from llmproxy.bench.burst.report import TargetResult
 from llmproxy.bench.burst.run import run_target
 from llmproxy.bench.burst.settings import BurstSettings, ProfileName
 from llmproxy.bench.child import ChildFailed, child_server
+from llmproxy.bench.progress import Steps
 from llmproxy.common.config import LayeredSettings, add_settings_arguments, settings_from_args
 from llmproxy.common.logs import configure_logging
 
@@ -152,10 +153,12 @@ def _burst_settings(s: BackendsSettings, mode: str) -> BurstSettings:
     )
 
 
-async def _cell(s: BackendsSettings, mode: str, direct: str, proxied: str) -> dict[str, object]:
+async def _cell(
+    s: BackendsSettings, mode: str, direct: str, proxied: str, steps: Steps
+) -> dict[str, object]:
     burst = _burst_settings(s, mode)
-    d: TargetResult = await run_target(direct, burst)
-    p: TargetResult = await run_target(proxied, burst)
+    d: TargetResult = await run_target(direct, burst, steps)
+    p: TargetResult = await run_target(proxied, burst, steps)
     t_ms = d.baseline_s * 1000
     ds, ps = d.summary(), p.summary()
     direct_p50: float = ds["last_p50_ms"]
@@ -177,9 +180,15 @@ async def _cell(s: BackendsSettings, mode: str, direct: str, proxied: str) -> di
 async def _main(s: BackendsSettings) -> list[dict[str, object]]:
     model = resolve_model(s.model)
     rows: list[dict[str, object]] = []
-    with tempfile.TemporaryDirectory(prefix="llmproxy-bench-") as tmp:
+    parallels = s.parallel if s.server == "llama-server" else [1]
+    # per cell: both targets' baseline and bursts (bench/progress.py, on stderr)
+    per_cell = 2 * (1 + _burst_settings(s, s.modes[0]).bursts) if s.modes else 0
+    with (
+        tempfile.TemporaryDirectory(prefix="llmproxy-bench-") as tmp,
+        Steps(len(parallels) * len(s.modes) * per_cell, "bench backends") as steps,
+    ):
         work = Path(tmp)
-        for parallel in s.parallel if s.server == "llama-server" else [1]:
+        for parallel in parallels:
             port = _free_port()
             argv, ready = _backend_argv(s, model, port, parallel)
             backend = f"http://127.0.0.1:{port}"
@@ -202,7 +211,7 @@ async def _main(s: BackendsSettings) -> list[dict[str, object]]:
                 child_server(proxy_argv, work / f"proxy-{parallel}.log", proxy, "/llmproxy/health"),
             ):
                 for mode in s.modes:
-                    row = await _cell(s, mode, backend, proxy)
+                    row = await _cell(s, mode, backend, proxy, steps)
                     rows.append({"server": s.server, "parallel": parallel, **row})
                     sys.stdout.write(_line(rows[-1]) + "\n")
                     sys.stdout.flush()
