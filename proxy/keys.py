@@ -72,4 +72,3 @@ def client_keys(
     if any(not v for v in values):
         raise ValueError("a configured key is empty")
     return tuple((n, v.encode()) for n, v in zip(names, values, strict=True))
-

@@ -258,8 +258,9 @@ async def test_superseded_while_its_job_waits_on_a_client_that_lags() -> None:
     def ask(session: str) -> bytes:
         body = b'{"prompt":"a","stream":true}'
         return (
-            f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"X-LLMProxy-Session: {session}\r\nContent-Length: {len(body)}\r\n\r\n"
+            "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/json\r\nX-LLMProxy-Session: {session}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
         ).encode() + body
 
     app = web.Application()

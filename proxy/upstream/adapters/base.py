@@ -22,7 +22,6 @@ from aiohttp import encode_basic_auth
 from yarl import URL
 
 from llmproxy.common.redact import strip_userinfo, userinfo
-
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.routes import GATED_ROUTES
 from llmproxy.proxy.gating.ticket import Ticket

@@ -41,7 +41,8 @@ async def _refused(url: str, raw: bytes) -> bytes:
 async def test_slow_headers_are_cut_off(fake: FakeUpstream) -> None:
     async with run_proxy(fake.url, idle_timeout_s=0.5) as px:
         reader, writer = await _connect(px.url)
-        writer.write(b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never finishes the headers
+        # never finishes the headers
+        writer.write(b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         await writer.drain()
         t0 = time.monotonic()
         data = await asyncio.wait_for(reader.read(), 5)  # EOF: the server closed it
