@@ -21,8 +21,9 @@ is answered here for allowed origins, an allowed cross-origin answer gets
 ``Access-Control-*`` headers are never relayed (upstream/headers.py drops them).
 
 With client keys configured, a valid key (``Authorization: Bearer``, ``api-key`` or
-``x-api-key``) is needed on every route but ``/llmproxy/health``; compared in constant
-time against every key. The name of the key that matched is the caller's.
+``x-api-key``) is needed on every route but ``GET /llmproxy/health`` and the live page's
+static files (``_OPEN``); compared in constant time against every key. The name of the
+key that matched is the caller's.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ KEY_HEADERS = ("Authorization", "api-key", "x-api-key")
 CORS_ORIGIN = web.RequestKey("cors_origin", str)
 #: the name of the client key a request presented (absent: no keys configured)
 CALLER = web.RequestKey("caller", str)
-_OPEN = frozenset({"/llmproxy/health"})
+#: no key asked on GET: liveness, and the live page's own files (static, no data: a browser
+#: cannot send a key when it navigates; the page's data, /llmproxy/events, needs one)
+_OPEN = frozenset({"/llmproxy/health", "/llmproxy/", "/llmproxy/page.js", "/llmproxy/page.css"})
 _PREFLIGHT_MAX_AGE_S = "600"
 _METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
 

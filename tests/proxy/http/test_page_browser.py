@@ -106,21 +106,20 @@ async def test_the_page_asks_for_the_key_once(http: aiohttp.ClientSession) -> No
     """With keys configured the page's data needs the key, which the user pastes once into
     the page; it goes in a header (sessionStorage keeps it for the tab), never in a URL.
 
-    The page's own files need a key too under today's rules (every route but
-    /llmproxy/health), which a browser cannot send for a navigation: the browser here
-    sends it for those three files only, standing in for that exception."""
+    The page's own files are static and open (a browser cannot send a key when it
+    navigates); everything with data needs the key."""
     chromium_path()
     async with (
         FakeUpstream(slots=1) as fake,
         run_proxy(fake.url, api_key="page-key", log_flush_s=0) as px,
         chromium(http) as tab,
     ):
-        async with http.get(px.url + "/llmproxy/") as r:
-            assert r.status == 401  # see the docstring
-        await tab.add_headers(
-            ["*/llmproxy/", "*/llmproxy/page.js", "*/llmproxy/page.css"],
-            {"Authorization": "Bearer page-key"},
-        )
+        for path in ("/llmproxy/", "/llmproxy/page.js", "/llmproxy/page.css"):
+            async with http.get(px.url + path) as r:
+                assert r.status == 200, path
+        for path in ("/llmproxy/events", "/llmproxy/status", "/llmproxy/metrics"):
+            async with http.get(px.url + path) as r:
+                assert r.status == 401, path
         await tab.goto(px.url + "/llmproxy/")
         await tab.until("document.getElementById('keyform').hidden === false")
         assert await tab.eval("document.getElementById('conn').textContent") == "key needed"
