@@ -30,6 +30,7 @@ from llmproxy.proxy.http.pooled import pooled
 from llmproxy.proxy.reuse.answer import reused
 from llmproxy.proxy.reuse.registry import Follow, Waited
 from llmproxy.proxy.state import RECORD, STATE, ProxyState
+from llmproxy.proxy.twins import twin_key
 
 
 class _Sizing:
@@ -84,6 +85,7 @@ async def gated(request: web.Request) -> web.StreamResponse:
             rec.session,
             supersedable=supersedable,
             route=request.path,
+            twin=twin_key(request.path, parsed) if supersedable else None,
             permits=permits,
             sizer=sizing,
             first=first,

@@ -77,9 +77,13 @@ class Generation:
         grace_s: float = 0.0,
         on_orphaned: Callable[[], None] | None = None,
         on_superseded: Callable[[], None] | None = None,
+        on_joined: Callable[[str | None], None] | None = None,
     ) -> None:
         self.route, self.body, self.oai, self.stream = route, body, oai, stream
         self.grace_s, self.on_orphaned, self.on_superseded = grace_s, on_orphaned, on_superseded
+        # told the twin key of each reader that joins: the request it now answers, whose
+        # twins must not supersede the generation under it (the job re-keys its ticket)
+        self.on_joined = on_joined
         self.live = 1  # readers still there: the request that started it, and followers
         self._timer: asyncio.TimerHandle | None = None
         self.events: list[Event] = []
@@ -156,10 +160,13 @@ class Generation:
         self._cancel_timer()
         self._wake()
 
-    def join(self) -> int:
-        """One more reader, which supersedes the ones before it (see Turns); its turn."""
+    def join(self, key: str | None = None) -> int:
+        """One more reader, which supersedes the ones before it (see Turns); its turn.
+        ``key``: the reader's twin key (proxy/twins.py), passed on to ``on_joined``."""
         self.keep()
         self.readers += 1
+        if self.on_joined is not None:
+            self.on_joined(key)
         starter, self.on_superseded = self.on_superseded, None
         if starter is not None and not self.done:
             starter()

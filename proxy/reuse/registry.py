@@ -74,6 +74,7 @@ class Generations:
         streamed: bool,
         on_orphaned: Callable[[], None],
         on_superseded: Callable[[], None],
+        on_joined: Callable[[str | None], None] | None = None,
     ) -> Generation | None:
         """The generation a request of ``session`` starts, recorded as the session's latest;
         None when it cannot be continued (its route or body, or an answer that will not be
@@ -92,6 +93,7 @@ class Generations:
             grace_s=self.grace_s,
             on_orphaned=on_orphaned,
             on_superseded=on_superseded,
+            on_joined=on_joined,
         )
         self.begin(session, generation)
         return generation
@@ -164,7 +166,7 @@ class Generations:
                 self._raise_if_stale(session, arrival)
                 return Waited() if kept else None
             stale = functools.partial(self.stale, session, arrival)
-            return Follow(generation, len(d), generation.join(), stale)
+            return Follow(generation, len(d), generation.join(key), stale)
         finally:
             if kept:
                 generation.leave()

@@ -118,6 +118,7 @@ class UpstreamJob:
                 streamed=adapter.assembles(request.path, record.parsed_body),
                 on_orphaned=self._orphaned,
                 on_superseded=self._continued,
+                on_joined=self._joined,
             )
         self._task: asyncio.Task[object] | None = None  # set while in the transfer scope
         self._stop_cancelled = False  # stop() cancelled the task in the transfer scope
@@ -158,6 +159,12 @@ class UpstreamJob:
         self.record.outcome = "superseded"
         self.out.fail(Superseded(SUPERSEDED))
         self._leave_generation()
+
+    def _joined(self, key: str | None) -> None:
+        """A keystroke with twin key ``key`` now reads this generation: its twins (which go
+        through the gate for samples of their own) must not supersede it, a newer keystroke
+        still does. The ticket takes the reader's key."""
+        self.ticket.twin = key
 
     def _leave_generation(self) -> None:
         """This request's client reads the generation no more (once)."""

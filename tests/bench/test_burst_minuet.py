@@ -38,25 +38,13 @@ def settings(**kw: object) -> BurstSettings:
     return BurstSettings(**{**base, **kw})
 
 
-TWIN_KEY_PENDING = pytest.mark.xfail(
-    strict=True,
-    reason="the gated handler (proxy/http/handlers.py) does not pass its body's twin key to "
-    "Gate.submit yet: one upstream's twins still supersede one another",
-)
-FOLLOWER_PENDING = pytest.mark.xfail(
-    strict=True,
-    reason="a trigger's first request continues the previous trigger's generation (the fake "
-    "writes the 't' typed next), its twins go through the gate and supersede that generation "
-    "under its reader: the job has to re-key its ticket to the follower's twin key",
-)
-
-
 @pytest.mark.parametrize(
     ("admission", "type_through"),
     [
         ("pool", "off"),
-        pytest.param("single", "off", marks=TWIN_KEY_PENDING),
-        pytest.param("pool", "on", marks=FOLLOWER_PENDING),
+        ("single", "off"),
+        ("pool", "on"),
+        ("single", "on"),
     ],
 )
 async def test_minuet_through_the_proxy_sees_no_error_and_no_cut_suggestion(
@@ -72,7 +60,11 @@ async def test_minuet_through_the_proxy_sees_no_error_and_no_cut_suggestion(
             s = (await run_target(px.url, settings())).summary()
     assert s["requests"] == 4 * 3  # three twins a trigger, a trigger a keystroke
     assert (s["errors_shown"], s["cut_suggestions_shown"]) == (0, 0)
-    assert s["suggestions_shown"] == 3 and s["failed_bursts"] == 0  # the last trigger's three
+    assert s["failed_bursts"] == 0
+    if type_through == "off":
+        assert s["suggestions_shown"] == 3  # the last trigger's three
+    else:  # a follower may also be answered before the next trigger kills it
+        assert s["suggestions_shown"] >= 3
     assert s["max_running"] == 3  # each twin on a slot of its own
     finals = [g for g in fake.generations if g.body and "PLACEHOLDER" in str(g.body)][-3:]
     bodies = [{k: v for k, v in (g.body or {}).items() if k != "id_slot"} for g in finals]

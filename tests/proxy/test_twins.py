@@ -97,14 +97,12 @@ async def post(
 
 
 ROUTES = ["/v1/completions", "/infill"]
-PENDING = pytest.mark.xfail(
-    strict=True,
-    reason="the gated handler (proxy/http/handlers.py) does not pass its body's twin key to "
-    "Gate.submit yet (twin=twin_key(request.path, parsed)); then: every case on both paths",
-)
 CASES = [
-    *(("pool", route, stream, n) for route in ROUTES for stream in (False, True) for n in (2, 3)),
-    *(pytest.param("single", "/v1/completions", s, 2, marks=PENDING) for s in (False, True)),
+    (admission, route, stream, n)
+    for admission in ("single", "pool")
+    for route in ROUTES
+    for stream in (False, True)
+    for n in (2, 3)
 ]
 
 
