@@ -23,6 +23,7 @@ import argparse
 
 from llmproxy.bench.engine.bare import Bare
 from llmproxy.bench.engine.server import PROMPTS, Server
+from llmproxy.bench.progress import Steps
 
 LONG_TOKENS = 512  # the long prompt of the n_batch section
 
@@ -31,7 +32,6 @@ async def measure(
     args: argparse.Namespace, bare: Bare, ref: Bare | None, server: Server
 ) -> dict[str, list[float]]:
     """Bare / server (/ bare at the default n_batch) per prompt, then the cancel samples."""
-    import aiohttp
 
     res: dict[str, list[float]] = {
         k: []
@@ -49,13 +49,30 @@ async def measure(
             "cancel_prompt_ms",
         )
     }
+    phases = 4  # the server's start, the rounds, first tokens and cancels, the long prompt
+    with Steps(phases, "bench engine") as steps:  # on stderr, with the time left
+        return await _measure(args, bare, ref, server, res, steps)
+
+
+async def _measure(
+    args: argparse.Namespace,
+    bare: Bare,
+    ref: Bare | None,
+    server: Server,
+    res: dict[str, list[float]],
+    steps: Steps,
+) -> dict[str, list[float]]:
+    import aiohttp
+
     async with aiohttp.ClientSession() as session:
+        steps.step("the server loads")
         await server.wait_ready(session)
         # warm all sides (page cache, first-call costs)
         for b in (bare, ref):
             if b is not None:
                 b.run(PROMPTS[-1], 8)
         await server.run(session, PROMPTS[-1], 8)
+        steps.step(f"{args.rounds} rounds of {len(PROMPTS)} prompts")
         for _ in range(args.rounds):
             for prompt in PROMPTS:
                 ttft, tps, ms_tok = bare.run(prompt, args.n_predict)
@@ -70,6 +87,7 @@ async def measure(
                 res["srv_prompt_n"].append(server.last_prompt_n)
                 if ref is not None:
                     res["ref_ttft"].append(ref.ttft(prompt))
+        steps.step(f"{args.ttft_rounds} first-token rounds, {args.cancels} cancels")
         for r in range(args.ttft_rounds):  # tight pairs: ~0.3 s apart, the order alternating
             for prompt in PROMPTS:
                 if r % 2:
@@ -86,6 +104,7 @@ async def measure(
         for _ in range(args.cancels):
             res["cancel_ms"].append(await server.cancel_latency(session))
         # the n_batch section: a long prompt, evaluated from scratch
+        steps.step(f"a {LONG_TOKENS}-token prompt, bare and cancelled")
         text = "\n".join(PROMPTS)
         while len(bare.llm.tokenize(text.encode(), add_bos=False, special=True)) < LONG_TOKENS:
             text += "\n" + text

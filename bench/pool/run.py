@@ -45,6 +45,7 @@ from llmproxy.bench.pool.editors import PoolClient, editor_profile, file_text
 from llmproxy.bench.pool.report import PoolTarget, format_table, goals
 from llmproxy.bench.pool.settings import Policy, PoolSettings
 from llmproxy.bench.pool.upstreams import Upstreams, fake_pool, real_pool
+from llmproxy.bench.progress import Steps
 from llmproxy.common.config import add_settings_arguments, settings_from_args
 from llmproxy.common.logs import configure_logging
 
@@ -141,15 +142,17 @@ async def run_all(settings: PoolSettings, workdir: Path) -> list[PoolTarget]:
     if settings.single:
         plan.append(("single", "cache", 1))
     targets = []
-    for name, policy, n in plan:
-        async with _upstreams(settings, n, workdir, name) as ups:
-            target = await run_target(name, policy, ups, settings, workdir)
-        targets.append(target)
-        s = target.summary()
-        sys.stderr.write(
-            f"bench pool: {name}: last p50 {s['last_p50_ms']:.0f} ms, "
-            f"{s['prompt_evaluated']} {s['prompt_unit']} evaluated, {s['errors']} errors\n"
-        )
+    with Steps(len(plan), "bench pool") as steps:  # on stderr: the target and the time left
+        for name, policy, n in plan:
+            steps.step(f"{name} ({n} upstream{'s' if n > 1 else ''})")
+            async with _upstreams(settings, n, workdir, name) as ups:
+                target = await run_target(name, policy, ups, settings, workdir)
+            targets.append(target)
+            s = target.summary()
+            sys.stderr.write(
+                f"bench pool: {name}: last p50 {s['last_p50_ms']:.0f} ms, "
+                f"{s['prompt_evaluated']} {s['prompt_unit']} evaluated, {s['errors']} errors\n"
+            )
     return targets
 
 

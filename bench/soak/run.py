@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import sys
 import tempfile
 import time
@@ -35,6 +36,7 @@ import aiohttp
 
 from llmproxy.bench.burst.slots import SlotsPoller
 from llmproxy.bench.child import child
+from llmproxy.bench.progress import Steps
 from llmproxy.bench.soak.editor import Editor
 from llmproxy.bench.soak.result import (
     SoakResult,
@@ -59,6 +61,22 @@ async def _quiet(http: aiohttp.ClientSession, url: str, timeout_s: float) -> dic
         ) or time.monotonic() > deadline:
             return status
         await asyncio.sleep(0.05)
+
+
+async def _progress(minutes: float, end: float, stop: asyncio.Event) -> None:
+    """One progress step a minute (on stderr, with the time left) until ``end`` or ``stop``."""
+    total = max(1, math.ceil(minutes))
+    with Steps(total, "bench soak") as steps:
+        for minute in range(1, total + 1):
+            steps.step(f"minute {minute} of {total}")
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(60.0, left)):
+                    await stop.wait()
+            if stop.is_set():
+                return
 
 
 async def run_soak(settings: SoakSettings) -> SoakResult:
@@ -103,6 +121,7 @@ async def run_soak(settings: SoakSettings) -> SoakResult:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(poller.run(stop))
                 runs = [tg.create_task(e.run(end)) for e in editors]
+                tg.create_task(_progress(settings.minutes, end, stop))
                 await asyncio.wait(runs)
                 stop.set()
             result.seconds = time.monotonic() - t0
