@@ -44,8 +44,7 @@ async def test_a_flood_being_tokenized_holds_no_slot(big: Any) -> None:
             # slot, processing
             assert await asyncio.to_thread(
                 wait_until,
-                lambda: metric(big, "requests_deferred") + metric(big, "requests_processing")
-                >= 1,
+                lambda: metric(big, "requests_deferred") + metric(big, "requests_processing") >= 1,
                 30,
             ), big.log_tail()
             assert not big.slots()[0]["is_processing"], "the flood holds the slot"
@@ -59,9 +58,9 @@ async def test_a_flood_being_tokenized_holds_no_slot(big: Any) -> None:
             await asyncio.gather(flood, return_exceptions=True)
     assert elapsed < 5, elapsed
     # the flood's client left: nothing of it holds the slot for long
-    assert await asyncio.to_thread(
-        wait_until, lambda: not big.slots()[0]["is_processing"], 30
-    ), big.slots()
+    assert await asyncio.to_thread(wait_until, lambda: not big.slots()[0]["is_processing"], 30), (
+        big.slots()
+    )
 
 
 @pytest.mark.slow
@@ -76,9 +75,9 @@ async def test_a_client_that_leaves_while_tokenized_takes_no_slot(big: Any) -> N
         await asyncio.gather(flood, return_exceptions=True)
         assert not big.slots()[0]["is_processing"]
     # its tokenization ends on its thread (counted until then); it never reaches a slot
-    assert await asyncio.to_thread(
-        wait_until, lambda: metric(big, "requests_deferred") == 0, 30
-    ), big.log_tail()
+    assert await asyncio.to_thread(wait_until, lambda: metric(big, "requests_deferred") == 0, 30), (
+        big.log_tail()
+    )
     before = metric(big, "prompt_tokens_total") + metric(big, "prompt_tokens_cached_total")
     status, _ = big.post("/completion", SHORT)
     assert status == 200
