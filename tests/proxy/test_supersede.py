@@ -255,8 +255,9 @@ async def test_superseded_while_its_job_waits_on_a_client_that_lags() -> None:
         while True:
             await resp.write(piece)
 
-    def ask(session: str) -> bytes:
-        body = b'{"prompt":"a","stream":true}'
+    def ask(session: str, prompt: str) -> bytes:
+        # a newer keystroke differs: equal bodies at the same time are twins (no supersede)
+        body = b'{"prompt":"%s","stream":true}' % prompt.encode()
         return (
             "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             f"Content-Type: application/json\r\nX-LLMProxy-Session: {session}\r\n"
@@ -279,7 +280,7 @@ async def test_superseded_while_its_job_waits_on_a_client_that_lags() -> None:
     ):
         host, port = px.url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port), limit=1 << 26)
-        writer.write(ask("S"))
+        writer.write(ask("S", "a"))
         await wait_until(lambda: px.state.gate.inflight == 1, what="the stream in flight")
         job = px.state.gate.inflight_snapshot()[0].on_supersede.__self__  # type: ignore[union-attr]
         await wait_until(
@@ -288,7 +289,7 @@ async def test_superseded_while_its_job_waits_on_a_client_that_lags() -> None:
             what="the job waiting for the client to read",
         )
         _, newer = await asyncio.open_connection(host, int(port))
-        newer.write(ask("S"))
+        newer.write(ask("S", "b"))
         await wait_until(lambda: job.record.outcome == "superseded", what="the stream superseded")
         got = bytearray()
         while data := await asyncio.wait_for(reader.read(1 << 20), 30):  # all now, to the close
