@@ -134,6 +134,8 @@ async def test_embeddings_batch_holds_a_permit_per_slot_it_takes(
             await wait_until(
                 lambda: px.state.gate.queued == 1, what="the completion queued in the proxy"
             )
+        else:
+            await fake.wait_for(lambda f: f.concurrent == 2)
         hold.set()
         async with await batch as r:
             assert r.status == 200 and len((await r.json())["data"]) == vectors
