@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import structlog
 from aiohttp import web
 from pydantic import SecretStr
 
-from llmproxy.proxy.gating.breaker import CircuitBreaker
-from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.registry import JobRegistry
 from llmproxy.proxy.gating.routes import GATED_ROUTES, LLAMACPP_GATED_ROUTES, is_gated
 from llmproxy.proxy.http import admin
@@ -17,8 +15,8 @@ from llmproxy.proxy.http.handlers import gated
 from llmproxy.proxy.http.middleware import proxy_middleware
 from llmproxy.proxy.http.passthrough import passthrough
 from llmproxy.proxy.http.trust import TRUST, Trust, cors_headers
-from llmproxy.proxy.pool.lifecycle import running_pool
-from llmproxy.proxy.pool.specs import UpstreamSpec, settings_for, upstream_specs
+from llmproxy.proxy.pool.lifecycle import PoolRuntime, running_pool
+from llmproxy.proxy.pool.specs import UpstreamSpec, upstream_specs
 from llmproxy.proxy.reuse.registry import Generations
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import (
@@ -32,10 +30,7 @@ from llmproxy.proxy.state import (
 )
 from llmproxy.proxy.telemetry.metrics import Metrics
 from llmproxy.proxy.telemetry.request_log import RequestLog
-from llmproxy.proxy.upstream.detect import create_adapter
 from llmproxy.proxy.upstream.embedded import BACKEND_KEY, embedded_backend
-from llmproxy.proxy.upstream.session import open_session
-from llmproxy.proxy.upstream.watch import gate_capacity, watching
 
 log = structlog.get_logger("llmproxy.app")
 
@@ -70,62 +65,41 @@ async def _request_log_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The upstreams (one is a pool of one), run by the scheduler from start to exit."""
     s = app[SETTINGS]
-    specs = upstream_specs(s)
+    embedded = not upstream_specs(s)
+
+    def specs_for(settings: ProxySettings) -> list[UpstreamSpec]:
+        if not embedded:
+            return upstream_specs(settings)
+        # the embedded backend, with the key it was started with, stays what it is
+        key = SecretStr(app[BACKEND_KEY])
+        return [UpstreamSpec(url=app[UPSTREAM_URL], name="embedded", api_key=key)]
+
     jobs = JobRegistry()
     generations = Generations(s.reuse_ttl_s, s.reuse_grace_s) if s.type_through == "on" else None
-    if len(specs) > 1 or s.upstreams:  # [[upstreams]] tables: a pool, even of one
-        async with running_pool(s, specs) as runtime:
-            pool = runtime.pool
-            assert pool is not None
-            first = pool.members[0]
-            app[STATE] = ProxyState(
-                s, first.session, first.adapter, first.gate, jobs, app[METRICS], first.breaker,
-                generations, pool=pool,
-            )  # fmt: skip
-            app[METRICS].bind_pool(pool)
-            app[RELOAD] = lambda new: runtime.reload(upstream_specs(new))
-            yield
-            pool.close()
-            await jobs.drain(0)  # on_shutdown drained already: cut anything that started since
-        return
-    app[RELOAD] = lambda new: _reload_one(specs, upstream_specs(new))
-    if specs:
-        own = settings_for(s, specs[0])
-    else:  # the embedded backend, with the key it was started with
-        own = s.model_copy(update={"upstream_api_key": SecretStr(app[BACKEND_KEY])})
-    async with open_session(own) as session:
-        adapter = await create_adapter(session, own, app[UPSTREAM_URL])
-        gate = Gate(
-            gate_capacity(own, adapter),
-            own.max_queue,
-            retry_after_s=own.retry_after_s,
-            affinity_wait_s=own.affinity_wait_s,
-            hold_s=own.queue_hold_s,
-        )
-        app[METRICS].bind_gate(gate)
-        breaker = CircuitBreaker(own.breaker_threshold, own.breaker_cooldown_s)
-        app[METRICS].bind_breaker(breaker)
-        app[STATE] = ProxyState(
-            own, session, adapter, gate, jobs, app[METRICS], breaker, generations
-        )
-        async with watching(app[STATE]):  # learns what detection could not, while serving
-            yield
-        gate.close()
+    async with running_pool(s, specs_for(s)) as runtime:
+        pool = runtime.pool
+        assert pool is not None
+        app[STATE] = ProxyState(s, pool, jobs, app[METRICS], generations)
+        app[METRICS].bind_pool(pool)
+        app[RELOAD] = lambda new: _reload(runtime, embedded, new, specs_for)
+        yield
+        pool.close()
         await jobs.drain(0)  # on_shutdown drained already: cut anything that started since
-        app[STATE].adapter.close()  # the one in use (the watcher may have replaced detection's)
 
 
-def _reload_one(specs: list[UpstreamSpec], new: list[UpstreamSpec]) -> None:
-    """One ``--upstream`` (or the embedded backend) runs without a pool: its upstream stays."""
-    if new != specs:
+def _reload(
+    runtime: PoolRuntime,
+    embedded: bool,
+    new: ProxySettings,
+    specs_for: Callable[[ProxySettings], list[UpstreamSpec]],
+) -> None:
+    if embedded and upstream_specs(new):
         log.warning(
-            "reload: the upstreams change only in a pool (several, or [[upstreams]] tables); "
-            "restart llmproxy to change them",
-            configured=[x.label for x in new],
+            "reload: llmproxy runs its own backend; restart it to put upstreams in its place"
         )
-    else:
-        log.info("reload: the upstreams are unchanged")
+    runtime.reload(specs_for(new))
 
 
 async def _on_shutdown(app: web.Application) -> None:
@@ -135,9 +109,7 @@ async def _on_shutdown(app: web.Application) -> None:
     server.py owns the sequence)."""
     if STATE in app:
         st = app[STATE]
-        if st.pool is not None:
-            st.pool.close()
-        st.gate.close()
+        st.pool.close()
         await st.jobs.drain(st.settings.shutdown_timeout_s)
 
 

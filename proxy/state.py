@@ -6,12 +6,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from llmproxy.common.server import StopRequest
-from llmproxy.proxy.gating.breaker import CircuitBreaker
-from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.registry import JobRegistry
 from llmproxy.proxy.pool.pool import Pool
 from llmproxy.proxy.reuse.registry import Generations
@@ -24,48 +21,37 @@ from llmproxy.proxy.upstream.adapters.base import Adapter
 
 @dataclass(eq=False)
 class ProxyState:
+    """What the app's requests share: settings, the scheduler over the upstreams (a pool of
+    one with one upstream), the jobs, metrics and type-through's registry."""
+
     settings: ProxySettings
-    session: aiohttp.ClientSession
-    adapter: Adapter
-    gate: Gate
+    pool: Pool
     jobs: JobRegistry
     metrics: Metrics
-    breaker: CircuitBreaker
     generations: Generations | None = None  # type-through; None when off
-    # several upstreams: requests are routed among them (adapter, gate and breaker above
-    # are then the first upstream's, for what is not per request)
-    pool: Pool | None = None
 
     def passthrough_adapter(self) -> Adapter:
         """The adapter an ungated request goes to: the first upstream in rotation."""
-        if self.pool is not None:
-            members = self.pool.rotation() or self.pool.members
-            return members[0].adapter
-        return self.adapter
+        members = self.pool.rotation() or self.pool.members
+        return members[0].adapter
 
     def gated_routes(self) -> frozenset[str]:
         """Routes gated on some upstream (several: on any of them)."""
-        if self.pool is not None:
-            return frozenset().union(*(m.adapter.gated_routes for m in self.pool.members))
-        return self.adapter.gated_routes
+        return frozenset().union(*(m.adapter.gated_routes for m in self.pool.members))
 
+    @staticmethod
     def policy(
-        self,
-        configured: str,
-        path: str | None = None,
-        adapter: Adapter | None = None,
-        parsed: Any = None,
+        configured: str, adapter: Adapter, path: str | None = None, parsed: Any = None
     ) -> str:
-        """Resolve 'auto': cancel where the adapter (``adapter``, else the one in use) can
-        confirm the stop (on ``path``), or where closing a stream stops its generation at the
-        next token (``Adapter.stops_streams``, a request asking for a stream or sent as one,
+        """Resolve 'auto': cancel where ``adapter`` can confirm the stop (on ``path``), or
+        where closing a stream stops its generation at the next token
+        (``Adapter.stops_streams``, a request asking for a stream or sent as one,
         ``Adapter.assembles``); else finish."""
         if configured == "auto":
-            a = adapter or self.adapter
-            confirms = a.confirms(path) if path else a.can_confirm
+            confirms = adapter.confirms(path) if path else adapter.can_confirm
             stream = isinstance(parsed, dict) and parsed.get("stream") is True
-            stream = stream or (path is not None and a.assembles(path, parsed))  # sent as one
-            return "cancel" if confirms or (stream and a.stops_streams) else "finish"
+            stream = stream or (path is not None and adapter.assembles(path, parsed))
+            return "cancel" if confirms or (stream and adapter.stops_streams) else "finish"
         return configured
 
 

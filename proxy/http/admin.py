@@ -21,16 +21,18 @@ from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.http.events import PAGES, Pages, close_pages, events
 from llmproxy.proxy.pool.specs import upstream_specs
 from llmproxy.proxy.state import REQUEST_LOG, SETTINGS, STATE, ProxyState
+from llmproxy.proxy.upstream.adapters.base import Adapter
 
 
 async def health(request: web.Request) -> web.Response:
     """Liveness: always 200 while the proxy serves. ``status`` is ``degraded`` (with
     ``reasons``) while an upstream cannot be reached, as far as the proxy knows without
-    sending anything: detection still failing, its breaker open, its last request unable to
-    connect, or (several upstreams) its health probe failing."""
+    sending anything: detection or its health probe failing, its breaker open, or its last
+    request unable to connect."""
     st = request.app[STATE]
     reasons = _degraded(st)
-    body: dict[str, Any] = {"status": "degraded" if reasons else "ok", "upstream": st.adapter.kind}
+    kind = st.pool.members[0].adapter.kind
+    body: dict[str, Any] = {"status": "degraded" if reasons else "ok", "upstream": kind}
     if reasons:
         body["reasons"] = reasons
     return web.json_response(body)
@@ -38,54 +40,28 @@ async def health(request: web.Request) -> web.Response:
 
 def _degraded(st: ProxyState) -> list[str]:
     unreachable = st.metrics.recent.unreachable
-    if st.pool is not None:
-        reasons = []
-        for m in st.pool.members:
-            if not m.healthy:
-                reasons.append(f"upstream {m.name}: its health probe fails")
-            elif m.breaker.state != "closed":
-                reasons.append(f"upstream {m.name}: failing, circuit breaker {m.breaker.state}")
-            elif m.name in unreachable:
-                reasons.append(f"upstream {m.name}: {unreachable[m.name]}")
-        return reasons
     reasons = []
-    if st.adapter.undetected:
-        reasons.append("the upstream has not answered yet (detection goes on while serving)")
-    if st.breaker.state != "closed":
-        reasons.append(f"the upstream is failing: circuit breaker {st.breaker.state}")
-    if "" in unreachable:
-        reasons.append(f"the last request could not reach the upstream: {unreachable['']}")
+    for m in st.pool.members:
+        if m.adapter.undetected:
+            reasons.append(f"upstream {m.name}: it has not answered yet (detection goes on)")
+        elif not m.healthy:
+            reasons.append(f"upstream {m.name}: its health probe fails")
+        elif m.breaker.state != "closed":
+            reasons.append(f"upstream {m.name}: failing, circuit breaker {m.breaker.state}")
+        elif m.name in unreachable:
+            reasons.append(f"upstream {m.name}: {unreachable[m.name]}")
     return reasons
 
 
 async def status(request: web.Request) -> web.Response:
-    st = request.app[STATE]
-    if st.pool is not None:
-        return web.json_response(pool_status(st))
-    gate = st.gate
-    now = time.monotonic()
-    return web.json_response(
-        {
-            "permits": {"total": gate.capacity, "free": gate.free, "held": gate.held},
-            "queue": {
-                "depth": gate.queued,
-                "max": gate.max_queue,
-                "requests": [_queued(t, now) for t in gate.queue_snapshot()],
-            },
-            # slots whose stop was not confirmed in time: out of the grants until seen idle
-            "quarantine": {"slots": gate.quarantined},
-            "inflight": [_inflight(t, now) for t in gate.inflight_snapshot()],
-            "upstream": st.adapter.describe(),
-            "jobs": len(st.jobs),
-            "breaker": st.breaker.state,
-            "policies": _policies(st),
-        }
-    )
+    return web.json_response(status_of(request.app[STATE]))
 
 
-def pool_status(st: ProxyState) -> dict[str, Any]:
-    """Several upstreams: the same fields, pool-wide, and ``upstreams``, one entry each."""
-    assert st.pool is not None
+def status_of(st: ProxyState) -> dict[str, Any]:
+    """One shape, for one upstream or several: ``upstreams`` has an entry for each (its
+    permits, breaker, quarantined slots, ...). The top-level ``permits``, ``queue``,
+    ``inflight`` and ``jobs`` are proxy-wide (``bench soak`` waits on them); ``upstream``
+    and ``policies`` are the first upstream's."""
     members, now = st.pool.members, time.monotonic()
     gates = [m.gate for m in members]
     return {
@@ -107,7 +83,6 @@ def pool_status(st: ProxyState) -> dict[str, Any]:
                 for e in st.pool.queue
             ],
         },  # fmt: skip
-        "quarantine": {"slots": [f"{m.name}/{s}" for m in members for s in m.gate.quarantined]},
         "inflight": [
             {**_inflight(t, now), "upstream": m.name}
             for m in members
@@ -115,8 +90,7 @@ def pool_status(st: ProxyState) -> dict[str, Any]:
         ],
         "upstream": members[0].adapter.describe(),
         "jobs": len(st.jobs),
-        "breaker": "closed" if any(m.breaker.state == "closed" for m in members) else "open",
-        "policies": {**_policies(st), "route": st.settings.route},
+        "policies": {**_policies(st, members[0].adapter), "route": st.settings.route},
         "upstreams": [m.describe() for m in members],
     }
 
@@ -133,24 +107,12 @@ def _inflight(t: Ticket, now: float) -> dict[str, Any]:
     }
 
 
-def _queued(t: Ticket, now: float) -> dict[str, Any]:
+def _policies(st: ProxyState, adapter: Adapter) -> dict[str, Any]:
     return {
-        "id": t.id,
-        "route": t.route,
-        "permits": t.permits,
-        "session": t.session[:8],
-        "age_s": round(now - t.created, 3),
-    }
-
-
-def _policies(st: ProxyState) -> dict[str, Any]:
-    return {
-        "supersede_inflight": st.policy(st.settings.supersede_inflight),
-        "on_disconnect": st.policy(st.settings.on_disconnect),
+        "supersede_inflight": st.policy(st.settings.supersede_inflight, adapter),
+        "on_disconnect": st.policy(st.settings.on_disconnect, adapter),
         # gated routes whose stop this upstream cannot confirm: 'auto' is 'finish' there
-        "unconfirmed_routes": sorted(
-            r for r in st.adapter.gated_routes if not st.adapter.confirms(r)
-        ),
+        "unconfirmed_routes": sorted(r for r in adapter.gated_routes if not adapter.confirms(r)),
     }
 
 

@@ -1,5 +1,5 @@
 """Running a request that holds its permits: its upstream job, and its handler's wait for the
-response (the last part of the gated handler, for one upstream or a pool's).
+response (the last part of the gated handler).
 
 Concurrency contract: see handlers.py. The job owns the permits from ``UpstreamJob``'s
 construction on; this handler only waits for the outcome and tells the job if its client
@@ -71,9 +71,9 @@ async def forward_granted(
             breaker=target.breaker,
             breaker_probe=probe,
             supersede_policy=st.policy(
-                s.supersede_inflight, request.path, adapter, rec.parsed_body
+                s.supersede_inflight, adapter, request.path, rec.parsed_body
             ),
-            disconnect_policy=st.policy(s.on_disconnect, request.path, adapter, rec.parsed_body),
+            disconnect_policy=st.policy(s.on_disconnect, adapter, request.path, rec.parsed_body),
             unconfirmed_hold_s=s.unconfirmed_cancel_hold_s,
             generations=st.generations if continuable(s, request.path, rec.parsed_body) else None,
         )

@@ -26,17 +26,12 @@ def picture(st: ProxyState, since: int = 0) -> dict[str, Any]:
     """The whole picture; ``timeline`` holds the requests finished after number ``since``."""
     now = time.monotonic()
     recent = st.metrics.recent
-    if st.pool is not None:
-        upstreams = [
-            _upstream(m.name, m.adapter.kind, m.gate, st.generations, now, healthy=m.in_rotation)
-            for m in st.pool.members
-        ]
-        places: list[tuple[str, Any]] = st.pool.queue.places()
-        max_queue = st.pool.max_queue
-    else:
-        name = str(st.adapter.describe()["url"])
-        upstreams = [_upstream(name, st.adapter.kind, st.gate, st.generations, now, healthy=True)]
-        places, max_queue = st.gate.places(), st.gate.max_queue
+    upstreams = [
+        _upstream(m.name, m.adapter.kind, m.gate, st.generations, now, healthy=m.in_rotation)
+        for m in st.pool.members
+    ]
+    places: list[tuple[str, Any]] = st.pool.queue.places()
+    max_queue = st.pool.max_queue
     return {
         "upstreams": upstreams,
         "queue": {"max": max_queue, "places": [_place(s, w, now) for s, w in places]},

@@ -1,5 +1,5 @@
-"""The gated handler's path with several upstreams: the pool's queue, then the upstream the
-request was routed to, as with one upstream (granted.py).
+"""The gated handler's path through the scheduler (pool/pool.py, one upstream or several):
+its queue, then the upstream the request was granted on (granted.py).
 
 Failover: a request whose connection to its upstream could not be made (refused,
 unreachable, connect timeout: none of its bytes left) goes to another upstream in rotation,
@@ -28,7 +28,6 @@ async def pooled(
     st: ProxyState, request: web.Request, raw: bytes, supersedable: bool, first: bool = False
 ) -> web.StreamResponse:
     """``first``: at the queue's head (see ``Pool.submit``)."""
-    assert st.pool is not None
     rec = request[RECORD]
     parsed = rec.parsed_body
     member, resp = await _once(st, request, raw, parsed, supersedable, None, first)
@@ -50,7 +49,6 @@ async def _once(
 ) -> tuple[Member, web.StreamResponse | None]:
     """One try: (the upstream, the response; None if it failed before anything was sent and
     another try may go elsewhere)."""
-    assert st.pool is not None
     rec = request[RECORD]
     path = request.path
 
@@ -76,7 +74,7 @@ async def _once(
     rec.queue_wait_s = time.monotonic() - entry.created
     rec.permits = placement.ticket.permits
     rec.upstream_name, rec.route_decision = m.name, placement.decision
-    target = Target(m.gate, m.breaker, m.adapter)
+    target = Target(m.gate, m.breaker, placement.adapter)
     try:
         resp = await forward_granted(st, target, placement.ticket, request, raw, placement.probe)
     except (UpstreamUnreachable, UpstreamConnectTimeout):

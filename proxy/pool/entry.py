@@ -1,16 +1,16 @@
-"""A request in a pool's queue (``Entry``) and where it was granted (``Placement``)."""
+"""A request in the scheduler's queue (``Entry``) and where it was granted (``Placement``)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmproxy.proxy.errors import ProxyError
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.router import Request
+from llmproxy.proxy.upstream.adapters.base import Adapter
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,16 +20,20 @@ class Placement:
     probe: bool  # it holds the member's breaker probe
     decision: str
     cached_chars: int
+    adapter: Adapter  # the upstream's adapter in force at the grant: the request's
 
 
 @dataclass(eq=False)
 class Entry:
+    """``ticket`` is its claim, granted on the upstream it is placed on (its ``permits``
+    are decided then, by that upstream's adapter in force then)."""
+
     id: int
     session: str
     supersedable: bool
     route: str
     request: Request
-    sizer: Callable[[Member], Callable[[int], int]]
+    ticket: Ticket
     exclude: Member | None
     future: asyncio.Future[Placement]
     prompt_chars: int = 0
@@ -38,6 +42,7 @@ class Entry:
     placement: Placement | None = None
 
     def end(self, error: ProxyError) -> None:
+        self.ticket.state = "done"
         if not self.future.done():
             self.future.set_exception(error)
             self.future.exception()  # retrieved: its waiter may be gone

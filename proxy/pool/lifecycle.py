@@ -1,25 +1,36 @@
-"""A pool's upstreams from start to exit, and changes to the set while serving (reload).
+"""The upstreams from start to exit, and changes to the set while serving (reload).
 
-Each upstream is detected exactly as the one upstream is (detect.py, with its own settings
-and ClientSession), gets its gate sized the same way (watch.gate_capacity) and is watched
-for what detection could not learn yet (watch.py). ``PoolRuntime.reload`` applies a new
-list of upstreams: an added one is detected and joins the rotation; a removed or changed
-one leaves the rotation at once (``draining``), keeps its requests in flight until they
-finish (or are cancelled and confirmed stopped), then goes. Reloads run one at a time, in
-one task the runtime owns; teardown cancels it.
+One upstream is a pool of one: the embedded backend and a single ``--upstream`` run here
+exactly as several do. Each upstream is detected (detect.py, with its own settings and
+ClientSession), gets its gate sized by ``watch.gate_capacity`` and is watched for what
+detection could not learn yet (watch.py), each on its own.
+
+``PoolRuntime.reload`` applies a new list of upstreams. A member is the server (its URL),
+not the config entry:
+
+- a server still listed keeps its member and its live slot state; a changed entry (name,
+  weight, capacity, kind, key) updates it in place (``Member.update``; a new kind or key
+  brings a new client and adapter, the old client closing once what ran on it is done);
+- an added server is detected and joins the rotation;
+- a removed one leaves the rotation at once (``draining``) and is closed only once every
+  permit and every quarantined slot of its gate is back (``Gate.wait_quiescent``).
+
+Reloads run one at a time in one task the runtime owns; they never wait on a drain:
+drains run in their own tasks, and a reload is logged when applied. Teardown cancels all.
 
 Concurrency contract: event loop thread only. The runtime owns each member's watcher (an
-exit stack per member), the health probe task and the reload task; ``running_pool``'s exit
-(after the app closed the pool and drained its requests) cancels them and closes every
-member's adapter and session.
+exit stack per member), the health probe task, the reload task and the drain tasks;
+``running_pool``'s exit (after the app closed the pool and drained its requests) cancels
+them and closes every member's adapter and session.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
+import aiohttp
 import structlog
 
 from llmproxy.proxy.gating.gate import Gate
@@ -28,27 +39,27 @@ from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.pool import Pool
 from llmproxy.proxy.pool.specs import UpstreamSpec, settings_for
 from llmproxy.proxy.settings import ProxySettings
+from llmproxy.proxy.upstream.adapters.base import Adapter
 from llmproxy.proxy.upstream.detect import create_adapter
 from llmproxy.proxy.upstream.session import open_session
-from llmproxy.proxy.upstream.watch import gate_capacity, watching
+from llmproxy.proxy.upstream.watch import fit_gate, gate_capacity, watching
 
 log = structlog.get_logger("llmproxy.pool")
 
 
-async def _member(settings: ProxySettings, spec: UpstreamSpec) -> Member:
-    own = settings_for(settings, spec)
+async def _client(own: ProxySettings, url: str) -> tuple[aiohttp.ClientSession, Adapter]:
     session = open_session(own)
     try:
-        adapter = await create_adapter(session, own, spec.url)
+        return session, await create_adapter(session, own, url)
     except BaseException:
         await session.close()
         raise
-    gate = Gate(
-        gate_capacity(own, adapter),
-        own.max_queue,
-        retry_after_s=own.retry_after_s,
-        affinity_wait_s=own.affinity_wait_s,
-    )  # no hold_s: a request's place is kept in the pool's queue, where requests wait
+
+
+async def _member(settings: ProxySettings, spec: UpstreamSpec) -> Member:
+    own = settings_for(settings, spec)
+    session, adapter = await _client(own, spec.url)
+    gate = Gate(gate_capacity(own, adapter), affinity_wait_s=own.affinity_wait_s)
     return Member(spec, own, session, adapter, gate)
 
 
@@ -60,6 +71,7 @@ class PoolRuntime:
         self._stacks: dict[Member, contextlib.AsyncExitStack] = {}
         self._reload: asyncio.Task[None] | None = None
         self._next: list[UpstreamSpec] | None = None  # a reload asked for while one runs
+        self._tasks: set[asyncio.Task[None]] = set()  # drains, and retired clients' closes
 
     async def start(self, specs: list[UpstreamSpec]) -> Pool:
         members = await self._detect(specs)
@@ -89,7 +101,7 @@ class PoolRuntime:
     async def _watch(self, m: Member) -> None:
         stack = self._stacks[m] = contextlib.AsyncExitStack()
         await stack.enter_async_context(watching(m))
-        log.info("pool upstream", upstream=m.name, healthy=m.healthy, **m.adapter.describe())
+        log.info("upstream", upstream=m.name, healthy=m.healthy, **m.adapter.describe())
 
     # -- reload -----------------------------------------------------------------------
     def reload(self, specs: list[UpstreamSpec]) -> None:
@@ -103,6 +115,11 @@ class PoolRuntime:
         while self._reload is not None and not self._reload.done():
             await asyncio.wait([self._reload])
 
+    async def wait_drained(self) -> None:
+        """Return once every leaving upstream is closed (tests)."""
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))
+
     async def _reloading(self) -> None:
         while self._next is not None:
             specs, self._next = self._next, None
@@ -114,32 +131,77 @@ class PoolRuntime:
     async def _apply(self, specs: list[UpstreamSpec]) -> None:
         pool = self.pool
         assert pool is not None
-        current = {m.spec: m for m in pool.members if not m.draining}
-        leaving = [m for spec, m in current.items() if spec not in specs]
-        joining = [s for s in specs if s not in current]
-        if not leaving and not joining:
+        current = {m.spec.url: m for m in pool.members if not m.draining}
+        wanted = {s.url: s for s in specs}
+        leaving = [m for url, m in current.items() if url not in wanted]
+        joining = [s for url, s in wanted.items() if url not in current]
+        changed = [(current[u], s) for u, s in wanted.items() if u in current]
+        changed = [(m, s) for m, s in changed if m.spec != s]
+        if not leaving and not joining and not changed:
             log.info("reload: the upstreams are unchanged")
             return
         added = await self._detect(joining)
+        for m, spec in changed:
+            await self._update(m, spec)
         for m in added:
             await self._watch(m)
             pool.add(m)
         for m in leaving:
             m.draining = True  # no more grants; its requests in flight go on
+            self._spawn(self._drain(m), f"llmproxy-drain-{m.name}")
         pool.advance()
         log.info(
             "reload: upstreams changed",
             joined=[m.name for m in added],
+            changed=[m.name for m, _ in changed],
             leaving=[m.name for m in leaving],
         )
-        await asyncio.gather(*(self._drain(m) for m in leaving))
+
+    async def _update(self, m: Member, spec: UpstreamSpec) -> None:
+        """``m``'s server stays; its entry changed (see ``Member.update``)."""
+        assert self.pool is not None
+        own = settings_for(self.settings, spec)
+        old = m.spec
+        if (spec.kind, spec.api_key) != (old.kind, old.api_key):
+            session, adapter = await _client(own, spec.url)
+            retired, m.session = m.session, session
+            m.adapter.close()  # jobs running on it keep it; its connections close as they end
+            m.adapter = adapter
+            self._spawn(self._retire(m, retired), f"llmproxy-retire-{m.name}")
+        for listener in self.pool.listeners:
+            listener(m, False)  # its metrics go under its new name
+        m.update(spec, own)
+        for listener in self.pool.listeners:
+            listener(m, True)
+        wanted = gate_capacity(own, m.adapter, warn=False)
+        if wanted < m.gate.total:
+            log.warning(
+                "reload: fewer permits take effect at the next start",
+                upstream=m.name,
+                permits=m.gate.total,
+                asked=wanted,
+            )
+        fit_gate(m.gate, own, m.adapter)
+
+    async def _retire(self, m: Member, session: aiohttp.ClientSession) -> None:
+        """Close a client a reload replaced, once nothing holds the member's permits."""
+        try:
+            await m.gate.wait_quiescent()
+        finally:  # at teardown too
+            await session.close()
 
     async def _drain(self, m: Member) -> None:
-        await m.gate.wait_quiescent()
+        await m.gate.wait_quiescent()  # every permit and every quarantined slot back
         assert self.pool is not None
         self.pool.remove(m)
         await self._forget(m)
         log.info("upstream left the pool", upstream=m.name)
+
+    def _spawn(self, work: Awaitable[None], name: str) -> None:
+        task = asyncio.ensure_future(work)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _forget(self, m: Member) -> None:
         self._owned.discard(m)
@@ -149,9 +211,11 @@ class PoolRuntime:
         await m.close()
 
     async def close(self) -> None:
-        if self._reload is not None:
-            self._reload.cancel()
-            await asyncio.wait([self._reload])
+        tasks = [*self._tasks, *([self._reload] if self._reload is not None else [])]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
         for m in list(self._owned):  # in the pool, or joining or leaving when cut short
             await self._forget(m)
 

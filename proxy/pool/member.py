@@ -1,4 +1,5 @@
-"""One upstream of a pool: its adapter, permits (gate), breaker, health and prompt index.
+"""One upstream of the scheduler's pool (of one or several): its adapter, permits (gate),
+breaker, health and prompt index.
 
 Everything an upstream has when it is the only one, built the same way from its own
 settings (specs.py): its permits are its slots and its gate keeps its own session -> slot
@@ -55,8 +56,23 @@ class Member:
         return permits <= self.gate.total
 
     def has_room(self, permits: int) -> bool:
-        """Can a request needing ``permits`` be granted here at once?"""
-        return self.gate.free >= permits and not self.gate.queued
+        """Are ``permits`` free here now?"""
+        return self.gate.free >= permits
+
+    def learnt(self) -> None:
+        """Re-detection (upstream/watch.py) found the upstream answering: in rotation (the
+        health probe agrees from its next round), and the queue may move."""
+        self.healthy = True
+        if self.gate.on_advance is not None:
+            self.gate.on_advance()
+
+    def update(self, spec: UpstreamSpec, settings: ProxySettings) -> None:
+        """A reload changed this server's entry (name, weight, capacity, ...): the member
+        stays, with its live slot state; only more permits can be added while it serves
+        (fewer need a restart: a permit granted now may name any slot it has)."""
+        self.spec, self.name, self.settings = spec, spec.label, settings
+        self.breaker.threshold = settings.breaker_threshold
+        self.breaker.cooldown_s = settings.breaker_cooldown_s
 
     def load(self) -> float:
         """Permits held per unit of weight (least-busy's measure)."""

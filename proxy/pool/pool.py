@@ -1,26 +1,36 @@
-"""The pool: one FIFO wait queue in front of several upstreams, each with its own permits.
+"""The scheduler: the one admission path, with one upstream (a pool of one) or several.
 
-Concurrency contract (the Gate's, gating/gate.py, with the upstream chosen at the grant):
+It owns the wait queue and every ordering rule: FIFO, queue-full, held places, supersede
+and twins, the head of the queue for a keystroke that waited, the breaker's probe, and
+where the head goes (router.py). Each upstream's gate (gating/gate.py) keeps only its slot
+state: permits, slot affinity, quarantine. Concurrency contract:
 
 - ``submit`` never blocks. It admits a request (``QueueFull``, ``ShuttingDown``;
-  ``UpstreamUnavailable`` when no upstream is in rotation, so a dead pool fails fast;
+  ``UpstreamUnavailable`` when no upstream is in rotation, so a dead upstream fails fast;
   ``BadRequest`` when it fits no upstream), supersedes the session's queued requests (the
   newcomer takes the first one's place, or the place its last one left:
   gating/waitlist.py) and asks the session's requests in flight on every upstream to
   stop, then queues an ``Entry``. Twins (proxy/twins.py: the session's requests whose body
-  equals the newcomer's) are left alone, here and on every upstream's gate, as by the
-  gate itself.
-- ``advance`` (on every submit, and whenever an upstream's gate gives permits back, a
-  health probe changes, or a routing wait ends) hands the queue's head to the upstream the
-  router picks (router.py): it submits the request to that upstream's gate, which grants
-  it at once or (waiting for the session's slot being stopped there) soon. Strict FIFO: a
-  head that cannot go anywhere yet holds up the queue behind it.
-- ``acquire`` blocks the request's handler until its permit is granted there, at most the
-  queue timeout (``QueueTimeout``). A cancelled or timed-out waiter abandons its entry:
-  out of the queue, or its upstream's permit returned. From the grant on, the upstream's
-  gate, breaker and adapter are the request's, exactly as with one upstream.
+  equals the newcomer's) are left alone, in the queue and on every gate. Only an admitted
+  newcomer supersedes anything, so a 429 never costs the session its running request.
+- ``advance`` (on every submit, and whenever a gate gives permits back, a health probe or
+  a re-detection changes an upstream, a reload applies, or a routing or affinity wait
+  ends) grants the queue's head on the upstream the router picks, at once: the permits it
+  needs there are asked of that upstream's adapter in force now (never counted earlier),
+  and it must not be waiting for its session's slot being stopped there. Strict FIFO: a
+  head that cannot go anywhere yet holds up the queue behind it (a wide request cannot
+  starve). A breaker's half-open probe is the request granted on that upstream while its
+  probe is free; the probe is returned by the request's report, or when it leaves before
+  its job took the permits.
+- ``acquire`` blocks the request's handler until it is granted, at most the queue timeout
+  (``QueueTimeout``). A cancelled or timed-out waiter abandons its entry: out of the queue
+  (a supersedable one leaves a held place), or its untaken permits and probe back. From
+  the grant on, the upstream's gate, breaker and adapter are the request's job's.
+- ``supersede_queued`` ends the session's queued requests that a newer one answered
+  elsewhere (type-through) supersedes.
 
-Event loop thread only; the one timer (a routing wait) is a loop handle owned by the pool.
+Event loop thread only; the one timer (a routing wait) is a loop handle owned by the
+scheduler.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from llmproxy.proxy.errors import (
     Superseded,
 )
 from llmproxy.proxy.gating.breaker import UpstreamUnavailable
+from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.gating.waitlist import WaitList
 from llmproxy.proxy.pool.entry import Entry, Placement
 from llmproxy.proxy.pool.member import Member
@@ -49,7 +60,8 @@ from llmproxy.proxy.pool.router import Choice, Request, Router, Wait
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.twins import twin_key
 
-#: permits a request needs on an upstream (BadRequest: it cannot run there)
+#: permits a request needs on an upstream, asked of its adapter with its slot count
+#: (BadRequest: it cannot run there)
 Sizing = Callable[[Member, int], int]
 
 
@@ -60,9 +72,11 @@ class Pool:
         self.router = Router(settings.route, settings.affinity_wait_s)
         self.max_queue = settings.max_queue
         self.queue: WaitList[Entry] = WaitList(settings.queue_hold_s, settings.max_queue)
+        self._sizing: dict[int, Sizing] = {}  # entry id -> its sizing
         self._ids = itertools.count(1)
         self._closed = False
         self._advancing = False
+        self._again = False
         self._timer: asyncio.TimerHandle | None = None
         self._idle = asyncio.Event()
         self._idle.set()
@@ -82,7 +96,7 @@ class Pool:
         self.advance()
 
     def remove(self, member: Member) -> None:
-        """A drained upstream leaves (reload): nothing of it is queued or in flight."""
+        """A drained upstream leaves (reload): nothing holds its permits or slots."""
         self.members.remove(member)
         member.gate.on_advance = None
         for listener in self.listeners:
@@ -103,53 +117,46 @@ class Pool:
         """Admit a request (see the module's contract); ``exclude``: a failover, which goes
         to the head of the queue and to another upstream than the one it failed on.
         ``first``: to the head of the queue too (a keystroke that waited on its session's
-        generation, type-through)."""
+        generation, type-through); the queue's bound does not refuse either."""
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
         members = [m for m in self.rotation() if m is not exclude]
         if not members:
-            retry = {"Retry-After": str(max(1, round(self.settings.health_interval_s)))}
-            raise UpstreamUnavailable("no upstream is available", headers=retry)
-        sized: dict[int, int | None] = {}
-        first_error: BadRequest | None = None
-
-        def permits(m: Member) -> int | None:
-            nonlocal first_error
-            if id(m) not in sized:
-                try:
-                    sized[id(m)] = sizing(m, m.gate.total)
-                except BadRequest as exc:
-                    first_error = first_error or exc
-                    sized[id(m)] = None
-            return sized[id(m)]
-
-        if all(permits(m) is None for m in members) and first_error is not None:
-            raise first_error
+            raise self._unavailable(exclude)
+        sized = [_size(sizing, m) for m in members]
+        if not any(isinstance(n, int) for n in sized):
+            raise next(n for n in sized if isinstance(n, BadRequest))
         twin = twin_key(route, parsed) if supersedable else None
         placed, replaced = self.queue.place_of(session, twin) if supersedable else (False, None)
         if replaced is None and exclude is None and not first and len(self.queue) >= self.max_queue:
-            if self.queue or not any(m.has_room(permits(m) or 1) for m in members):
+            room = any(
+                isinstance(n, int) and m.gate.free >= n for m, n in zip(members, sized, strict=True)
+            )
+            if self.queue or not room:
                 raise QueueFull(
                     f"queue full ({self.max_queue} waiting)",
                     headers={"Retry-After": str(self.settings.retry_after_s)},
                 )
         text = prompt_text(route, parsed) if self.settings.route == "cache" else ""
+        loop = asyncio.get_running_loop()
+        ident = next(self._ids)
+        ticket = Ticket(ident, session, supersedable, route, loop.create_future(), twin=twin)
         entry = Entry(
-            next(self._ids),
+            ident,
             session,
             supersedable,
             route,
-            Request(session, block_hashes(text), permits, time.monotonic()),
-            lambda m: lambda capacity: sizing(m, capacity),
+            Request(session, block_hashes(text), time.monotonic()),
+            ticket,
             exclude,
-            asyncio.get_running_loop().create_future(),
+            loop.create_future(),
             prompt_chars=len(text),
             twin=twin,
         )
+        self._sizing[ident] = sizing
         self._idle.clear()
         if supersedable:
             for m in self.members:
-                m.gate.supersede_queued(session, twin)
                 m.gate.supersede_inflight(session, twin)
         if placed:  # the first rival's position (or its hold's: see gating/waitlist.py)
             rivals = self.queue.rivals(session, twin)  # all superseded
@@ -157,7 +164,7 @@ class Pool:
             for rival in rivals:
                 if rival is not replaced:
                     self.queue.discard(rival)
-                rival.end(Superseded(SUPERSEDED))
+                self._end(rival, Superseded(SUPERSEDED))
         elif exclude is not None or first:
             self.queue.push_front(entry)
         else:
@@ -165,43 +172,56 @@ class Pool:
         self.advance()
         return entry
 
+    def supersede_queued(self, session: str, twin: str | None) -> None:
+        """A newer request of ``session`` (twin key ``twin``) was answered without queueing
+        (type-through): it supersedes the session's queued requests, but for its twins."""
+        rivals = self.queue.rivals(session, twin)
+        for rival in rivals:
+            self.queue.discard(rival)
+            self._end(rival, Superseded(SUPERSEDED))
+        if rivals:
+            self.advance()
+
     async def acquire(self, entry: Entry, timeout_s: float) -> Placement:
         """Wait until ``entry`` holds its permits on an upstream (see the module's contract)."""
         try:
+            if entry.future.done():  # granted at submit (the common case): no timer to arm
+                return entry.future.result()
             async with asyncio.timeout(timeout_s):
-                placement = await entry.future
-                if not placement.ticket.future.done():
-                    await placement.ticket.wait()
-                placement.ticket.future.result()  # Superseded or ShuttingDown, if so
+                return await entry.future
         except TimeoutError:
             self.abandon(entry)
             raise QueueTimeout(f"no permit within {timeout_s:g}s") from None
         except BaseException:
             self.abandon(entry)
             raise
-        return placement
 
     def abandon(self, entry: Entry) -> None:
-        """The waiter gave up: out of the queue, or its untaken permits back."""
+        """The waiter gave up: out of the queue, or its untaken permits and probe back."""
         if entry in self.queue:
             self.queue.remove(entry)  # a supersedable one leaves a hold
+            self._forget(entry)
+            entry.ticket.state = "done"
             if not entry.future.done():
                 entry.future.cancel()
             self.advance()
-        elif entry.placement is not None:
+        elif entry.placement is not None and entry.ticket.state == "granted":
             p = entry.placement
-            if p.ticket.state in ("queued", "granted"):
-                p.member.breaker.neutral(p.probe)
-                p.member.gate.abandon(p.ticket)
+            p.member.breaker.neutral(p.probe)
+            p.member.gate.abandon(p.ticket)
 
     # -- granting ---------------------------------------------------------------------
     def advance(self) -> None:
-        """Hand the queue's head to an upstream while one takes it (see the contract)."""
+        """Grant the queue's head while an upstream takes it (see the contract)."""
         if self._advancing:
+            self._again = True  # a gate gave permits back meanwhile: look once more
             return
         self._advancing = True
         try:
-            self._advance()
+            self._again = True
+            while self._again:
+                self._again = False
+                self._advance()
         finally:
             self._advancing = False
         self._check_idle()
@@ -213,17 +233,29 @@ class Pool:
         while (head := self.queue.head()) is not None:
             if head.future.done():  # its waiter left: as ``abandon`` would
                 self.queue.remove(head)
+                self._forget(head)
                 continue
             members = [m for m in self.rotation() if m is not head.exclude]
             if not members:
                 self.queue.discard(head)
-                head.end(UpstreamUnavailable("no upstream is available"))
+                self._end(head, self._unavailable(head.exclude))
                 continue
-            fits = [m for m in members if head.request.permits(m) is not None]
-            if not fits:  # only upstreams out of rotation could run it
+            sizing = self._sizing[head.id]
+            sized = {id(m): _size(sizing, m) for m in members}
+            fits = [m for m in members if isinstance(sized[id(m)], int)]
+            if not fits:  # cannot run on any upstream in rotation now
                 self.queue.discard(head)
-                head.end(UpstreamUnavailable("no upstream that can run this request is available"))
+                self._end(head, next(e for e in sized.values() if isinstance(e, ProxyError)))
                 continue
+
+            def room(m: Member, head: Entry = head, sized: dict[int, Any] = sized) -> bool:
+                n = sized.get(id(m))
+                if not isinstance(n, int) or m.gate.free < n:
+                    return False
+                head.ticket.permits = n
+                return not m.gate.waits_for_its_slot(head.ticket)
+
+            head.request.room = room
             choice = self.router.choose(head.request, fits)
             if isinstance(choice, Wait):
                 loop = asyncio.get_running_loop()
@@ -232,36 +264,55 @@ class Pool:
             if choice is None:
                 return
             self.queue.discard(head)
-            self._place(head, choice)
+            permits = sized[id(choice.member)]
+            assert isinstance(permits, int)  # the router picks where it has room
+            self._place(head, choice, permits)
 
-    def _place(self, entry: Entry, choice: Choice) -> None:
+    def _place(self, entry: Entry, choice: Choice, permits: int) -> None:
         m = choice.member
-        permits = entry.request.permits(m)
-        assert permits is not None
+        self._forget(entry)
         try:
             probe = m.breaker.admit()
-            ticket = m.gate.submit(
-                entry.session,
-                supersedable=entry.supersedable,
-                route=entry.route,
-                permits=permits,
-                sizer=entry.sizer(m),
-                supersedes=False,
-                twin=entry.twin,
-            )
         except ProxyError as exc:
             entry.end(exc)
             return
+        entry.ticket.permits = permits
+        m.gate.grant(entry.ticket)
         m.index.add(entry.request.hashes)
         m.routed += 1
         m.prompt_chars += entry.prompt_chars
         m.cached_chars += choice.cached_chars
-        entry.placement = Placement(m, ticket, probe, choice.decision, choice.cached_chars)
+        entry.placement = Placement(
+            m, entry.ticket, probe, choice.decision, choice.cached_chars, m.adapter
+        )
         entry.future.set_result(entry.placement)
+
+    def _end(self, entry: Entry, error: ProxyError) -> None:
+        self._forget(entry)
+        entry.end(error)
+
+    def _forget(self, entry: Entry) -> None:
+        self._sizing.pop(entry.id, None)
+        timer = entry.ticket.affinity_timer
+        if timer is not None:
+            timer.cancel()
+
+    def _unavailable(self, exclude: Member | None) -> ProxyError:
+        """The error for a request no upstream in rotation can take: an open breaker's own
+        (its cooldown as Retry-After) when that is what keeps the upstreams out, else
+        'no upstream is available' until the next health probe."""
+        up = [m for m in self.members if m is not exclude and m.healthy and not m.draining]
+        if up and all(not m.breaker.admissible for m in up):
+            try:
+                up[0].breaker.admit()
+            except ProxyError as exc:
+                return exc
+        retry = {"Retry-After": str(max(1, round(self.settings.health_interval_s)))}
+        return UpstreamUnavailable("no upstream is available", headers=retry)
 
     # -- observation and shutdown ------------------------------------------------------
     def _check_idle(self) -> None:
-        if not self.queue and all(not m.gate.inflight and not m.gate.queued for m in self.members):
+        if not self.queue and all(not m.gate.inflight for m in self.members):
             self._idle.set()
         else:
             self._idle.clear()
@@ -275,9 +326,16 @@ class Pool:
         """Shutdown: refuse new requests, answer the queued ones with ShuttingDown."""
         self._closed = True
         for entry in self.queue.clear():
-            entry.end(ShuttingDown("llmproxy is shutting down"))
+            self._end(entry, ShuttingDown("llmproxy is shutting down"))
         for m in self.members:
             m.gate.close()
         if self._timer is not None:
             self._timer.cancel()
         self._check_idle()
+
+
+def _size(sizing: Sizing, m: Member) -> int | BadRequest:
+    try:
+        return sizing(m, m.gate.total)
+    except BadRequest as exc:
+        return exc

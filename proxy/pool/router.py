@@ -51,8 +51,11 @@ class Request:
 
     session: str
     hashes: list[bytes]  # its prompt's block hashes (prefix.py)
-    permits: Callable[[Member], int | None]  # permits it needs there; None: cannot run there
     admitted: float
+    #: can it be granted there now? (set by the scheduler for each decision: the permits it
+    #: needs there, asked of that upstream's adapter then, are free, and it need not wait
+    #: for its session's slot being stopped there)
+    room: Callable[[Member], bool] = lambda _m: False
 
 
 def _least_busy(members: Sequence[Member]) -> Member:
@@ -74,7 +77,7 @@ class Router:
     def choose(self, req: Request, members: Sequence[Member]) -> Choice | Wait | None:
         """The upstream for ``req`` among ``members`` (in rotation, and it fits there), a
         ``Wait`` for the preferred one, or None: no room anywhere now."""
-        room = [m for m in members if (n := req.permits(m)) is not None and m.has_room(n)]
+        room = [m for m in members if req.room(m)]
         preferred, decision, saved_s, cached = self._preferred(req, members)
         if preferred is not None and preferred in room:
             return Choice(preferred, decision, cached)

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from llmproxy.proxy.gating.breaker import CircuitBreaker
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.telemetry.recent import Recent
 from llmproxy.proxy.telemetry.upstreams import BREAKER_CODES, PoolView, UpstreamMetrics
@@ -125,26 +124,19 @@ class Metrics:
             if value is not None:
                 histogram.observe(value)
 
-    def bind_breaker(self, breaker: CircuitBreaker) -> None:
-        self.breaker_state.set_function(lambda: BREAKER_CODES[breaker.state])
-
     def bind_pool(self, pool: PoolView) -> None:
-        """Several upstreams: the gauges above sum theirs (the queue is the pool's)."""
-        gates = [m.gate for m in pool.members]
-        self.queue_depth.set_function(lambda: len(pool.queue) + sum(g.queued for g in gates))
-        self.inflight.set_function(lambda: sum(g.inflight for g in gates))
-        self.permits_free.set_function(lambda: sum(g.free for g in gates))
-        self.permits_total.set_function(lambda: sum(g.capacity for g in gates))
-        self.permits_quarantined.set_function(lambda: sum(len(g.quarantined) for g in gates))
+        """The gauges above sum the upstreams' (those in the pool when scraped); the queue
+        is the scheduler's; the breaker gauge is the best of theirs."""
+
+        def gates() -> list[Gate]:
+            return [m.gate for m in pool.members]
+
+        self.queue_depth.set_function(lambda: len(pool.queue))
+        self.inflight.set_function(lambda: sum(g.inflight for g in gates()))
+        self.permits_free.set_function(lambda: sum(g.free for g in gates()))
+        self.permits_total.set_function(lambda: sum(g.capacity for g in gates()))
+        self.permits_quarantined.set_function(lambda: sum(len(g.quarantined) for g in gates()))
         self.breaker_state.set_function(
-            lambda: min(BREAKER_CODES[m.breaker.state] for m in pool.members)
+            lambda: min((BREAKER_CODES[m.breaker.state] for m in pool.members), default=0)
         )
         self.upstreams.bind(pool)
-
-    def bind_gate(self, gate: Gate) -> None:
-        self.queue_depth.set_function(lambda: gate.queued)
-        self.inflight.set_function(lambda: gate.inflight)
-        self.permits_free.set_function(lambda: gate.free)
-        # may grow (Gate.grow), or count quarantine down
-        self.permits_total.set_function(lambda: gate.capacity)
-        self.permits_quarantined.set_function(lambda: len(gate.quarantined))

@@ -11,10 +11,11 @@ or slot count is unknown: a refused connection or a 503 costs nothing, and reque
 meanwhile get one permit), until nothing is pending:
 
 - an undetected upstream that answers gets the adapter detection finds then
-  (``detect.redetect``), swapped into ``ProxyState.adapter``: requests granted from then
-  on use it, those that waited in the queue meanwhile included (their permit count is
-  asked again at the grant, handlers.py); jobs already running keep the one they started
-  with, whose relay client is closed (its connections close as those jobs release them);
+  (``detect.redetect``), swapped into the member's ``adapter``, which is then in rotation
+  (``learnt``): requests granted from then on use it, those that waited in the queue
+  meanwhile included (their permit count is asked at the grant, pool/pool.py); jobs
+  already running keep the one they started with, whose relay client is closed (its
+  connections close as those jobs release them);
 - confirmation turns on from then on (for new requests, and for stops of requests already
   in flight, which ask the adapter when they stop);
 - the gate has one permit while the kind or slot count is unknown (nothing runs at the
@@ -25,11 +26,11 @@ meanwhile get one permit), until nothing is pending:
 
 Then it sets ``known`` on the adapter in use, and on any it replaced.
 
-Concurrency contract: one task per app, started by ``watching`` (an async context
-manager the app's upstream cleanup context enters once the state exists) and cancelled
-and awaited there when the app stops; it only sleeps and polls with the adapters' probe
-session, and touches the gate and the state on the event loop's thread between awaits
-(the swap itself has no await: a request sees the old adapter or the new one).
+Concurrency contract: one task per upstream, started by ``watching`` (an async context
+manager pool/lifecycle.py enters for each member) and cancelled and awaited there when the
+member goes or the app stops; it only sleeps and polls with the adapters' probe session,
+and touches the gate and the member on the event loop's thread between awaits (the swap
+itself has no await: a request sees the old adapter or the new one).
 """
 
 from __future__ import annotations
@@ -50,11 +51,14 @@ REDETECT_MAX_S = 5.0
 
 
 class Watched(Protocol):
-    """What is watched: the app's state, or one upstream of a pool (pool/member.py)."""
+    """What is watched: one upstream (pool/member.py)."""
 
     settings: ProxySettings
     gate: Gate
     adapter: Adapter
+
+    def learnt(self) -> None:
+        """The upstream answered re-detection: in rotation, and the queue may move."""
 
 
 async def watch_upstream(state: Watched) -> None:
@@ -75,10 +79,11 @@ async def watch_upstream(state: Watched) -> None:
                 replaced.append(adapter)
                 delay = WATCH_FIRST_S
                 log.info("upstream detected", **found.describe())
-                _fit_gate(gate, settings, found)
+                fit_gate(gate, settings, found)
+                state.learnt()
                 continue
             await adapter.refresh()
-            _fit_gate(gate, settings, adapter)
+            fit_gate(gate, settings, adapter)
     except Exception:  # our own bug: say so, and leave the adapter as it is
         log.exception("upstream watch failed")
         return
@@ -108,8 +113,9 @@ def gate_capacity(settings: ProxySettings, adapter: Adapter, *, warn: bool = Tru
     return settings.capacity
 
 
-def _fit_gate(gate: Gate, settings: ProxySettings, adapter: Adapter) -> None:
-    """What sizes the gate was learnt after start: grow it to fit (it started at 1 permit)."""
+def fit_gate(gate: Gate, settings: ProxySettings, adapter: Adapter) -> None:
+    """What sizes the gate was learnt after start, or a reload raised ``capacity``: grow it
+    to fit (it never shrinks)."""
     if adapter.capacity_pending() or gate_capacity(settings, adapter, warn=False) <= gate.total:
         return
     capacity = gate_capacity(settings, adapter)  # says so once if it clamps

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from llmproxy.proxy.app import build_app
 from llmproxy.proxy.http import parse_errors
+from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import REQUEST_LOG, STATE, ProxyState
 
@@ -23,6 +24,15 @@ class RunningProxy:
     @property
     def state(self) -> ProxyState:
         return self.app[STATE]
+
+    @property
+    def member(self) -> Member:
+        """The first upstream (the only one, when the proxy fronts one)."""
+        return self.state.pool.members[0]
+
+    def policy(self, configured: str, path: str | None = None) -> str:
+        """``configured`` as resolved for the first upstream's adapter now."""
+        return self.state.policy(configured, self.member.adapter, path)
 
     def flush_log(self) -> None:
         """Write the canonical lines of the requests that ended (request_log.py batches them)."""

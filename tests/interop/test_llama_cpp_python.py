@@ -55,11 +55,11 @@ async def test_a_superseded_request_stops_and_the_next_one_starts_at_once(
     llama_cpp_python: Server, stream: bool
 ) -> None:
     async with run_proxy(llama_cpp_python.url) as px, aiohttp.ClientSession() as http:
-        assert px.state.adapter.kind == "openai"
+        assert px.member.adapter.kind == "openai"
         await complete(http, px.url, PROMPT + "a", stream=stream)  # warm-up
         _, alone = await complete(http, px.url, PROMPT + "b", stream=stream)
         first = asyncio.create_task(complete(http, px.url, PROMPT + "c", stream=stream))
-        await wait_until(lambda: not px.state.gate.free, 120, what="the first request's permit")
+        await wait_until(lambda: not px.member.gate.free, 120, what="the first request's permit")
         await asyncio.sleep(alone / 4)  # well into its generation
         status, second = await complete(http, px.url, PROMPT + "d", stream=stream)
         first_status, first_s = await first

@@ -120,7 +120,7 @@ async def test_non_streaming_answer_through_the_proxy_matches_llama_server(
         assert (p_status, p_ctype) == (status, ctype)
         assert normalised(json.loads(proxied)) == normalised(json.loads(direct))
         if status == 200:
-            assert px.state.gate.free == 2
+            assert px.member.gate.free == 2
             assert (
                 b'"content":"' in proxied or b'"text":"' in proxied
             )  # compact, as llama.vim matches it
@@ -172,7 +172,7 @@ async def test_a_dropped_non_streaming_client_stops_its_generation_within_a_few_
         async with run_proxy(srv.url, reuse_grace_s=0) as px:
             at_drop, _, streamed_s = await decoded_when_idle_after_disconnect(srv.url, px.url)
             assert srv.stopped_tasks() == 1
-            await wait_until(lambda: px.state.gate.free == parallel, 10, what="all permits free")
+            await wait_until(lambda: px.member.gate.free == parallel, 10, what="all permits free")
     # llama-server's log: "release: ... stop processing: n_tokens = N", N = prompt + generated
     ran_off, ran_streamed = [
         int(n) for n in re.findall(r"stop processing: n_tokens = (\d+)", srv.log_text())
@@ -214,7 +214,7 @@ async def test_a_long_prompt_cancelled_before_its_answer_never_runs_after_its_pe
                 # the proxy may not have seen the client leave yet (a permit still free then
                 # says nothing): wait for its request's end, the permit back with it
                 await wait_until(lambda n=n: ended() == n, 120, what="the request's end")
-                assert px.state.gate.free == 1
+                assert px.member.gate.free == 1
                 await _no_task_after_release(http, srv.url, delay, violations)
     assert violations == []
 
@@ -272,17 +272,17 @@ async def test_a_slot_whose_stop_timed_out_gets_no_request_until_llama_server_sh
         first.cancel()
         with pytest.raises(asyncio.CancelledError):
             await first
-        await wait_until(lambda: px.state.gate.quarantined == [0], 30, what="slot 0 quarantined")
+        await wait_until(lambda: px.member.gate.quarantined == [0], 30, what="slot 0 quarantined")
         second = asyncio.create_task(
             post(http, px.url + "/completion", {"prompt": "def f(x):", "n_predict": 4})
         )
-        await wait_until(lambda: px.state.gate.queued == 1, 10, what="one request queued")
+        await wait_until(lambda: len(px.state.pool.queue) == 1, 10, what="one request queued")
         busy_while_queued = 0
-        while px.state.gate.quarantined:  # llama-server still evaluates the cancelled prompt
+        while px.member.gate.quarantined:  # llama-server still evaluates the cancelled prompt
             busy_while_queued += (await slot_state(http, srv.url))["is_processing"]
             assert not second.done()
             assert (
-                px.state.gate.quarantined == [] or px.state.gate.queued == 1
+                px.member.gate.quarantined == [] or len(px.state.pool.queue) == 1
             )  # waits here, not upstream
             await asyncio.sleep(0.05)
         status, _, _ = await asyncio.wait_for(second, 120)
@@ -300,12 +300,12 @@ async def test_an_embedding_holds_the_slot_it_runs_on(llama_server: LlamaServer)
         aiohttp.ClientSession() as http,
     ):
         embedding = asyncio.create_task(post(http, px.url + "/embedding", {"content": text}))
-        await wait_until(lambda: px.state.gate.free == 0, 30, what="the permit taken")
+        await wait_until(lambda: px.member.gate.free == 0, 30, what="the permit taken")
         completion = asyncio.create_task(
             post(http, px.url + "/completion", {"prompt": "def f(x):", "n_predict": 4})
         )
-        await wait_until(lambda: px.state.gate.queued == 1, 10, what="one request queued")
+        await wait_until(lambda: len(px.state.pool.queue) == 1, 10, what="one request queued")
         assert (await slot_state(http, srv.url))["is_processing"] or embedding.done()
         assert (await embedding)[0] == 200
         assert (await asyncio.wait_for(completion, 120))[0] == 200
-        assert px.state.gate.free == 1
+        assert px.member.gate.free == 1

@@ -38,15 +38,15 @@ async def test_disconnect_while_queued_never_reaches_upstream(http: aiohttp.Clie
                 headers={"X-LLMProxy-Session": "two"},
             )
         )
-        await wait_until(lambda: px.state.gate.queued == 1, what="second request queued")
+        await wait_until(lambda: len(px.state.pool.queue) == 1, what="second request queued")
         second.cancel()
         await asyncio.gather(second, return_exceptions=True)
-        await wait_until(lambda: px.state.gate.queued == 0, what="queued request dropped")
+        await wait_until(lambda: len(px.state.pool.queue) == 0, what="queued request dropped")
         gate_open.set()
         resp = await first
         assert resp.status == 200
         resp.release()
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)
         assert [r.body["seq"] for r in fake.generations] == [1]
 
 
@@ -56,7 +56,7 @@ async def test_finish_policy_drains_without_cancelling(http: aiohttp.ClientSessi
         FakeUpstream(kind="openai", slots=1, script=script) as fake,
         run_proxy(fake.url, upstream_stream="off") as px,  # sent as it is: nothing stops it
     ):
-        assert px.state.policy(px.state.settings.on_disconnect) == "finish"
+        assert px.policy(px.state.settings.on_disconnect) == "finish"
         task = asyncio.create_task(
             http.post(px.url + "/v1/completions", json={"prompt": "x", "seq": 1})
         )
@@ -65,10 +65,10 @@ async def test_finish_policy_drains_without_cancelling(http: aiohttp.ClientSessi
         await asyncio.gather(task, return_exceptions=True)
         await fake.wait_for(lambda f: len(f.completed) == 1)
         assert fake.aborted == []
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)
 
 
 async def test_no_slots_endpoint_falls_back_to_finish(http: aiohttp.ClientSession) -> None:
     async with FakeUpstream(slots=1, slots_endpoint=False) as fake, run_proxy(fake.url) as px:
-        assert not px.state.adapter.can_confirm
-        assert px.state.policy("auto") == "finish"
+        assert not px.member.adapter.can_confirm
+        assert px.policy("auto") == "finish"

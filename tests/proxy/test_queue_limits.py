@@ -28,7 +28,7 @@ async def test_queue_full_429_and_queue_timeout_503(http: aiohttp.ClientSession)
                 px.url + "/completion", json={"prompt": "b"}, headers={"X-LLMProxy-Session": "b"}
             )
         )
-        await wait_until(lambda: px.state.gate.queued == 1, what="one queued")
+        await wait_until(lambda: len(px.state.pool.queue) == 1, what="one queued")
         async with http.post(
             px.url + "/completion", json={"prompt": "c"}, headers={"X-LLMProxy-Session": "c"}
         ) as r:
@@ -37,7 +37,7 @@ async def test_queue_full_429_and_queue_timeout_503(http: aiohttp.ClientSession)
         r = await queued
         assert r.status == 503 and (await r.json())["error"]["type"] == "queue_timeout"
         (await hold).release()
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)
         assert len(fake.generations) == 1
 
 
@@ -56,7 +56,7 @@ async def test_rejected_newcomer_does_not_kill_the_running_request(
         c = asyncio.create_task(
             http.post(px.url + "/infill", json={"prompt": "c"}, headers={"X-LLMProxy-Session": "T"})
         )
-        await wait_until(lambda: px.state.gate.queued == 1, what="queue full")
+        await wait_until(lambda: len(px.state.pool.queue) == 1, what="queue full")
         async with http.post(
             px.url + "/infill", json={"prompt": "b"}, headers={"X-LLMProxy-Session": "S"}
         ) as rb:

@@ -41,7 +41,7 @@ async def setup(
 
 def queued(px: RunningProxy) -> int:
     pool = px.state.pool
-    return len(pool.queue) if pool is not None else px.state.gate.queued
+    return len(pool.queue) if pool is not None else len(px.state.pool.queue)
 
 
 async def post(http: aiohttp.ClientSession, px: RunningProxy, session: str, prompt: str) -> int:

@@ -20,15 +20,15 @@ from tests.helpers.proxy import run_proxy
 )
 async def test_adapter_detection(kind: str, expected: str, capacity: int) -> None:
     async with FakeUpstream(kind=kind, slots=3) as fake, run_proxy(fake.url) as px:
-        assert px.state.adapter.kind == expected
-        assert px.state.gate.capacity == capacity
-        assert px.state.adapter.can_confirm is (expected == "llamacpp")
+        assert px.member.adapter.kind == expected
+        assert px.member.gate.capacity == capacity
+        assert px.member.adapter.can_confirm is (expected == "llamacpp")
 
 
 async def test_id_slot_injected_per_permit(http: aiohttp.ClientSession) -> None:
     script = lambda _p, _b: Script(tokens=20, token_delay_s=0.01)  # noqa: E731
     async with FakeUpstream(slots=2, script=script) as fake, run_proxy(fake.url) as px:
-        assert px.state.gate.capacity == 2  # from /props total_slots
+        assert px.member.gate.capacity == 2  # from /props total_slots
         reqs = [
             http.post(
                 px.url + "/infill",
@@ -67,9 +67,9 @@ async def test_llamacpp_embeddings_are_finished_not_cancelled(http: aiohttp.Clie
     permit comes back when the upstream really ended; generation routes still cancel."""
     script = lambda _p, _b: Script(tokens=40, token_delay_s=0.01)  # noqa: E731
     async with FakeUpstream(slots=2, script=script) as fake, run_proxy(fake.url) as px:
-        assert px.state.adapter.can_confirm
-        assert px.state.policy("auto", "/v1/embeddings") == "finish"
-        assert px.state.policy("auto", "/completion") == "cancel"
+        assert px.member.adapter.can_confirm
+        assert px.policy("auto", "/v1/embeddings") == "finish"
+        assert px.policy("auto", "/completion") == "cancel"
         async with http.get(px.url + "/llmproxy/status") as r:
             policies = (await r.json())["policies"]
         assert policies == {
@@ -93,10 +93,10 @@ async def test_llamacpp_embeddings_are_finished_not_cancelled(http: aiohttp.Clie
         assert "id_slot" not in fake.generations[0].body
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        assert fake.completed or px.state.gate.free == 1  # held while the upstream still runs it
+        assert fake.completed or px.member.gate.free == 1  # held while the upstream still runs it
         await fake.wait_for(lambda f: len(f.completed) == 1)
         assert fake.aborted == []
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)
         async with http.post(px.url + "/v1/embeddings", json={"input": "x"}) as r:
             assert r.status == 200
             assert len((await r.json())["data"][0]["embedding"]) == 40
@@ -126,13 +126,13 @@ async def test_embeddings_batch_holds_a_permit_per_slot_it_takes(
             http.post(px.url + "/v1/embeddings", json={"input": inp, "model": "m"})
         )
         await fake.wait_for(lambda f: len(f.generations) == 1)
-        assert px.state.gate.held == permits and fake.slot_busy.count(True) == permits
+        assert px.member.gate.held == permits and fake.slot_busy.count(True) == permits
         completion = asyncio.create_task(
             http.post(px.url + "/completion", json={"prompt": "x", "n_predict": 2})
         )
         if permits == 2:
             await wait_until(
-                lambda: px.state.gate.queued == 1, what="the completion queued in the proxy"
+                lambda: len(px.state.pool.queue) == 1, what="the completion queued in the proxy"
             )
         else:
             await fake.wait_for(lambda f: f.concurrent == 2)
@@ -174,7 +174,7 @@ async def test_every_llama_server_route_that_runs_on_a_slot_is_gated(
             http.post(px.url + path, json=body, headers={"X-LLMProxy-Session": "a"})
         )
         await fake.wait_for(lambda f: f.concurrent == 1)
-        assert px.state.gate.held == 1
+        assert px.member.gate.held == 1
         completion = asyncio.create_task(
             http.post(
                 px.url + "/completion",
@@ -183,7 +183,7 @@ async def test_every_llama_server_route_that_runs_on_a_slot_is_gated(
             )
         )
         await wait_until(
-            lambda: px.state.gate.queued == 1, what="the completion queued in the proxy"
+            lambda: len(px.state.pool.queue) == 1, what="the completion queued in the proxy"
         )
         hold.set()
         for task in (first, completion):
@@ -192,5 +192,5 @@ async def test_every_llama_server_route_that_runs_on_a_slot_is_gated(
                 await r.read()
         assert fake.deferred == [] and fake.max_concurrent == 1
         assert ("id_slot" in fake.generations[0].body) is (path == "/v1/messages")
-        assert px.state.adapter.confirms(path) is (path == "/v1/messages")
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        assert px.member.adapter.confirms(path) is (path == "/v1/messages")
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)

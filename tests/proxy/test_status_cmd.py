@@ -45,7 +45,7 @@ async def test_status_prints_slots_queue_and_counters(http: aiohttp.ClientSessio
         held = asyncio.create_task(post("one", "held"))
         await fake.wait_for(lambda f: f.slot_busy[0])
         queued = asyncio.create_task(post("two", "queued"))
-        await wait_until(lambda: px.state.gate.queued == 1, what="one queued")
+        await wait_until(lambda: len(px.state.pool.queue) == 1, what="one queued")
 
         rc, out, err = await status(px.url, key="k1")
         assert rc == 0, err
@@ -57,7 +57,7 @@ async def test_status_prints_slots_queue_and_counters(http: aiohttp.ClientSessio
 
         hold.set()
         assert await held == 200 and await queued == 200
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)
         px.flush_log()
         rc, out, _ = await status(px.url, key="k1")
         assert "last 2 requests: 2 completed" in out

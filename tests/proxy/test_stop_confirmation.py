@@ -26,7 +26,7 @@ async def test_confirm_timeout_releases_loudly(http: aiohttp.ClientSession) -> N
             await fake.wait_for(lambda f: len(f.generations) == 1)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+            await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)
         assert any(
             e["log_level"] == "error" and "confirmation timed out" in e["event"] for e in logs
         )
@@ -45,7 +45,7 @@ async def test_a_slot_whose_stop_was_not_confirmed_stays_out_of_the_gate_until_i
         FakeUpstream(slots=1, script=script, abort_linger_s=1.0) as fake,
         run_proxy(fake.url, confirm_timeout_s=0.2) as px,
     ):
-        gate = px.state.gate
+        gate = px.member.gate
         task = asyncio.create_task(
             http.post(
                 px.url + "/completion", json={"prompt": "x"}, headers={"X-LLMProxy-Session": "a"}
@@ -60,7 +60,7 @@ async def test_a_slot_whose_stop_was_not_confirmed_stays_out_of_the_gate_until_i
         assert fake.slot_busy == [True]  # still lingering after the abort
         async with http.get(px.url + "/llmproxy/status") as r:
             status = await r.json()
-        assert status["quarantine"] == {"slots": [0]} and status["permits"] == {
+        assert status["upstreams"][0]["quarantine"] == [0] and status["permits"] == {
             "total": 0,
             "free": 0,
             "held": 0,
@@ -106,7 +106,7 @@ async def test_cancelled_n_cmpl_holds_its_permits_until_every_slot_is_idle(
         ) as r2:
             assert r2.status == 200
         assert fake.deferred == [] and fake.max_concurrent == 2
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)
 
 
 async def test_stop_confirmation_waits_for_every_slot_of_the_request(
@@ -118,7 +118,7 @@ async def test_stop_confirmation_waits_for_every_slot_of_the_request(
         FakeUpstream(slots=2, script=script) as fake,
         run_proxy(fake.url, confirm_timeout_s=0.1) as px,
     ):
-        adapter = px.state.adapter
+        adapter = px.member.adapter
         busy = asyncio.create_task(
             http.post(fake.url + "/completion", json={"prompt": "x", "id_slot": 1})
         )

@@ -130,7 +130,7 @@ async def scenario(
                 await asyncio.gather(*tasks, return_exceptions=True)
 
             await asyncio.gather(*(client(i, op) for i, op in enumerate(ops)))
-            await asyncio.wait_for(px.state.gate.wait_quiescent(), 15)
+            await asyncio.wait_for(px.state.pool.wait_quiescent(), 15)
             px.flush_log()
             # A client aborted at once may never reach the proxy; every other one must be logged.
             must = {
@@ -144,7 +144,7 @@ async def scenario(
                 10,
                 what="one canonical line per request",
             )
-        gate = px.state.gate
+        gate = px.member.gate
         assert gate.free == capacity and gate.queued == 0 and gate.inflight == 0
         assert fake.max_concurrent <= capacity, fake.snapshot()
         events = [e for e in logs if e.get("event") == "request"]

@@ -20,7 +20,7 @@ async def test_unreachable_upstream_does_not_hold_the_permit(http: aiohttp.Clien
     fake = FakeUpstream(slots=1)
     await fake.start()
     async with run_proxy(fake.url, confirm_timeout_s=5, queue_timeout_s=10) as px:
-        assert px.state.adapter.can_confirm
+        assert px.member.adapter.can_confirm
         await fake.stop()  # the llama-server went away
         with structlog.testing.capture_logs() as logs:
             async with http.post(
@@ -33,7 +33,7 @@ async def test_unreachable_upstream_does_not_hold_the_permit(http: aiohttp.Clien
             ) as r:
                 assert r.status == 502
             assert time.monotonic() - t0 < 2  # not confirm_timeout_s behind a held permit
-            await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
+            await asyncio.wait_for(px.state.pool.wait_quiescent(), 2)
             px.flush_log()
         first = next(e for e in logs if e.get("event") == "request" and e["request_id"] == "a")
         assert first["reached_upstream"] is False and "confirm_timed_out" not in first
@@ -45,7 +45,7 @@ async def test_connect_timeout_does_not_hold_the_permit(http: aiohttp.ClientSess
     fake = FakeUpstream(slots=1)
     await fake.start()
     async with run_proxy(fake.url, connect_timeout_s=0.3, confirm_timeout_s=30) as px:
-        assert px.state.adapter.can_confirm
+        assert px.member.adapter.can_confirm
         port = int(fake.url.rsplit(":", 1)[1])
         await fake.stop()
         with socket.socket() as hole, socket.socket() as filler:
@@ -60,7 +60,7 @@ async def test_connect_timeout_does_not_hold_the_permit(http: aiohttp.ClientSess
                     assert (
                         r.status == 504 and (await r.json())["error"]["type"] == "upstream_timeout"
                     )
-                await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+                await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)
                 px.flush_log()
         line = next(e for e in logs if e.get("event") == "request" and e["request_id"] == "a")
         assert line["reached_upstream"] is False and "confirm_timed_out" not in line
@@ -89,7 +89,7 @@ async def test_a_failed_job_cut_at_shutdown_keeps_its_error_outcome(
                     raw, whole = await read_all(r)  # cut after its error event
                     assert b'"type":"upstream_timeout"' in raw and not whole
                 await wait_until(
-                    lambda: px.state.gate.free == 0 and len(px.state.jobs) == 1, what="confirming"
+                    lambda: px.member.gate.free == 0 and len(px.state.jobs) == 1, what="confirming"
                 )
             # leaving run_proxy shut it down: the job was cut at the deadline while confirming
         line = next(e for e in logs if e.get("event") == "request" and e["request_id"] == "f")

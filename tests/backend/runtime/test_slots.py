@@ -105,7 +105,7 @@ async def test_n_cmpl_through_the_proxy_runs_on_the_slots_the_gate_granted(two_s
     """Proxy + real backend: a two-slot request waits in the proxy's queue for both permits
     (not in the backend's), then runs on exactly the two slots the gate granted."""
     async with run_proxy(two_slots.url) as px, aiohttp.ClientSession() as s:
-        gate = px.state.gate
+        gate = px.member.gate
         assert gate.capacity == 2
 
         async def post(session: str, **extra: Any) -> tuple[int, Any]:

@@ -94,12 +94,12 @@ async def test_breaker_fails_fast_then_recovers(http: aiohttp.ClientSession) -> 
             assert "Retry-After" in r.headers
         assert time.monotonic() - t0 < 0.2
         async with FakeUpstream(slots=1, port=port) as fake:
-            await wait_until(lambda: px.state.breaker.state == "half_open", 2, what="cooldown over")
+            await wait_until(lambda: px.member.breaker.state == "half_open", 2, what="cooldown over")
             async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:
                 assert r.status == 200  # the probe
-            assert px.state.breaker.state == "closed"
+            assert px.member.breaker.state == "closed"
             assert len(fake.generations) == 1
-        assert px.state.gate.free == 1
+        assert px.member.gate.free == 1
 
 
 async def test_the_probe_closes_the_breaker_as_soon_as_its_head_arrives(
@@ -119,7 +119,7 @@ async def test_the_probe_closes_the_breaker_as_soon_as_its_head_arrives(
         FakeUpstream(slots=2, script=script) as fake,
         run_proxy(fake.url, breaker_threshold=1, breaker_cooldown_s=0.2) as px,
     ):
-        breaker = px.state.breaker
+        breaker = px.member.breaker
         async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:
             assert r.status == 500
         assert breaker.state == "open"
@@ -148,4 +148,4 @@ async def test_the_probe_closes_the_breaker_as_soon_as_its_head_arrives(
             assert r.status == 200
             await r.read()
         assert breaker.state == "closed"
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)

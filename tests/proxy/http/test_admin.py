@@ -15,7 +15,7 @@ async def test_status_and_metrics(fake: FakeUpstream, http: aiohttp.ClientSessio
             assert r.status == 200
         async with http.post(px.url + "/completion", data=b"{") as r:
             assert r.status == 400
-        await wait_until(lambda: px.state.gate.inflight == 0)
+        await wait_until(lambda: px.member.gate.inflight == 0)
         async with http.get(px.url + "/llmproxy/status") as r:
             st = await r.json()
         assert st["permits"] == {"total": 1, "free": 1, "held": 0}

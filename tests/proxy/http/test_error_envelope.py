@@ -40,7 +40,7 @@ async def test_upstream_down_is_502_quickly(http: aiohttp.ClientSession) -> None
             ) as r:  # passthrough too
                 assert r.status == 502
             px.flush_log()
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 2)
     line = next(e for e in logs if e.get("event") == "request" and e["request_id"] == "h")
     assert line["reached_upstream"] is False and line["outcome"] == "error"
 
@@ -54,7 +54,7 @@ async def test_upstream_hang_is_504(http: aiohttp.ClientSession) -> None:
         async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:
             assert r.status == 504
             assert_envelope(await r.json(), 504, "upstream_timeout")
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 2)
 
 
 async def test_malformed_and_wrong_types_are_400(

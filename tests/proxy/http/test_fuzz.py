@@ -264,7 +264,7 @@ async def test_secrets_never_reach_logs_or_status(
             assert json.loads(status_text)["inflight"], status_text
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+            await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)
             px.flush_log()
         assert any(e.get("event") == "request" for e in logs), "no request line captured"
         dumped = "\n".join(repr(e) for e in logs)

@@ -67,7 +67,7 @@ async def test_slow_body_gets_408_with_connection_close(fake: FakeUpstream) -> N
         assert json.loads(await reader.readexactly(length))["error"]["type"] == "request_timeout"
         writer.close()
         assert not fake.generations
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 2)
 
 
 @pytest.mark.parametrize(
@@ -89,7 +89,7 @@ async def test_bad_framing_is_400(fake: FakeUpstream, raw: bytes) -> None:
     async with run_proxy(fake.url) as px:
         await _refused(px.url, raw)  # answered by the HTTP parser, in our envelope
         assert not fake.generations
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 2)
 
 
 async def test_crlf_in_header_value_does_not_reach_upstream(fake: FakeUpstream) -> None:
@@ -129,4 +129,4 @@ async def test_compressed_request_body_refused(fake: FakeUpstream) -> None:
             )
             assert b"compressed request bodies are not supported" in resp
         assert not fake.generations
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 2)
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 2)

@@ -98,7 +98,7 @@ async def test_error_after_stream_start_is_an_event(
         assert last.startswith("data: ")
         assert json.loads(last[6:])["error"]["src"] == "llmproxy"
         assert whole is not cut
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)
 
 
 async def test_error_after_ndjson_stream_start_is_an_ollama_error_line(
@@ -116,7 +116,7 @@ async def test_error_after_ndjson_stream_start_is_an_ollama_error_line(
             raw, whole = await read_all(r)
             lines = raw.decode().splitlines()
             assert not whole  # a completion route: cut after the error line
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)
     tokens, last = [json.loads(ln) for ln in lines[:-1]], json.loads(lines[-1])
     assert tokens and all("response" in t and not t["done"] for t in tokens)  # relayed as sent
     assert isinstance(last["error"], str) and last["error"]

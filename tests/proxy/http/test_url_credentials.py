@@ -33,7 +33,7 @@ async def test_url_credentials_authenticate_and_are_masked_in_status() -> None:
         with structlog.testing.capture_logs() as logs:
             async with run_proxy(_with_creds(fake.url)) as px:
                 # the probes (/props, /slots) were authenticated: detected as llama-server
-                assert px.state.adapter.kind == "llamacpp"
+                assert px.member.adapter.kind == "llamacpp"
                 assert all(r.headers.get("Authorization") == BASIC for r in fake.received)
                 async with aiohttp.ClientSession() as http:
                     async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:

@@ -56,7 +56,7 @@ async def test_a_follower_of_a_generation_a_newer_keystroke_superseded_is_supers
             assert newer == (200, OUTPUT)  # a generation of its own
             assert await follower == (499, "superseded")
             assert await first == (499, "superseded")
-            await wait_until(lambda: px.state.gate.free == 1, what="permit back")
+            await wait_until(lambda: px.member.gate.free == 1, what="permit back")
             px.flush_log()
         assert len(fake.generations) == 2
         events = request_events(logs)
@@ -90,7 +90,7 @@ async def test_typing_ahead_keeps_the_generation_after_the_editor_dropped_its_re
         assert await read(ahead) == OUTPUT[len(ahead) :]
         assert len(fake.generations) == 1
         assert fake.aborted == []
-        await wait_until(lambda: px.state.gate.free == 1, what="permit back")
+        await wait_until(lambda: px.member.gate.free == 1, what="permit back")
 
 
 LAST = len(OUTPUT) - 1
@@ -120,7 +120,7 @@ async def test_diverging_from_what_the_model_wrote_supersedes_and_stops_it(
             assert await post(http, px, typed, "k1") == (200, OUTPUT)
             if at != LAST:
                 assert await first == (499, "superseded")
-            await wait_until(lambda: px.state.gate.free == 1, what="permit back")
+            await wait_until(lambda: px.member.gate.free == 1, what="permit back")
             px.flush_log()
         events = request_events(logs)
         assert events["k0"]["outcome"] == ("completed" if at == LAST else "superseded")
@@ -167,7 +167,7 @@ async def test_of_two_keystrokes_waiting_on_the_model_the_older_never_supersedes
             assert await newer == (200, OUTPUT[9:])
             assert await older == (499, "superseded")
             assert await first == (499, "superseded")
-            await wait_until(lambda: px.state.gate.free == 1, what="permit back")
+            await wait_until(lambda: px.member.gate.free == 1, what="permit back")
             px.flush_log()
         assert len(fake.generations) == 1
         events = request_events(logs)
@@ -207,7 +207,7 @@ async def test_a_keystroke_that_waited_on_the_generation_goes_first_in_the_queue
             )
 
         def queued() -> int:
-            return len(px.state.pool.queue) if px.state.pool else px.state.gate.queued
+            return len(px.state.pool.queue) if px.state.pool else len(px.state.pool.queue)
 
         third = send("busy", "third") if pool else None
         if pool:

@@ -86,4 +86,4 @@ async def test_the_proxy_answers_health_while_a_hostile_keystroke_is_matched() -
             slowest, done = max(slowest, time.perf_counter() - t0), done + 1
         assert (await hostile).startswith(b"HTTP/1.1 200"), (await hostile)[:300]
         assert done >= 1 and slowest < 1.0, (done, slowest)
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)

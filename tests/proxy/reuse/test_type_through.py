@@ -144,7 +144,7 @@ async def test_a_typist_typing_the_output_is_answered_from_one_generation(
         for n in range(1, 8):
             keys.append(asyncio.ensure_future(keystroke(n)))
             await wait_until(lambda n=n: joined(px, path) == n, what=f"keystroke {n} joined")
-            assert px.state.gate.free == 0  # still the first request's permit only
+            assert px.member.gate.free == 0  # still the first request's permit only
         answers = await asyncio.gather(*keys)
         assert answers[-1] == (OUTPUT[7:], "ok")
         for n, (text, end) in enumerate(answers[:-1]):
@@ -154,7 +154,7 @@ async def test_a_typist_typing_the_output_is_answered_from_one_generation(
         # after the generation ended, a later keystroke is answered from what it wrote
         assert await keystroke(9) == (OUTPUT[9:], "ok")
         assert len(fake.generations) == 1
-        await wait_until(lambda: px.state.gate.free == 1, what="permit back")
+        await wait_until(lambda: px.member.gate.free == 1, what="permit back")
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -208,7 +208,7 @@ async def test_an_editor_that_drops_each_request_for_the_next(
         assert pending is not None
         # the last keystroke gets the remainder, or a whole generation of its own
         assert await pending == (OUTPUT[keys - 1 :] if type_through == "on" else OUTPUT)
-        await wait_until(lambda: px.state.gate.free == 1 and fake.concurrent == 0, what="idle")
+        await wait_until(lambda: px.member.gate.free == 1 and fake.concurrent == 0, what="idle")
         if type_through == "on":
             assert len(fake.generations) == 1
         else:
@@ -233,7 +233,7 @@ async def test_typing_something_else_supersedes_the_generation(
         assert len(fake.generations) == 2
         resp = await first
         resp.close()
-        await wait_until(lambda: px.state.gate.free == 1, what="permit back")
+        await wait_until(lambda: px.member.gate.free == 1, what="permit back")
 
 
 @pytest.mark.parametrize(
@@ -302,7 +302,7 @@ async def test_an_error_event_in_the_generation_reaches_the_request_reading_it(
         ends = [end for _text, end in await asyncio.gather(*keys)]
         assert ends == ["superseded", "superseded", "superseded", "server_error"]
         assert len(fake.generations) == 1
-        await wait_until(lambda: px.state.gate.free == 1, what="permit back")
+        await wait_until(lambda: px.member.gate.free == 1, what="permit back")
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -331,4 +331,4 @@ async def test_a_keystroke_on_a_generation_that_fails_first_runs_on_its_own(
             assert await answer_text(route, r, stream) == OUTPUT
         (await first).close()
         assert len(fake.generations) == 2
-        await wait_until(lambda: px.state.gate.free == 1, what="permit back")
+        await wait_until(lambda: px.member.gate.free == 1, what="permit back")

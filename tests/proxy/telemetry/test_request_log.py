@@ -120,7 +120,7 @@ async def test_metrics_wait_in_the_batch_until_they_are_read(
         async with http.post(px.url + "/completion", json={"prompt": "x", "n_predict": 2}) as r:
             assert r.status == 200
             await r.read()
-        await px.state.gate.wait_quiescent()
+        await px.state.pool.wait_quiescent()
         completed = px.state.metrics.requests.labels(outcome="completed", route="/completion")
         assert completed._value.get() == 0  # finished, accounted for at the next flush
         async with http.get(px.url + "/llmproxy/metrics") as r:
@@ -144,7 +144,7 @@ async def test_the_proxy_flushes_waiting_lines_when_it_stops(
             ) as r:
                 assert r.status == 200
                 await r.read()
-            await px.state.gate.wait_quiescent()
+            await px.state.pool.wait_quiescent()
             assert _lines(logs) == []  # finished, but its line waits for the flush
         assert _lines(logs) == ["r1"]  # cleanup closed the log after the last request ended
         assert next(e for e in logs if e.get("event") == "request")["outcome"] == "completed"

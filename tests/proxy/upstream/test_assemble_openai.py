@@ -70,7 +70,7 @@ async def test_the_answer_is_the_upstreams_own_non_streaming_body(
         FakeUpstream(kind="openai", slots=1, script=script) as fake,
         run_proxy(fake.url) as px,
     ):
-        assert px.state.adapter.kind == "openai"
+        assert px.member.adapter.kind == "openai"
         async with http.post(px.url + "/v1/completions", json=body) as r:
             assert r.status == 200 and r.content_type == "application/json"
             proxied = await r.json()

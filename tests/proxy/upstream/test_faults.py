@@ -31,8 +31,8 @@ def sse_events(text: str) -> list[str]:
 
 
 async def quiet(px: Any) -> None:
-    await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
-    assert px.state.gate.free == px.state.gate.capacity
+    await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)
+    assert px.member.gate.free == px.member.gate.capacity
     px.flush_log()
 
 
@@ -113,7 +113,7 @@ async def test_malformed_upstream_bytes_pass_through(http: aiohttp.ClientSession
                 assert h.status == 200
         lines = canonical(logs)
         assert [ln["outcome"] for ln in lines] == ["completed", "completed"]
-        assert px.state.breaker.state == "closed"
+        assert px.member.breaker.state == "closed"
 
 
 async def test_malformed_stream_under_a_non_streaming_answer_is_a_502(
@@ -133,7 +133,7 @@ async def test_malformed_stream_under_a_non_streaming_answer_is_a_502(
             await quiet(px)
         (line,) = canonical(logs)
         assert line["outcome"] == "error" and line["assembled"] is True
-        assert px.state.gate.free == 1
+        assert px.member.gate.free == 1
 
 
 async def test_upstream_5xx_relayed_counted_and_trips_breaker(http: aiohttp.ClientSession) -> None:
@@ -159,7 +159,7 @@ async def test_upstream_5xx_relayed_counted_and_trips_breaker(http: aiohttp.Clie
                 )
             await quiet(px)
         assert len(fake.generations) == 2  # the third failed fast
-        assert px.state.breaker.state == "open"
+        assert px.member.breaker.state == "open"
         lines = canonical(logs)
         assert [(ln["status"], ln["outcome"]) for ln in lines] == [
             (500, "error"),
@@ -192,7 +192,7 @@ async def test_upstream_restarted_while_requests_queued(http: aiohttp.ClientSess
                 tasks = [asyncio.create_task(one(0))]
                 await old.wait_for(lambda f: len(f.generations) == 1)
                 tasks += [asyncio.create_task(one(i)) for i in range(1, 4)]
-                await wait_until(lambda: px.state.gate.queued >= 3, 15, what="three queued")
+                await wait_until(lambda: len(px.state.pool.queue) >= 3, 15, what="three queued")
                 await old.stop()
                 new = FakeUpstream(slots=1, script=fast, port=port)
                 await new.start()
@@ -241,7 +241,7 @@ async def test_slots_never_answering_hits_confirm_timeout(http: aiohttp.ClientSe
         HangingSlots(slots=1, script=script, abort_linger_s=0) as fake,
         run_proxy(fake.url, confirm_timeout_s=0.5) as px,
     ):
-        assert px.state.adapter.can_confirm
+        assert px.member.adapter.can_confirm
         with structlog.testing.capture_logs() as logs:
             fake.hang.set()
             task = asyncio.create_task(http.post(px.url + "/completion", json={"prompt": "x"}))

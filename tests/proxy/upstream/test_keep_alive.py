@@ -122,6 +122,6 @@ async def test_proxy_relays_through_one_kept_alive_connection(http: aiohttp.Clie
                 assert r.status == 200 and await r.read() == b'echo:{"prompt":"x"}'
         async with http.get(px.url + "/v1/models") as r:
             assert r.status == 200
-        assert px.state.adapter.client.idle == 1
+        assert px.member.adapter.client.idle == 1
     relayed = [s for s in rec.seen if s["line"] in ("POST /v1/completions", "GET /v1/models")]
     assert len(relayed) == 4 and len({s["conn"] for s in relayed}) == 1

@@ -23,16 +23,16 @@ async def test_detection_waits_while_llama_server_loads(http: aiohttp.ClientSess
     async with LoadingFake(kind="llamacpp", slots=2, loading_answers=3) as fake:
         async with run_proxy(fake.url, detect_timeout_s=30) as px:
             assert fake.answered_loading == 3  # detection asked again until the model was loaded
-            adapter = px.state.adapter
+            adapter = px.member.adapter
             assert (adapter.kind, adapter.slots, adapter.can_confirm) == ("llamacpp", 2, True)
             assert adapter.known.is_set() and not adapter.pending()
-            assert px.state.gate.capacity == 2
+            assert px.member.gate.capacity == 2
             async with http.post(
                 px.url + "/infill", json={"input_prefix": "def f(", "n_predict": 2}
             ) as r:
                 assert r.status == 200
             assert fake.generations[-1].body["id_slot"] == 0
-            assert px.state.policy("auto", "/infill") == "cancel"
+            assert px.policy("auto", "/infill") == "cancel"
 
 
 @pytest.mark.parametrize("capacity", [None, 1, 4])
@@ -47,7 +47,7 @@ async def test_slot_count_and_slots_learnt_after_detection_gave_up(
         LoadingFake(kind="llamacpp", slots=2) as fake,
         run_proxy(fake.url, capacity=capacity) as px,
     ):
-        adapter, gate = px.state.adapter, px.state.gate
+        adapter, gate = px.member.adapter, px.member.gate
         assert (adapter.kind, adapter.slots, adapter.can_confirm, gate.capacity) == (
             "llamacpp",
             None,
@@ -55,7 +55,7 @@ async def test_slot_count_and_slots_learnt_after_detection_gave_up(
             1,
         )
         assert adapter.pending() and not adapter.known.is_set()
-        assert px.state.policy("auto", "/infill") == "finish"  # no /slots yet: cannot confirm
+        assert px.policy("auto", "/infill") == "finish"  # no /slots yet: cannot confirm
         async with http.post(
             px.url + "/completion", json={"prompt": "x", "n_cmpl": 2}
         ) as r:  # 2 slots: unknown yet
@@ -64,7 +64,7 @@ async def test_slot_count_and_slots_learnt_after_detection_gave_up(
             fake.ready.set()
             await asyncio.wait_for(adapter.known.wait(), 10)
         assert (adapter.slots, adapter.can_confirm) == (2, True)
-        assert px.state.policy("auto", "/infill") == "cancel"
+        assert px.policy("auto", "/infill") == "cancel"
         over = [e for e in logs if e["event"].startswith("capacity exceeds the upstream's slots")]
         assert [(e["capacity"], e["slots"], e["log_level"]) for e in over] == (
             [(4, 2, "warning")] if capacity == 4 else []
@@ -112,15 +112,15 @@ async def test_slots_failing_at_start(first: int | None, retried: bool) -> None:
         SlotsLaterFake(kind="llamacpp", slots=2, first=first) as fake,
         run_proxy(fake.url) as px,
     ):
-        adapter = px.state.adapter
-        assert adapter.slots == 2 and not adapter.can_confirm and px.state.gate.capacity == 2
+        adapter = px.member.adapter
+        assert adapter.slots == 2 and not adapter.can_confirm and px.member.gate.capacity == 2
         assert adapter.pending() is retried and adapter.known.is_set() is not retried
         fake.ready.set()
         if retried:
             await asyncio.wait_for(adapter.known.wait(), 10)
-            assert adapter.can_confirm and px.state.policy("auto", "/completion") == "cancel"
+            assert adapter.can_confirm and px.policy("auto", "/completion") == "cancel"
         else:
-            assert px.state.policy("auto", "/completion") == "finish"
+            assert px.policy("auto", "/completion") == "finish"
 
 
 async def test_clamp_warning_is_said_once_not_at_every_poll(
@@ -138,6 +138,6 @@ async def test_clamp_warning_is_said_once_not_at_every_poll(
             # detection's, then the watcher's polls
             await wait_until(lambda: fake.slots_asked >= 5, 10)
             fake.ready.set()
-            await asyncio.wait_for(px.state.adapter.known.wait(), 10)
-            assert px.state.gate.capacity == 2
+            await asyncio.wait_for(px.member.adapter.known.wait(), 10)
+            assert px.member.gate.capacity == 2
     assert sum(e["event"].startswith("capacity exceeds the upstream's slots") for e in logs) == 1

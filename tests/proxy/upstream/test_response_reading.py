@@ -114,4 +114,4 @@ async def test_proxy_answers_502_for_a_malformed_upstream_response(
             body = await r.json()
         assert r.status == 502 and body["error"]["type"] == "upstream_error"
         assert "malformed" in body["error"]["message"]
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)

@@ -67,7 +67,7 @@ async def test_a_client_that_stops_reading_does_not_keep_the_permit(
         FakeUpstream(slots=1, script=script) as fake,
         run_proxy(fake.url, client_buffer_bytes=16 << 20, client_write_timeout_s=0.5) as px,
     ):
-        gate = px.state.gate
+        gate = px.member.gate
         with structlog.testing.capture_logs() as logs:
             async with stalled(px.url, "/completion", {"prompt": "a", "stream": True}) as reader:
                 await fake.wait_for(
@@ -103,5 +103,5 @@ async def test_a_client_stalled_mid_stream_is_dropped_and_its_generation_stopped
         async with stalled(px.url, "/completion", {"prompt": "a", "stream": True}) as reader:
             await fake.wait_for(lambda f: len(f.aborted) == 1, timeout=10)
             assert await asyncio.wait_for(dropped(reader), 5)
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
-        assert fake.completed == [] and px.state.gate.free == 1
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)
+        assert fake.completed == [] and px.member.gate.free == 1

@@ -69,7 +69,7 @@ async def supersede(
                     )
                 second = tg.create_task(post("second"))
             assert second.result() == 200 and first.result() in (200, 499)
-            await wait_until(lambda: px.state.gate.free == 1, what="permits back")
+            await wait_until(lambda: px.member.gate.free == 1, what="permits back")
             px.flush_log()
         return fake, [
             ln
@@ -176,7 +176,7 @@ async def test_a_failure_nothing_can_confirm_holds_the_permit(
             ) as r:
                 assert r.status == 200
                 await r.read()
-            await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+            await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)
             px.flush_log()
         assert fake.deferred == [] and fake.max_concurrent == 1, fake.snapshot()
         failed = next(

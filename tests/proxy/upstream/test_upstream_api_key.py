@@ -20,7 +20,7 @@ async def test_upstream_api_key_drives_a_keyed_llama_server(http: aiohttp.Client
         KeyedFake(kind="llamacpp", slots=2) as fake,
         run_proxy(fake.url, upstream_api_key="K") as px,
     ):
-        adapter = px.state.adapter
+        adapter = px.member.adapter
         assert (adapter.kind, adapter.slots, adapter.can_confirm) == ("llamacpp", 2, True)
         # the configured key replaces a client's
         for headers in ({}, {"Authorization": "Bearer editors-own"}):
@@ -39,7 +39,7 @@ async def test_a_keyed_llama_server_without_the_key_is_named_in_the_log() -> Non
         with structlog.testing.capture_logs() as logs:
             async with run_proxy(fake.url) as px:
                 # cannot tell without the key: the safe default
-                assert px.state.adapter.kind == "openai"
+                assert px.member.adapter.kind == "openai"
         refused = [e for e in logs if e["event"].startswith("upstream refused /props")]
         assert (
             refused and refused[0]["status"] == 401 and refused[0]["hint"] == "set upstream_api_key"
