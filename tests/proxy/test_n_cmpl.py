@@ -10,9 +10,9 @@ import pytest
 import structlog
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
-from llmproxy.proxy.gating.gate import Gate
 from tests.helpers.net import wait_until
 from tests.helpers.proxy import request_events, run_proxy
+from tests.helpers.scheduler import make_pool, submit
 
 
 async def test_n_cmpl_holds_one_permit_per_slot_it_runs_on(http: aiohttp.ClientSession) -> None:
@@ -22,7 +22,7 @@ async def test_n_cmpl_holds_one_permit_per_slot_it_runs_on(http: aiohttp.ClientS
     holds = {0: asyncio.Event(), 1: asyncio.Event()}  # the first two generations run until released
     script = lambda _p, b: Script(tokens=6, token_delay_s=0.001, hold=holds.get(b["seq"]))  # noqa: E731
     async with FakeUpstream(slots=2, script=script) as fake, run_proxy(fake.url) as px:
-        gate = px.state.gate
+        gate = px.member.gate
         with structlog.testing.capture_logs() as logs:
 
             async def post(seq: int, session: str, **extra: Any) -> tuple[int, Any]:
@@ -94,7 +94,7 @@ async def test_n_cmpl_is_read_as_llama_server_reads_it(
     ):
         task = asyncio.create_task(http.post(px.url + "/completion", json={"prompt": "x", **extra}))
         await fake.wait_for(lambda f: len(f.generations) == 1)
-        assert px.state.gate.held == permits and fake.slot_busy.count(True) == permits
+        assert px.member.gate.held == permits and fake.slot_busy.count(True) == permits
         hold.set()
         async with await task as r:
             assert r.status == 200
@@ -120,7 +120,7 @@ async def test_n_cmpl_over_capacity_is_refused_before_the_upstream(
             px.url + "/infill", json={"input_prefix": "x", "n_cmpl": 2, "n_predict": 2}
         ) as r:
             assert r.status == 200 and len(await r.json()) == 2
-        assert len(fake.generations) == 1 and px.state.gate.free == 2
+        assert len(fake.generations) == 1 and px.member.gate.free == 2
     async with FakeUpstream(slots=2) as fake, run_proxy(fake.url, capacity=1) as px:
         async with http.post(px.url + "/infill", json={"input_prefix": "x", "n_cmpl": 2}) as r:
             assert r.status == 400
@@ -144,7 +144,7 @@ async def test_n_cmpl_waits_for_a_lower_slot_granted_just_before_it_to_be_taken(
         FakeUpstream(slots=3, script=script) as fake,
         run_proxy(fake.url, settle_timeout_s=30) as px,
     ):
-        gate = px.state.gate
+        gate = px.member.gate
 
         async def post(seq: int, session: str, **extra: Any) -> tuple[int, Any]:
             async with http.post(
@@ -175,10 +175,13 @@ async def test_settle_gives_up_loudly_and_is_cancellable(http: aiohttp.ClientSes
     after ``settle_timeout_s`` with a warning; a stop while settling ends it at once; a slot
     held for a request the server does not pin (embeddings) is not waited for."""
     async with FakeUpstream(slots=3) as fake, run_proxy(fake.url, settle_timeout_s=0.2) as px:
-        adapter, gate = px.state.adapter, Gate(3, 5)  # a gate of our own: nothing reaches the fake
-        x = gate.submit("x", supersedable=False, route="/completion")
+        adapter = px.member.adapter
+        # a scheduler of our own, over a gate of 3 slots: nothing of it reaches the fake
+        pool, (own,) = make_pool(http, [3], max_queue=5)
+        gate = own.gate
+        x = submit(pool, "x", supersedable=False).ticket
         gate.take(x)
-        wide = gate.submit("w", supersedable=False, route="/completion", permits=2)
+        wide = submit(pool, "w", supersedable=False, permits=2).ticket
         gate.take(wide)
         with structlog.testing.capture_logs() as logs:
             start = asyncio.get_running_loop().time()
@@ -195,7 +198,7 @@ async def test_settle_gives_up_loudly_and_is_cancellable(http: aiohttp.ClientSes
         assert wide.slots == (1, 2) and gate.settle_extras(wide, lambda _t: True) == {0}
         gate.settled(wide)
         gate.release(x)
-        emb = gate.submit("e", supersedable=False, route="/v1/embeddings")
+        emb = submit(pool, "e", supersedable=False, route="/v1/embeddings").ticket
         gate.take(emb)  # slot 0 again, on any slot at the server: not waited for
         polls = sum(r.path == "/slots" for r in fake.received)
         await asyncio.wait_for(adapter.settle(gate, wide), 0.1)
@@ -215,7 +218,7 @@ async def test_a_request_stopped_before_it_was_sent_never_reaches_the_upstream(
             fake.url, settle_timeout_s=1, on_disconnect="finish", supersede_inflight="finish"
         ) as px,
     ):
-        gate = px.state.gate
+        gate = px.member.gate
         # slot 0, never busy upstream
         on_its_way = gate.submit("x", supersedable=False, route="/completion")
         gate.take(on_its_way)

@@ -15,13 +15,14 @@ from multidict import CIMultiDict
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.proxy.errors import Superseded
-from llmproxy.proxy.gating.ticket import Ticket
+from llmproxy.proxy.pool.entry import Placement
 from llmproxy.proxy.state import ProxyState
 from llmproxy.proxy.telemetry.record import RequestRecord
 from llmproxy.proxy.upstream.job import UpstreamJob, UpstreamRequest
 from llmproxy.proxy.upstream.responder import Responder
 from tests.helpers.net import dechunk, serve_app, wait_until
 from tests.helpers.proxy import request_events, run_proxy
+from tests.helpers.scheduler import granted_slot, submit
 from tests.helpers.streams import read_all
 
 
@@ -71,7 +72,7 @@ async def test_editor_burst_one_session(http: aiohttp.ClientSession) -> None:
                 await asyncio.sleep(0.05)  # the keystroke interval being simulated
             status, body = await tasks[-1]
             await asyncio.gather(*tasks[:-1], return_exceptions=True)
-            await asyncio.wait_for(px.state.gate.wait_quiescent(), 10)
+            await asyncio.wait_for(px.state.pool.wait_quiescent(), 10)
             await wait_until(lambda: len(request_events(logs)) == 20, what="20 canonical log lines")
 
         assert status == 200
@@ -92,7 +93,7 @@ async def test_editor_burst_one_session(http: aiohttp.ClientSession) -> None:
         assert events["k19"]["outcome"] == "completed"
         assert 19 in reached and len(reached) < 10, reached
         assert all(r.body["id_slot"] == 0 for r in fake.generations)
-        assert px.state.gate.free == 1
+        assert px.member.gate.free == 1
 
 
 async def test_supersede_inflight_cancels_and_holds_permit_until_idle(
@@ -120,7 +121,7 @@ async def test_supersede_inflight_cancels_and_holds_permit_until_idle(
         r2 = await second
         assert r2.status == 200 and (await r2.json())["content"] == "t0 t1 t2 "
         assert fake.max_concurrent == 1  # second started only after the abort linger ended
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)
 
 
 async def test_warmup_is_not_superseded(http: aiohttp.ClientSession) -> None:
@@ -132,19 +133,23 @@ async def test_warmup_is_not_superseded(http: aiohttp.ClientSession) -> None:
         warm = asyncio.create_task(
             http.post(px.url + "/infill", json=infill(1, n_predict=0), headers=hdr)
         )
-        await wait_until(lambda: px.state.gate.queued == 1, what="warm-up queued")
+        await wait_until(lambda: len(px.state.pool.queue) == 1, what="warm-up queued")
         real = asyncio.create_task(http.post(px.url + "/infill", json=infill(2), headers=hdr))
         statuses = [(await t).status for t in (busy, warm, real)]
         assert statuses[1] == 200 and statuses[2] == 200
         assert sorted(r.body["seq"] for r in fake.generations) == [0, 1, 2]
 
 
-def infill_job(st: ProxyState, ticket: Ticket, rec: RequestRecord, **extra: Any) -> UpstreamJob:
-    """The upstream job of an ``/infill`` request whose body is ``rec.parsed_body``."""
+def infill_job(
+    st: ProxyState, placement: Placement, rec: RequestRecord, **extra: Any
+) -> UpstreamJob:
+    """The upstream job of an ``/infill`` request whose body is ``rec.parsed_body``, granted
+    at ``placement`` (as granted.py builds it)."""
+    member = placement.member
     return UpstreamJob(
-        gate=st.gate,
-        ticket=ticket,
-        adapter=st.adapter,
+        gate=member.gate,
+        ticket=placement.ticket,
+        adapter=placement.adapter,
         request=UpstreamRequest(
             "POST",
             "/infill",
@@ -155,8 +160,8 @@ def infill_job(st: ProxyState, ticket: Ticket, rec: RequestRecord, **extra: Any)
         out=Responder(make_mocked_request("POST", "/infill"), rec.request_id),
         record=rec,
         metrics=st.metrics,
-        breaker=st.breaker,
-        breaker_probe=False,
+        breaker=member.breaker,
+        breaker_probe=placement.probe,
         supersede_policy="cancel",
         disconnect_policy="cancel",
         unconfirmed_hold_s=0,
@@ -172,19 +177,19 @@ async def test_stop_before_the_job_starts_never_sends() -> None:
     ):
         st = px.state
         before = len(fake.received)
-        ticket = st.gate.submit("S", supersedable=True, route="/infill")
-        await ticket.wait()
+        placement = await st.pool.acquire(submit(st.pool, "S", "a", route="/infill"), 1)
+        assert placement.member is px.member
         rec = RequestRecord("r1", "POST", "/infill")
         rec.parsed_body = {"prompt": "a"}
-        job = infill_job(st, ticket, rec)
+        job = infill_job(st, placement, rec)
         rec.add_ref()
         task = st.jobs.spawn(job.run())
-        newer = st.gate.submit("S", supersedable=True, route="/infill")  # same step as the spawn
+        newer = submit(st.pool, "S", "b", route="/infill")  # same step as the spawn
         await task
         assert len(fake.received) == before  # the superseded request never left the proxy
         assert rec.outcome == "superseded" and not rec.sent
-        assert await newer.wait() == 0
-        st.gate.abandon(newer)
+        assert await granted_slot(st.pool, newer) == 0
+        st.pool.abandon(newer)
 
 
 async def test_a_job_superseded_before_it_takes_its_permit_records_no_generation() -> None:
@@ -193,16 +198,16 @@ async def test_a_job_superseded_before_it_takes_its_permit_records_no_generation
     async with FakeUpstream(slots=1) as fake, run_proxy(fake.url) as px:
         st = px.state
         assert st.generations is not None
-        ticket = st.gate.submit("S", supersedable=True, route="/infill")
-        await ticket.wait()
-        newer = st.gate.submit("S", supersedable=True, route="/infill")
+        placement = await st.pool.acquire(submit(st.pool, "S", "a", route="/infill"), 1)
+        newer = submit(st.pool, "S", "b", route="/infill")
         rec = RequestRecord("r1", "POST", "/infill")
         rec.session, rec.parsed_body = "S", {"prompt": "a", "stream": True}
         with pytest.raises(Superseded):
-            infill_job(st, ticket, rec, generations=st.generations)
+            infill_job(st, placement, rec, generations=st.generations)
         assert st.generations.latest("S") is None
-        assert await newer.wait() == 0  # the permit went back at once
-        st.gate.abandon(newer)
+        assert newer.future.done()  # the permit went back at once
+        assert await granted_slot(st.pool, newer) == 0
+        st.pool.abandon(newer)
 
 
 async def test_superseded_mid_stream_is_counted_superseded(http: aiohttp.ClientSession) -> None:
@@ -227,7 +232,7 @@ async def test_superseded_mid_stream_is_counted_superseded(http: aiohttp.ClientS
             )
             body_a, whole = await read_all(ra)
             (await tb).release()
-            await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+            await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)
             await wait_until(
                 lambda: sum(e.get("event") == "request" for e in logs) == 2, what="two log lines"
             )
@@ -281,8 +286,8 @@ async def test_superseded_while_its_job_waits_on_a_client_that_lags() -> None:
         host, port = px.url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port), limit=1 << 26)
         writer.write(ask("S", "a"))
-        await wait_until(lambda: px.state.gate.inflight == 1, what="the stream in flight")
-        job = px.state.gate.inflight_snapshot()[0].on_supersede.__self__  # type: ignore[union-attr]
+        await wait_until(lambda: px.member.gate.inflight == 1, what="the stream in flight")
+        job = px.member.gate.inflight_snapshot()[0].on_supersede.__self__  # type: ignore[union-attr]
         await wait_until(
             lambda: job.out._request.protocol.writing_paused,
             timeout=20,
@@ -297,7 +302,7 @@ async def test_superseded_while_its_job_waits_on_a_client_that_lags() -> None:
         assert not got.endswith(b"\r\n0\r\n\r\n"), "a cut stream must not end whole"
         writer.close()
         newer.close()
-        await asyncio.wait_for(px.state.gate.wait_quiescent(), 5)
+        await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)
         await wait_until(
             lambda: job.record.total_s is not None, what="the request to be accounted for"
         )

@@ -1,51 +1,68 @@
-"""Which slots a grant gets, without sockets: affinity, a wide ticket's extras, settling,
-quarantine."""
+"""Which slots a grant gets, without sockets, on the scheduler (pool/pool.py) over one
+upstream's real gate: affinity, a wide ticket's extras, settling, quarantine."""
 
 from __future__ import annotations
 
 import asyncio
 
+import aiohttp
+
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.ticket import Ticket
+from llmproxy.proxy.pool.entry import Entry
+from llmproxy.proxy.pool.pool import Pool
+from tests.helpers.scheduler import granted_slot, make_pool, submit
 
 
-async def test_affinity_prefers_last_slot() -> None:
-    gate = Gate(3, 5)
-    t = [gate.submit(s, supersedable=False) for s in ("a", "b", "c")]
-    slots = {tk.session: await tk.wait() for tk in t}
-    for tk in t:
-        gate.take(tk)
-    gate.release(t[0])
-    gate.release(t[2])
-    again = gate.submit("c", supersedable=False)
-    assert await again.wait() == slots["c"]
+def one(
+    http: aiohttp.ClientSession, capacity: int, affinity_wait_s: float = 0.0
+) -> tuple[Pool, Gate]:
+    """A pool of one upstream with ``capacity`` slots."""
+    pool, (member,) = make_pool(http, [capacity], max_queue=5, affinity_wait_s=affinity_wait_s)
+    return pool, member.gate
 
 
-async def test_wide_request_first_slot_keeps_affinity_others_are_lowest_free() -> None:
+async def test_affinity_prefers_last_slot(http: aiohttp.ClientSession) -> None:
+    pool, gate = one(http, 3)
+    t = [submit(pool, s, supersedable=False) for s in ("a", "b", "c")]
+    slots = {e.session: await granted_slot(pool, e) for e in t}
+    for e in t:
+        gate.take(e.ticket)
+    gate.release(t[0].ticket)
+    gate.release(t[2].ticket)
+    again = submit(pool, "c", supersedable=False)
+    assert await granted_slot(pool, again) == slots["c"]
+
+
+async def test_wide_request_first_slot_keeps_affinity_others_are_lowest_free(
+    http: aiohttp.ClientSession,
+) -> None:
     """llama-server runs n_cmpl on ``id_slot``'s slot plus the lowest idle ids: the gate's
     choice must be the same slots, or the server's picture and the proxy's drift apart."""
-    gate = Gate(4, 5)
-    first = [gate.submit(s, supersedable=False) for s in ("a", "b", "c", "d")]
-    for tk in first:
-        await tk.wait()
-        gate.take(tk)
-    for tk in first[1:]:
-        gate.release(tk)  # slots 1, 2, 3 free; session "c" last used slot 2
-    wide = gate.submit("c", supersedable=False, permits=2)
-    assert await wide.wait() == 2 and wide.slots == (2, 1)
+    pool, gate = one(http, 4)
+    first = [submit(pool, s, supersedable=False) for s in ("a", "b", "c", "d")]
+    for e in first:
+        await granted_slot(pool, e)
+        gate.take(e.ticket)
+    for e in first[1:]:
+        gate.release(e.ticket)  # slots 1, 2, 3 free; session "c" last used slot 2
+    wide = submit(pool, "c", supersedable=False, permits=2)
+    assert await granted_slot(pool, wide) == 2 and wide.ticket.slots == (2, 1)
 
 
 def pinned(_t: Ticket) -> bool:
     return True
 
 
-async def test_settle_extras_watches_lower_slots_of_others_and_takes_lower_free_ones() -> None:
+async def test_settle_extras_watches_lower_slots_of_others_and_takes_lower_free_ones(
+    http: aiohttp.ClientSession,
+) -> None:
     """Before a wide request is sent: slots below its highest extra that others hold must be
     busy at the server first; one freed meanwhile is swapped in (the server would pick it)."""
-    gate = Gate(3, 5)
-    x = gate.submit("x", supersedable=False)
+    pool, gate = one(http, 3)
+    x = submit(pool, "x", supersedable=False).ticket
     gate.take(x)
-    wide = gate.submit("w", supersedable=False, permits=2)
+    wide = submit(pool, "w", supersedable=False, permits=2).ticket
     gate.take(wide)
     assert (x.slots, wide.slots) == ((0,), (1, 2))
     assert gate.settle_extras(wide, pinned) == {0}  # x's slot: idle at the server until x is there
@@ -56,31 +73,35 @@ async def test_settle_extras_watches_lower_slots_of_others_and_takes_lower_free_
     gate.settled(wide)
     gate.release(wide)
     assert gate.free == 3
+    await asyncio.wait_for(pool.wait_quiescent(), 1)
     await asyncio.wait_for(gate.wait_quiescent(), 1)
 
 
-async def test_two_wide_requests_settling_never_wait_on_each_other() -> None:
+async def test_two_wide_requests_settling_never_wait_on_each_other(
+    http: aiohttp.ClientSession,
+) -> None:
     """A (settling) has first pick of slots freed meanwhile, so B, granted after, gets only
     slots above A's extras: A waits on nothing of B's, B waits for A's to be busy. (Had B
     taken the freed slot 0, each would wait for the other's unsent slot to be busy.)"""
-    gate = Gate(4, 5)
-    warm = [gate.submit(f"s{i}", supersedable=False) for i in range(3)] + [
-        gate.submit("a", supersedable=False)
+    pool, gate = one(http, 4)
+    warm = [submit(pool, f"s{i}", supersedable=False) for i in range(3)] + [
+        submit(pool, "a", supersedable=False)
     ]
-    for t in warm:
-        gate.take(t)
-    for t in warm:
-        gate.release(t)  # session "a" last used slot 3
-    c = gate.submit("c", supersedable=False)
+    for e in warm:
+        gate.take(e.ticket)
+    for e in warm:
+        gate.release(e.ticket)  # session "a" last used slot 3
+    c = submit(pool, "c", supersedable=False).ticket
     gate.take(c)
-    a = gate.submit("a", supersedable=False, permits=2)
+    a = submit(pool, "a", supersedable=False, permits=2).ticket
     gate.take(a)
     assert (c.slots, a.slots) == ((0,), (3, 1))
     assert gate.settle_extras(a, pinned) == {0}  # c not at the server yet
-    b = gate.submit("b", supersedable=False, permits=2)
-    assert not b.future.done()  # one slot free, b needs two
+    b_entry = submit(pool, "b", supersedable=False, permits=2)
+    b = b_entry.ticket
+    assert not b_entry.future.done()  # one slot free, b needs two
     gate.release(c)  # slot 0 freed while a settles: a takes it, b gets the rest
-    assert a.slots == (3, 0) and b.future.done() and b.slots == (1, 2)
+    assert a.slots == (3, 0) and b_entry.future.done() and b.slots == (1, 2)
     gate.take(b)
     assert gate.settle_extras(a, pinned) == set()  # a waits on nothing
     assert gate.settle_extras(b, pinned) == {0}  # b waits for a's extra to be busy
@@ -90,55 +111,59 @@ async def test_two_wide_requests_settling_never_wait_on_each_other() -> None:
     assert gate.free == 4
 
 
-async def test_a_quarantined_slot_is_out_of_the_grants_until_given_back() -> None:
-    gate = Gate(2, 5)
-    wide = gate.submit("w", supersedable=False, permits=2)
+async def test_a_quarantined_slot_is_out_of_the_grants_until_given_back(
+    http: aiohttp.ClientSession,
+) -> None:
+    pool, gate = one(http, 2)
+    wide = submit(pool, "w", supersedable=False, permits=2).ticket
     gate.take(wide)
-    waiter = gate.submit("x", supersedable=False)
+    waiter = submit(pool, "x", supersedable=False)
     gate.quarantine(wide, [1])  # slot 0 is idle, slot 1 may still run
-    assert await waiter.wait() == 0
+    assert await granted_slot(pool, waiter) == 0
     assert (gate.total, gate.capacity, gate.free, gate.held, gate.quarantined) == (2, 1, 0, 1, [1])
     # fits the slots, waits for the quarantined one
-    two = gate.submit("y", supersedable=False, permits=2)
-    gate.take(waiter)
-    gate.release(waiter)
+    two = submit(pool, "y", supersedable=False, permits=2)
+    gate.take(waiter.ticket)
+    gate.release(waiter.ticket)
     assert not two.future.done() and gate.free == 1
     gate.unquarantine(1)
     assert (
-        await two.wait() == 0
-        and two.slots == (0, 1)
+        await granted_slot(pool, two) == 0
+        and two.ticket.slots == (0, 1)
         and gate.quarantined == []
         and gate.capacity == 2
     )
 
 
-def superseding(gate: Gate) -> Ticket:
+def superseding(pool: Pool, gate: Gate) -> Entry:
     """Session "a" runs on slot 0 while slot 1 is free; its job stops when superseded."""
-    old = gate.submit("a", supersedable=True)
-    assert old.slot == 0
-    gate.take(old, on_supersede=lambda: gate.mark_stopping(old))
+    old = submit(pool, "a", "def f")
+    assert old.ticket.slot == 0
+    gate.take(old.ticket, on_supersede=lambda: gate.mark_stopping(old.ticket))
     return old
 
 
-async def test_a_superseding_request_waits_for_its_sessions_stopping_slot() -> None:
+async def test_a_superseding_request_waits_for_its_sessions_stopping_slot(
+    http: aiohttp.ClientSession,
+) -> None:
     """Slot 0 holds session a's prompt: the request that supersedes a's running one gets it
     once the old one is confirmed stopped, not the free slot 1 with a cold cache."""
-    gate = Gate(2, 5, affinity_wait_s=30)
-    old = superseding(gate)
-    new = gate.submit("a", supersedable=True)
-    assert old.state == "stopping" and not new.future.done() and gate.free == 1
-    other = gate.submit("b", supersedable=True)  # strict FIFO: behind the waiting head
+    pool, gate = one(http, 2, affinity_wait_s=30)
+    old = superseding(pool, gate)
+    new = submit(pool, "a", "def fo")
+    assert old.ticket.state == "stopping" and not new.future.done() and gate.free == 1
+    other = submit(pool, "b")  # strict FIFO: behind the waiting head
     assert not other.future.done()
-    gate.release(old)  # confirmed stopped
-    assert await new.wait() == 0 and await other.wait() == 1
+    gate.release(old.ticket)  # confirmed stopped
+    assert await granted_slot(pool, new) == 0 and await granted_slot(pool, other) == 1
 
 
-async def test_the_wait_for_a_stopping_slot_is_bounded() -> None:
-    gate = Gate(2, 5, affinity_wait_s=0.05)
-    old = superseding(gate)
-    new = gate.submit("a", supersedable=True)
-    assert await asyncio.wait_for(new.wait(), 5) == 1  # the stop took too long: slot 1
-    gate.release(old)
+async def test_the_wait_for_a_stopping_slot_is_bounded(http: aiohttp.ClientSession) -> None:
+    pool, gate = one(http, 2, affinity_wait_s=0.05)
+    old = superseding(pool, gate)
+    new = submit(pool, "a", "def fo")
+    assert await granted_slot(pool, new, 5) == 1  # the stop took too long: slot 1
+    gate.release(old.ticket)
 
 
 class _EarlyLoop(asyncio.SelectorEventLoop):
@@ -151,21 +176,22 @@ class _EarlyLoop(asyncio.SelectorEventLoop):
 
 def test_the_wait_ends_when_its_timer_fires_even_a_little_early() -> None:
     async def scenario() -> int:
-        gate = Gate(2, 5, affinity_wait_s=0.05)
-        old = superseding(gate)
-        slot = await asyncio.wait_for(gate.submit("a", supersedable=True).wait(), 5)
-        gate.release(old)
-        return slot
+        async with aiohttp.ClientSession() as http:  # never used to connect
+            pool, gate = one(http, 2, affinity_wait_s=0.05)
+            old = superseding(pool, gate)
+            slot = await granted_slot(pool, submit(pool, "a", "def fo"), 5)
+            gate.release(old.ticket)
+            return slot
 
     with asyncio.Runner(loop_factory=_EarlyLoop) as runner:
         assert runner.run(scenario()) == 1
 
 
-async def test_no_wait_without_a_stop_or_without_the_setting() -> None:
-    gate = Gate(2, 5, affinity_wait_s=30)
-    old = gate.submit("a", supersedable=True)
-    gate.take(old)  # policy finish: superseding does not stop it
-    assert await gate.submit("a", supersedable=True).wait() == 1
-    gate = Gate(2, 5)  # affinity_wait_s 0
-    superseding(gate)
-    assert await gate.submit("a", supersedable=True).wait() == 1
+async def test_no_wait_without_a_stop_or_without_the_setting(http: aiohttp.ClientSession) -> None:
+    pool, gate = one(http, 2, affinity_wait_s=30)
+    old = submit(pool, "a", "def f")
+    gate.take(old.ticket)  # policy finish: superseding does not stop it
+    assert await granted_slot(pool, submit(pool, "a", "def fo")) == 1
+    pool, gate = one(http, 2)  # affinity_wait_s 0
+    superseding(pool, gate)
+    assert await granted_slot(pool, submit(pool, "a", "def fo")) == 1

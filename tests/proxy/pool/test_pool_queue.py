@@ -6,49 +6,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 import pytest
 
 from llmproxy.proxy.errors import BadRequest, QueueFull, Superseded
 from llmproxy.proxy.gating.breaker import UpstreamUnavailable
-from llmproxy.proxy.gating.gate import Gate
-from llmproxy.proxy.pool.member import Member
-from llmproxy.proxy.pool.pool import Entry, Pool
 from llmproxy.proxy.pool.prefix import BLOCK_CHARS
-from llmproxy.proxy.pool.specs import UpstreamSpec
-from llmproxy.proxy.settings import ProxySettings
-from llmproxy.proxy.upstream.adapters.base import Adapter
+from tests.helpers.scheduler import make_pool, submit
 
 
 @pytest.fixture
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as s:  # never used to connect here
         yield s
-
-
-def make_pool(
-    session: aiohttp.ClientSession, slots: list[int], **overrides: Any
-) -> tuple[Pool, list[Member]]:
-    settings = ProxySettings(**{"route": "cache", "affinity_wait_s": 0.05, **overrides})
-    members = []
-    for i, n in enumerate(slots):
-        spec = UpstreamSpec(url=f"http://127.0.0.1:{9000 + i}", name=f"u{i}")
-        adapter = Adapter(spec.url, session, settings)
-        members.append(Member(spec, settings, session, adapter, Gate(n, settings.max_queue)))
-    return Pool(members, settings), members
-
-
-def submit(pool: Pool, session: str, prompt: str = "", permits: int = 1) -> Entry:
-    def sizing(m: Member, capacity: int) -> int:
-        if permits > capacity:
-            raise BadRequest(f"{permits} > {capacity}")
-        return permits
-
-    return pool.submit(
-        session, supersedable=True, route="/completion", parsed={"prompt": prompt}, sizing=sizing
-    )
 
 
 async def test_strict_fifo_a_wide_head_holds_up_the_queue(session: aiohttp.ClientSession) -> None:

@@ -13,9 +13,9 @@ import structlog
 from aiohttp import web
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
-from llmproxy.proxy.gating.gate import Gate
 from tests.helpers.net import closed_port, wait_until
 from tests.helpers.proxy import run_proxy
+from tests.helpers.scheduler import make_pool, submit
 
 
 @pytest.mark.parametrize("capacity", [None, 4])
@@ -31,14 +31,14 @@ async def test_upstream_that_listens_only_later_is_detected_then(
     kind stays as is."""
     port = closed_port()
     async with run_proxy(f"http://127.0.0.1:{port}", capacity=capacity) as px:
-        first, gate = px.state.adapter, px.state.gate
+        first, gate = px.member.adapter, px.member.gate
         assert (first.kind, first.undetected, first.pending(), gate.capacity) == (
             "openai",
             True,
             True,
             1,
         )
-        assert not first.known.is_set() and px.state.policy("auto", "/completion") == "finish"
+        assert not first.known.is_set() and px.policy("auto", "/completion") == "finish"
         async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:
             assert r.status == 502
         async with http.get(px.url + "/llmproxy/status") as r:
@@ -46,7 +46,7 @@ async def test_upstream_that_listens_only_later_is_detected_then(
         with structlog.testing.capture_logs() as logs:
             async with FakeUpstream(kind=kind, slots=2, port=port) as fake:  # type: ignore[arg-type]
                 await asyncio.wait_for(first.known.wait(), 15)
-                adapter = px.state.adapter
+                adapter = px.member.adapter
                 assert adapter is not first and adapter.known.is_set() and not adapter.pending()
                 assert (adapter.kind, adapter.undetected) == (kind, False)
                 async with http.get(px.url + "/llmproxy/status") as r:
@@ -64,7 +64,7 @@ async def test_upstream_that_listens_only_later_is_detected_then(
                         2,
                     )
                     assert fake.generations[-1].body["id_slot"] == 0
-                    assert px.state.policy("auto", "/completion") == "cancel"
+                    assert px.policy("auto", "/completion") == "cancel"
                 else:
                     assert (
                         gate.capacity == (capacity or 1)
@@ -72,7 +72,7 @@ async def test_upstream_that_listens_only_later_is_detected_then(
                     )
         assert [e["kind"] for e in logs if e["event"] == "upstream detected"] == [kind]
     async with run_proxy(f"http://127.0.0.1:{closed_port()}", upstream_kind="openai") as px:
-        assert not px.state.adapter.undetected and px.state.adapter.known.is_set()
+        assert not px.member.adapter.undetected and px.member.adapter.known.is_set()
 
 
 async def test_a_gateway_answering_502_until_its_server_is_up_is_detected_later() -> None:
@@ -90,12 +90,16 @@ async def test_a_gateway_answering_502_until_its_server_is_up_is_detected_later(
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
         async with run_proxy(f"http://127.0.0.1:{port}") as px:
-            first = px.state.adapter
-            assert (first.kind, first.undetected, px.state.gate.capacity) == ("openai", True, 1)
+            first = px.member.adapter
+            assert (first.kind, first.undetected, px.member.gate.capacity) == ("openai", True, 1)
             await runner.cleanup()
             async with FakeUpstream(kind="llamacpp", slots=2, port=port):
                 await asyncio.wait_for(first.known.wait(), 15)
-                assert (px.state.adapter.kind, px.state.adapter.slots, px.state.gate.capacity) == (
+                assert (
+                    px.member.adapter.kind,
+                    px.member.adapter.slots,
+                    px.member.gate.capacity,
+                ) == (
                     "llamacpp",
                     2,
                     2,
@@ -110,15 +114,15 @@ async def test_configured_llamacpp_without_props_gets_its_capacity_once_it_answe
     stops waiting for a slot count and the gate grows from 1 to the configured 3."""
     port = closed_port()
     async with run_proxy(f"http://127.0.0.1:{port}", upstream_kind="llamacpp", capacity=3) as px:
-        adapter = px.state.adapter
-        assert (adapter.kind, adapter.capacity_pending(), px.state.gate.capacity) == (
+        adapter = px.member.adapter
+        assert (adapter.kind, adapter.capacity_pending(), px.member.gate.capacity) == (
             "llamacpp",
             True,
             1,
         )
         async with FakeUpstream(kind="openai", slots=3, port=port):
             await asyncio.wait_for(adapter.known.wait(), 15)
-        assert (adapter.slots, adapter.capacity_pending(), px.state.gate.capacity) == (
+        assert (adapter.slots, adapter.capacity_pending(), px.member.gate.capacity) == (
             None,
             False,
             3,
@@ -136,7 +140,7 @@ async def test_a_request_queued_across_the_swap_runs_with_the_adapter_in_use_at_
     port = closed_port()
     hold = asyncio.Event()
     async with run_proxy(f"http://127.0.0.1:{port}") as px:
-        first, gate = px.state.adapter, px.state.gate
+        first, gate = px.member.adapter, px.member.gate
         fake = FakeUpstream(
             kind="llamacpp",
             slots=2,
@@ -146,7 +150,7 @@ async def test_a_request_queued_across_the_swap_runs_with_the_adapter_in_use_at_
             ),
         )
         async with fake:
-            assert px.state.adapter is first  # the watcher's first look is 0.5 s away
+            assert px.member.adapter is first  # the watcher's first look is 0.5 s away
             a = asyncio.ensure_future(
                 http.post(
                     px.url + "/completion",
@@ -164,7 +168,7 @@ async def test_a_request_queued_across_the_swap_runs_with_the_adapter_in_use_at_
             )
             await wait_until(lambda: gate.queued == 1, 5)
             await asyncio.wait_for(first.known.wait(), 15)  # swapped; the gate grew to 2
-            assert px.state.adapter is not first and px.state.adapter.kind == "llamacpp"
+            assert px.member.adapter is not first and px.member.adapter.kind == "llamacpp"
             # b needs both slots now
             assert gate.capacity == 2 and gate.queued == 1 and gate.free == 1
             assert len(fake.generations) == 1
@@ -180,15 +184,19 @@ async def test_a_request_queued_across_the_swap_runs_with_the_adapter_in_use_at_
         assert gate.free == gate.capacity == 2
 
 
-async def test_gate_grow_hands_new_permits_to_waiters_in_order() -> None:
-    gate = Gate(1, 8)
-    first = gate.submit("a", supersedable=False)
-    second = gate.submit("b", supersedable=False)
-    third = gate.submit("c", supersedable=False)
-    assert first.future.done() and gate.queued == 2
+async def test_gate_grow_hands_new_permits_to_waiters_in_order(
+    http: aiohttp.ClientSession,
+) -> None:
+    pool, (member,) = make_pool(http, [1], max_queue=8)
+    gate = member.gate
+    first = submit(pool, "a", supersedable=False)
+    second = submit(pool, "b", supersedable=False)
+    third = submit(pool, "c", supersedable=False)
+    assert first.future.done() and len(pool.queue) == 2
     gate.grow(1)  # never shrinks or re-adds
-    assert gate.capacity == 1 and gate.queued == 2
+    assert gate.capacity == 1 and len(pool.queue) == 2
     gate.grow(3)
-    assert gate.capacity == 3 and gate.queued == 0
-    assert (second.future.result(), third.future.result()) == (1, 2)
+    assert gate.capacity == 3 and len(pool.queue) == 0
+    placed = (second.future.result(), third.future.result())
+    assert tuple(p.ticket.slot for p in placed) == (1, 2)
     assert gate.free == 0 and gate.held == 3
