@@ -336,6 +336,9 @@ class Pool:
 
 def _size(sizing: Sizing, m: Member) -> int | BadRequest:
     try:
-        return sizing(m, m.gate.total)
+        n = sizing(m, m.gate.total)
     except BadRequest as exc:
         return exc
+    if n < 1:
+        raise ValueError(f"a request needs at least one permit, not {n}")
+    return n

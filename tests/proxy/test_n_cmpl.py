@@ -37,16 +37,21 @@ async def test_n_cmpl_holds_one_permit_per_slot_it_runs_on(http: aiohttp.ClientS
             first = asyncio.create_task(post(0, "a"))
             await fake.wait_for(lambda f: f.slot_busy == [True, False])
             wide = asyncio.create_task(post(1, "b", n_cmpl=2))
-            await wait_until(lambda: gate.queued == 1, what="the wide request queued")
+            await wait_until(lambda: len(px.state.pool.queue) == 1, what="the wide request queued")
             third = asyncio.create_task(post(2, "c"))
-            await wait_until(lambda: gate.queued == 2, what="the third request queued behind it")
+            await wait_until(
+                lambda: len(px.state.pool.queue) == 2, what="the third request queued behind it"
+            )
             # free, but the wide request needs two and is first
             assert gate.free == 1 and gate.held == 1
             holds[0].set()
             await fake.wait_for(lambda f: len(f.generations) == 2 and f.slot_busy == [True, True])
             async with http.get(px.url + "/llmproxy/status") as r:
                 status = await r.json()
-            assert status["permits"] == {"total": 2, "free": 0, "held": 2} and gate.queued == 1
+            assert (
+                status["permits"] == {"total": 2, "free": 0, "held": 2}
+                and len(px.state.pool.queue) == 1
+            )
             [running] = status["inflight"]
             assert running["slots"] == [0, 1]
             holds[1].set()
@@ -157,9 +162,9 @@ async def test_n_cmpl_waits_for_a_lower_slot_granted_just_before_it_to_be_taken(
         first = asyncio.create_task(post(0, "h", n_cmpl=3))  # holds every slot until released
         await fake.wait_for(lambda f: f.slot_busy == [True, True, True])
         x = asyncio.create_task(post(1, "x", pad="y" * 900_000))
-        await wait_until(lambda: gate.queued == 1, what="x queued")
+        await wait_until(lambda: len(px.state.pool.queue) == 1, what="x queued")
         wide = asyncio.create_task(post(2, "w", n_cmpl=2))
-        await wait_until(lambda: gate.queued == 2, what="the wide request queued")
+        await wait_until(lambda: len(px.state.pool.queue) == 2, what="the wide request queued")
         holds[0].set()
         (s2, bw) = await wide
         holds[1].set()
@@ -220,7 +225,9 @@ async def test_a_request_stopped_before_it_was_sent_never_reaches_the_upstream(
     ):
         gate = px.member.gate
         # slot 0, never busy upstream
-        on_its_way = gate.submit("x", supersedable=False, route="/completion")
+        on_its_way = px.state.pool.submit(
+            "x", supersedable=False, route="/completion", parsed={}, sizing=lambda _m, _c: 1
+        ).ticket
         gate.take(on_its_way)
         polls = sum(r.path == "/slots" for r in fake.received)
         hdr = {"X-LLMProxy-Session": "editor", "X-Request-Id": "wide"}

@@ -94,7 +94,8 @@ async def test_breaker_fails_fast_then_recovers(http: aiohttp.ClientSession) -> 
             assert "Retry-After" in r.headers
         assert time.monotonic() - t0 < 0.2
         async with FakeUpstream(slots=1, port=port) as fake:
-            await wait_until(lambda: px.member.breaker.state == "half_open", 2, what="cooldown over")
+            breaker = px.member.breaker
+            await wait_until(lambda: breaker.state == "half_open", 2, what="cooldown over")
             async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:
                 assert r.status == 200  # the probe
             assert px.member.breaker.state == "closed"

@@ -225,12 +225,6 @@ async def test_more_permits_than_capacity_is_refused(http: aiohttp.ClientSession
     await asyncio.wait_for(gate.wait_quiescent(), 1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the scheduler does not check that a sizing gives at least one permit: Gate.grant "
-    "asserts it, at the grant (reported; the Gate's submit refused it with ValueError)",
-)
 async def test_fewer_than_one_permit_is_refused(http: aiohttp.ClientSession) -> None:
     pool, gate = one(http, 2, max_queue=5)
     with pytest.raises(ValueError):

@@ -157,9 +157,7 @@ async def test_a_reload_is_applied_while_an_earlier_one_drains(
         FakeUpstream(slots=1, script=script) as a,
         FakeUpstream(slots=1, script=script) as b,
         FakeUpstream(slots=1) as c,
-        run_proxy(
-            None, upstreams=[{"url": a.url, "name": "a"}, {"url": b.url, "name": "b"}]
-        ) as px,
+        run_proxy(None, upstreams=[{"url": a.url, "name": "a"}, {"url": b.url, "name": "b"}]) as px,
     ):
         running = [_post(http, px.url, f"s{i}", f"p{i}") for i in range(2)]
         await wait_until(lambda: len(a.generations) + len(b.generations) == 2, what="both run")
@@ -170,9 +168,7 @@ async def test_a_reload_is_applied_while_an_earlier_one_drains(
         px.app[RELOAD](
             ProxySettings(upstreams=[{"url": a.url, "name": "a"}, {"url": c.url, "name": "c"}])
         )
-        await wait_until(
-            lambda: "c" in [m.name for m in px.state.pool.members], 3, what="c joins"
-        )
+        await wait_until(lambda: "c" in [m.name for m in px.state.pool.members], 3, what="c joins")
         assert not hold.is_set()  # b's generation still runs
         hold.set()
         assert [(await t)[0] for t in running] == [200, 200]

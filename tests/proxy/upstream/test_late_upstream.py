@@ -24,9 +24,9 @@ async def test_upstream_that_listens_only_later_is_detected_then(
     http: aiohttp.ClientSession, kind: str, capacity: int | None
 ) -> None:
     """Kind auto and nothing listening for the whole detection window (a llama-server
-    started after the proxy): served as openai with one permit (requests get 502 while it is
-    down), marked undetected; once the server listens, the watcher detects it and swaps in
-    its adapter: slot count, ``id_slot``, stop confirmation, and the gate grows to what it
+    started after the proxy): served as openai with one permit, marked undetected and out of
+    rotation (requests get 503 at once while it is down); once the server listens, the
+    watcher detects it and swaps in its adapter: slot count, ``id_slot``, stop confirmation, and the gate grows to what it
     would have had at start (``capacity`` clamped to a llama-server's slots). A configured
     kind stays as is."""
     port = closed_port()
@@ -40,7 +40,7 @@ async def test_upstream_that_listens_only_later_is_detected_then(
         )
         assert not first.known.is_set() and px.policy("auto", "/completion") == "finish"
         async with http.post(px.url + "/completion", json={"prompt": "x"}) as r:
-            assert r.status == 502
+            assert r.status == 503 and (await r.json())["error"]["type"] == "upstream_unavailable"
         async with http.get(px.url + "/llmproxy/status") as r:
             assert (await r.json())["upstream"]["detected"] is False
         with structlog.testing.capture_logs() as logs:
@@ -136,10 +136,11 @@ async def test_a_request_queued_across_the_swap_runs_with_the_adapter_in_use_at_
     counted and prepared by that adapter when it is granted: two permits for ``n_cmpl: 2``
     (the openai adapter in use when it arrived counted one), and ``id_slot`` in its body. So
     it waits for both slots in the proxy's queue instead of in the server's, and a stop of it
-    is confirmed on the slot it really runs on. One granted before the swap keeps its own."""
+    is confirmed on the slot it really runs on. One granted before the swap keeps its own.
+    (The health probe puts the server in rotation before the watcher's first look.)"""
     port = closed_port()
     hold = asyncio.Event()
-    async with run_proxy(f"http://127.0.0.1:{port}") as px:
+    async with run_proxy(f"http://127.0.0.1:{port}", health_interval_s=0.05) as px:
         first, gate = px.member.adapter, px.member.gate
         fake = FakeUpstream(
             kind="llamacpp",
@@ -150,6 +151,7 @@ async def test_a_request_queued_across_the_swap_runs_with_the_adapter_in_use_at_
             ),
         )
         async with fake:
+            await wait_until(lambda: px.member.healthy, what="the health probe")
             assert px.member.adapter is first  # the watcher's first look is 0.5 s away
             a = asyncio.ensure_future(
                 http.post(
@@ -166,11 +168,11 @@ async def test_a_request_queued_across_the_swap_runs_with_the_adapter_in_use_at_
                     headers={"X-LLMProxy-Session": "b"},
                 )
             )
-            await wait_until(lambda: gate.queued == 1, 5)
+            await wait_until(lambda: len(px.state.pool.queue) == 1, 5)
             await asyncio.wait_for(first.known.wait(), 15)  # swapped; the gate grew to 2
             assert px.member.adapter is not first and px.member.adapter.kind == "llamacpp"
             # b needs both slots now
-            assert gate.capacity == 2 and gate.queued == 1 and gate.free == 1
+            assert gate.capacity == 2 and len(px.state.pool.queue) == 1 and gate.free == 1
             assert len(fake.generations) == 1
             hold.set()
             for task in (a, b):
