@@ -26,9 +26,9 @@ async def test_upstream_that_listens_only_later_is_detected_then(
     """Kind auto and nothing listening for the whole detection window (a llama-server
     started after the proxy): served as openai with one permit, marked undetected and out of
     rotation (requests get 503 at once while it is down); once the server listens, the
-    watcher detects it and swaps in its adapter: slot count, ``id_slot``, stop confirmation, and the gate grows to what it
-    would have had at start (``capacity`` clamped to a llama-server's slots). A configured
-    kind stays as is."""
+    watcher detects it and swaps in its adapter: slot count, ``id_slot``, stop confirmation,
+    and the gate grows to what it would have had at start (``capacity`` clamped to a
+    llama-server's slots). A configured kind stays as is."""
     port = closed_port()
     async with run_proxy(f"http://127.0.0.1:{port}", capacity=capacity) as px:
         first, gate = px.member.adapter, px.member.gate
