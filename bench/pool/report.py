@@ -26,7 +26,7 @@ class PoolTarget:
     result: TargetResult
     counters: dict[str, Any]  # Upstreams.counters()
     answers: dict[str, int]  # prompt counts read from the completed answers
-    routed: list[int] | None = None  # per upstream, from /llmproxy/status (a pool only)
+    routed: list[int] | None = None  # per upstream, from /llmproxy/status
     hit_estimate: list[float | None] | None = None  # the proxy's own, per upstream
     decisions: dict[str, int] = field(default_factory=dict)  # route_decision -> requests
 

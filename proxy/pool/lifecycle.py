@@ -13,7 +13,8 @@ not the config entry:
   brings a new client and adapter, the old client closing once what ran on it is done);
 - an added server is detected and joins the rotation;
 - a removed one leaves the rotation at once (``draining``) and is closed only once every
-  permit and every quarantined slot of its gate is back (``Gate.wait_quiescent``).
+  permit and every quarantined slot of its gate is back (``Gate.wait_quiescent``); listed
+  again before that, it is back in rotation with the same slot state.
 
 Reloads run one at a time in one task the runtime owns; they never wait on a drain:
 drains run in their own tasks, and a reload is logged when applied. Teardown cancels all.
@@ -72,6 +73,7 @@ class PoolRuntime:
         self._reload: asyncio.Task[None] | None = None
         self._next: list[UpstreamSpec] | None = None  # a reload asked for while one runs
         self._tasks: set[asyncio.Task[None]] = set()  # drains, and retired clients' closes
+        self._drains: dict[Member, asyncio.Task[None]] = {}
 
     async def start(self, specs: list[UpstreamSpec]) -> Pool:
         members = await self._detect(specs)
@@ -131,16 +133,23 @@ class PoolRuntime:
     async def _apply(self, specs: list[UpstreamSpec]) -> None:
         pool = self.pool
         assert pool is not None
-        current = {m.spec.url: m for m in pool.members if not m.draining}
+        # draining ones included: a server listed again while it drains is the same server
+        current = {m.spec.url: m for m in pool.members}
         wanted = {s.url: s for s in specs}
-        leaving = [m for url, m in current.items() if url not in wanted]
+        leaving = [m for url, m in current.items() if url not in wanted and not m.draining]
         joining = [s for url, s in wanted.items() if url not in current]
+        back = [m for url, m in current.items() if url in wanted and m.draining]
         changed = [(current[u], s) for u, s in wanted.items() if u in current]
         changed = [(m, s) for m, s in changed if m.spec != s]
-        if not leaving and not joining and not changed:
+        if not leaving and not joining and not changed and not back:
             log.info("reload: the upstreams are unchanged")
             return
         added = await self._detect(joining)
+        for m in back:
+            drain = self._drains.pop(m, None)
+            if drain is not None:
+                drain.cancel()
+            m.draining = False  # its live slot state never left it
         for m, spec in changed:
             await self._update(m, spec)
         for m in added:
@@ -148,11 +157,12 @@ class PoolRuntime:
             pool.add(m)
         for m in leaving:
             m.draining = True  # no more grants; its requests in flight go on
-            self._spawn(self._drain(m), f"llmproxy-drain-{m.name}")
+            self._drains[m] = self._spawn(self._drain(m), f"llmproxy-drain-{m.name}")
         pool.advance()
         log.info(
             "reload: upstreams changed",
             joined=[m.name for m in added],
+            back=[m.name for m in back],
             changed=[m.name for m, _ in changed],
             leaving=[m.name for m in leaving],
         )
@@ -191,17 +201,21 @@ class PoolRuntime:
             await session.close()
 
     async def _drain(self, m: Member) -> None:
-        await m.gate.wait_quiescent()  # every permit and every quarantined slot back
+        """Close ``m`` once every permit and every quarantined slot is back (cancelled if
+        a reload lists its server again meanwhile)."""
+        await m.gate.wait_quiescent()
         assert self.pool is not None
+        self._drains.pop(m, None)
         self.pool.remove(m)
         await self._forget(m)
         log.info("upstream left the pool", upstream=m.name)
 
-    def _spawn(self, work: Awaitable[None], name: str) -> None:
+    def _spawn(self, work: Awaitable[None], name: str) -> asyncio.Task[None]:
         task = asyncio.ensure_future(work)
         task.set_name(name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _forget(self, m: Member) -> None:
         self._owned.discard(m)

@@ -73,6 +73,7 @@ async def test_llamacpp_embeddings_are_finished_not_cancelled(http: aiohttp.Clie
         async with http.get(px.url + "/llmproxy/status") as r:
             policies = (await r.json())["policies"]
         assert policies == {
+            "route": "cache",
             "supersede_inflight": "cancel",
             "on_disconnect": "cancel",  # no /api/generate on llama-server
             "unconfirmed_routes": [

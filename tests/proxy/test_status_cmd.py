@@ -49,7 +49,7 @@ async def test_status_prints_slots_queue_and_counters(http: aiohttp.ClientSessio
 
         rc, out, err = await status(px.url, key="k1")
         assert rc == 0, err
-        assert f"upstream {fake.url} (llamacpp, 0/1 permits free)" in out
+        assert f"upstream {fake.url.removeprefix('http://')} (llamacpp, 0/1 permits free)" in out
         slot = next(ln.split() for ln in out.splitlines() if ln.strip().startswith("0 "))
         assert slot[:2] == ["0", "generating"] and slot[3:5] == ["complete", "/infill"]
         assert "queue: 1 waiting, 0 held" in out

@@ -145,7 +145,7 @@ async def scenario(
                 what="one canonical line per request",
             )
         gate = px.member.gate
-        assert gate.free == capacity and gate.queued == 0 and gate.inflight == 0
+        assert gate.free == capacity and len(px.state.pool.queue) == 0 and gate.inflight == 0
         assert fake.max_concurrent <= capacity, fake.snapshot()
         events = [e for e in logs if e.get("event") == "request"]
         ids = [e["request_id"] for e in events]

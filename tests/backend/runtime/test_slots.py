@@ -123,7 +123,7 @@ async def test_n_cmpl_through_the_proxy_runs_on_the_slots_the_gate_granted(two_s
             assert time.monotonic() < t_end and not endless.done()
             await asyncio.sleep(0.01)
         wide = asyncio.ensure_future(post("b", n_cmpl=2))
-        while not gate.queued:
+        while not px.state.pool.queue:
             assert time.monotonic() < t_end and not wide.done()
             await asyncio.sleep(0.01)
         # it waits in the proxy
