@@ -9,7 +9,9 @@ places a request on to ``grant`` at once. Pure asyncio logic, no sockets. Contra
   a wide ticket (``permits`` > 1: llama-server's ``n_cmpl``) gets that one first and the
   lowest free ids as its extras, the ones llama-server gives a request's extra
   completions. Until its job has sent it, ``settle_extras`` may trade those for lower
-  slots freed meanwhile (the job's adapter owns that wait; ``settled`` ends it).
+  slots freed meanwhile (the job's adapter owns that wait; ``settled`` ends it); from then
+  until it ends, a slot below its highest extra that comes back is held for it too
+  (``Slots.settled``: the server may have put an extra completion there).
 - ``waits_for_its_slot``: when the slot a session used last is being stopped for the
   session's superseded request, its next request should wait for it, at most
   ``affinity_wait_s`` from admission, so it finds its prompt in that slot's cache; the
@@ -172,7 +174,7 @@ class Gate:
             return
         assert ticket.slots
         del self._inflight[ticket.id]
-        self._slots.settled(ticket)
+        self._slots.ended(ticket)
         ticket.state = "done"
         ticket.on_supersede = None
         kept = set(slots) & set(ticket.slots)

@@ -27,6 +27,7 @@ class Slots:
         self.quarantined: set[int] = set()
         self._affinity: OrderedDict[str, int] = OrderedDict()
         self._settling: dict[int, Ticket] = {}  # ticket id -> wide ticket about to be sent
+        self._sent: dict[int, Ticket] = {}  # ticket id -> wide ticket sent, still running
 
     @property
     def capacity(self) -> int:
@@ -109,7 +110,18 @@ class Slots:
         self._lower_extras(ticket)
 
     def settled(self, ticket: Ticket) -> None:
+        """The settling ticket was sent (or given up): its extras are fixed, but until it
+        ends (``ended``) a slot below its highest extra put back is held for it too: the
+        server, seeing that slot idle before the request arrived, may have put an extra
+        completion there instead of where the gate put it. Held one permit too many for a
+        while, never a slot granted twice."""
+        if self._settling.pop(ticket.id, None) is not None:
+            self._sent[ticket.id] = ticket
+
+    def ended(self, ticket: Ticket) -> None:
+        """The ticket's permits are coming back: no more slots are held for it."""
         self._settling.pop(ticket.id, None)
+        self._sent.pop(ticket.id, None)
 
     def _lower_extras(self, ticket: Ticket) -> None:
         """Trade the ticket's extras (all slots but the first) for the lowest ids among them
@@ -119,8 +131,16 @@ class Slots:
         ticket.slots = (ticket.slots[0], *extras)
 
     def put(self, slots: Iterable[int]) -> None:
-        """Held slots are free again (settling tickets pick first, oldest first)."""
-        self.free.extend(slots)
+        """Held slots are free again (a sent wide ticket holds those below its highest
+        extra, see ``settled``; then settling tickets pick first, oldest first)."""
+        back = list(slots)
+        for ticket in self._sent.values():
+            top = max(ticket.slots[1:])
+            kept = [s for s in back if s < top]
+            if kept:
+                ticket.slots = (*ticket.slots, *kept)
+                back = [s for s in back if s >= top]
+        self.free.extend(back)
         for ticket in self._settling.values():
             self._lower_extras(ticket)
 

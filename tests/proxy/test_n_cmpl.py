@@ -202,9 +202,13 @@ async def test_settle_gives_up_loudly_and_is_cancellable(http: aiohttp.ClientSes
             await task
         assert wide.slots == (1, 2) and gate.settle_extras(wide, lambda _t: True) == {0}
         gate.settled(wide)
+        gate.release(wide)
         gate.release(x)
         emb = submit(pool, "e", supersedable=False, route="/v1/embeddings").ticket
         gate.take(emb)  # slot 0 again, on any slot at the server: not waited for
+        wide = submit(pool, "w2", supersedable=False, permits=2).ticket
+        gate.take(wide)
+        assert (emb.slots, wide.slots) == ((0,), (1, 2))
         polls = sum(r.path == "/slots" for r in fake.received)
         await asyncio.wait_for(adapter.settle(gate, wide), 0.1)
         assert sum(r.path == "/slots" for r in fake.received) == polls
@@ -258,3 +262,54 @@ async def test_a_request_stopped_before_it_was_sent_never_reaches_the_upstream(
         line = request_events(logs)["wide"]
         assert line["reached_upstream"] is False
         assert line["outcome"] == ("cancelled_queued" if how == "client_left" else "superseded")
+
+
+async def test_a_lower_slot_freed_before_a_wide_request_arrives_is_held_for_it(
+    http: aiohttp.ClientSession,
+) -> None:
+    """The settle saw slot 0 busy, but its request ends before the wide one reaches the
+    server, which then puts the extra completion on slot 0, not on slot 2 as the gate did.
+    Slot 0 coming back while the wide request runs is held for it: the next request waits
+    in the proxy's queue, never in the server's (it was granted slot 0 and deferred)."""
+    finish_a = asyncio.Event()
+    settling = asyncio.Event()
+
+    def script(_path: str, body: dict[str, Any]) -> Script:
+        if body.get("prompt") == "a":
+            return Script(tokens=1, token_delay_s=0, hold=finish_a)
+        return Script(tokens=20, token_delay_s=0.005)
+
+    async with (
+        FakeUpstream(slots=3, script=script, abort_linger_s=0.01) as fake,
+        run_proxy(fake.url) as px,
+    ):
+        answer = fake._slots_response
+
+        def slots_response() -> Any:
+            resp = answer()
+            if settling.is_set():  # the wide request's settle poll: A ends right after it
+                finish_a.set()
+            return resp
+
+        fake._slots_response = slots_response  # type: ignore[method-assign]
+
+        async def post(body: dict[str, Any], session: str) -> int:
+            async with http.post(
+                px.url + "/completion",
+                json={**body, "stream": True},
+                headers={"X-LLMProxy-Session": session},
+            ) as r:
+                await r.read()
+                return r.status
+
+        a = asyncio.create_task(post({"prompt": "a"}, "a"))  # slot 0, held at the fake
+        await fake.wait_for(lambda f: f.slot_busy[0])
+        settling.set()
+        wide = asyncio.create_task(post({"prompt": "w", "n_cmpl": 2}, "w"))
+        await fake.wait_for(lambda f: len(f.generations) == 2)
+        b = asyncio.create_task(post({"prompt": "b"}, "b"))
+        assert await asyncio.gather(a, wide, b) == [200, 200, 200]
+        assert fake.deferred == [] and fake.max_concurrent <= 3, fake.snapshot()
+        gate = px.member.gate
+        await asyncio.wait_for(gate.wait_quiescent(), 5)
+        assert gate.free == gate.capacity == 3

@@ -88,7 +88,9 @@ async def test_slot_count_and_slots_learnt_after_detection_gave_up(
         posts = [asyncio.create_task(post(f"s{i}")) for i in range(2)]
         await fake.wait_for(lambda f: f.concurrent == expected)
         await wait_until(
-            lambda: len(px.state.pool.queue) + gate.inflight >= 2, 10, what="the second request in the gate"
+            lambda: len(px.state.pool.queue) + gate.inflight >= 2,
+            10,
+            what="the second request in the proxy",
         )
         assert len(px.state.pool.queue) == 2 - expected
         hold.set()
