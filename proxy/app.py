@@ -81,7 +81,10 @@ async def _upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     async with running_pool(s, specs_for(s)) as runtime:
         pool = runtime.pool
         assert pool is not None
-        app[STATE] = ProxyState(s, pool, jobs, app[METRICS], generations)
+        classes: dict[str, tuple[str, ...]] = {
+            k.name: tuple(k.classes) for k in s.keys if k.classes
+        }
+        app[STATE] = ProxyState(s, pool, jobs, app[METRICS], generations, classes)
         app[METRICS].bind_pool(pool)
         app[RELOAD] = lambda new: _reload(runtime, embedded, new, specs_for)
         yield

@@ -9,6 +9,7 @@ it. Ground: imports none of the proxy's parts.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -35,6 +36,11 @@ class KeySpec(BaseModel):
     name: str = Field(min_length=1, max_length=64, description="The caller this key identifies")
     key: SecretStr | None = Field(default=None, description="The key itself")
     key_file: Path | None = Field(default=None, description="A file whose first line is the key")
+    classes: list[Literal["complete", "chat", "bulk"]] | None = Field(
+        default=None,
+        description="Request classes this caller may use (its best one is the highest its "
+        "requests get); default: all",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> KeySpec:

@@ -5,6 +5,7 @@ Built once by the CLI (see common/config.py) and passed down explicitly; frozen.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,8 +49,9 @@ class ProxySettings(LayeredSettings):
     )
     keys: list[KeySpec] = Field(
         [],
-        description="Client keys with names, one per caller: TOML [[keys]] tables (name, and key "
-        "or key_file); any of them is accepted as api_key is",
+        description="Client keys with names, one per caller: TOML [[keys]] tables (name, key or "
+        "key_file, and optionally classes: the request classes the caller may use); any of them "
+        "is accepted as api_key is",
     )
     allowed_hosts: list[str] = Field(
         [],
@@ -135,6 +137,24 @@ class ProxySettings(LayeredSettings):
         description="How long a queued request's place is kept for its session after it left "
         "the queue (its editor closed it to send the next keystroke): the session's next request "
         "takes that place instead of the queue's tail",
+    )
+
+    classes: Literal["on", "off"] = Field(
+        "on",
+        description="Serve waiting requests by class, complete (editors' completions) before "
+        "chat before bulk (embeddings, reranking), with aging (class_max_wait_s) and a reserve "
+        "of permits for completions; off: one FIFO queue",
+    )
+    class_max_wait_s: dict[str, float] = Field(
+        {"chat": 10.0, "bulk": 30.0},
+        description="How long a chat or bulk request waits before it is served as the class "
+        "above, e.g. chat=5,bulk=20",
+    )
+    reserve: int | None = Field(
+        None,
+        ge=0,
+        description="Permits of each upstream granted only to completions (default: 1 where an "
+        "upstream has 2 or more, else 0)",
     )
 
     breaker_threshold: int = Field(
@@ -292,6 +312,25 @@ class ProxySettings(LayeredSettings):
     backend_start_timeout_s: float = Field(
         300.0, gt=0, description="Longest wait for the embedded backend to load"
     )
+
+    @field_validator("class_max_wait_s", mode="before")
+    @classmethod
+    def _class_waits_text(cls, value: Any) -> Any:
+        """A flag or env value: JSON, or ``chat=5,bulk=20``."""
+        if not isinstance(value, str):
+            return value
+        if value.strip().startswith("{"):
+            return json.loads(value)
+        pairs = [p.partition("=") for p in value.split(",") if p.strip()]
+        return {k.strip(): v.strip() for k, _, v in pairs}
+
+    @field_validator("class_max_wait_s")
+    @classmethod
+    def _class_waits(cls, waits: dict[str, float]) -> dict[str, float]:
+        unknown = [k for k in waits if k not in ("chat", "bulk")]
+        if unknown or any(v <= 0 for v in waits.values()):
+            raise ValueError("class_max_wait_s takes positive seconds for 'chat' and 'bulk'")
+        return {"chat": 10.0, "bulk": 30.0, **waits}
 
     @field_validator("session_parts")
     @classmethod

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -29,6 +29,8 @@ class ProxyState:
     jobs: JobRegistry
     metrics: Metrics
     generations: Generations | None = None  # type-through; None when off
+    #: key name -> the request classes it may use (``[[keys]]`` ``classes``)
+    key_classes: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def passthrough_adapter(self) -> Adapter:
         """The adapter an ungated request goes to: the first upstream in rotation."""

@@ -23,6 +23,7 @@ class Ticket:
     permits: int = 1
     sizer: Callable[[int], int] | None = None  # the permit count at grant time (capacity -> count)
     twin: str | None = None  # its body's twin key (proxy/twins.py): equal keys never supersede
+    klass: str = "complete"  # its request class (classes.py)
     created: float = field(default_factory=time.monotonic)
     state: State = "queued"
     slot: int | None = None  # the first granted slot (the one ``id_slot`` names)

@@ -77,6 +77,7 @@ def status_of(st: ProxyState) -> dict[str, Any]:
                 {
                     "id": e.id,
                     "route": e.route,
+                    "class": e.ticket.klass,
                     "session": e.session[:8],
                     "age_s": round(now - e.created, 3),
                 }
@@ -102,6 +103,7 @@ def _inflight(t: Ticket, now: float) -> dict[str, Any]:
         "slots": list(t.slots),
         "state": t.state,
         "route": t.route,
+        "class": t.klass,
         "session": t.session[:8],  # redacted: a prefix of the hashed key
         "age_s": round(now - (t.granted_at or t.created), 3),
     }

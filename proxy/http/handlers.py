@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from llmproxy.proxy.gating.classes import HEADER, request_class
 from llmproxy.proxy.gating.sessions import session_key
 from llmproxy.proxy.http.bodies import parse_json_object, read_body
 from llmproxy.proxy.http.granted import continuable
 from llmproxy.proxy.http.pooled import pooled
+from llmproxy.proxy.http.trust import CALLER
 from llmproxy.proxy.reuse.answer import reused
 from llmproxy.proxy.reuse.registry import Follow, Waited
 from llmproxy.proxy.state import RECORD, STATE
@@ -43,6 +45,10 @@ async def gated(request: web.Request) -> web.StreamResponse:
         peer=request.remote,
         path=request.path,
         body=parsed,
+    )
+    rec.caller = request.get(CALLER)
+    rec.request_class = request_class(
+        request.path, request.headers.get(HEADER), st.key_classes.get(rec.caller or "")
     )
     supersedable = continuable(s, request.path, parsed)
     first = False  # at the queue's head: it waited on the session's generation already

@@ -63,6 +63,7 @@ async def _once(
         sizing=sizing,
         exclude=exclude,
         first=first,
+        klass=rec.request_class or "complete",
     )
     try:
         placement = await st.pool.acquire(entry, st.settings.queue_timeout_s)

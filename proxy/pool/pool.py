@@ -1,8 +1,10 @@
 """The scheduler: the one admission path, with one upstream (a pool of one) or several.
 
-It owns the wait queue and every ordering rule: FIFO, queue-full, held places, supersede
-and twins, the head of the queue for a keystroke that waited, the breaker's probe, and
-where the head goes (router.py). Each upstream's gate (gating/gate.py) keeps only its slot
+It owns the wait queue and every ordering rule: FIFO within a request class (complete
+before chat before bulk, with aging, and a reserve of each upstream's permits for
+completions: gating/classes.py), queue-full, held places, supersede and twins, the head of
+the queue for a keystroke that waited, the breaker's probe, and where the head goes
+(router.py). Each upstream's gate (gating/gate.py) keeps only its slot
 state: permits, slot affinity, quarantine. Concurrency contract:
 
 - ``submit`` never blocks. It admits a request (``QueueFull``, ``ShuttingDown``;
@@ -51,6 +53,7 @@ from llmproxy.proxy.errors import (
     Superseded,
 )
 from llmproxy.proxy.gating.breaker import UpstreamUnavailable
+from llmproxy.proxy.gating.classes import RANK
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.gating.waitlist import WaitList
 from llmproxy.proxy.pool.entry import Entry, Placement
@@ -71,6 +74,7 @@ class Pool:
         self.settings = settings
         self.router = Router(settings.route, settings.affinity_wait_s)
         self.max_queue = settings.max_queue
+        self._max_wait = settings.class_max_wait_s
         self.queue: WaitList[Entry] = WaitList(settings.queue_hold_s, settings.max_queue)
         self._sizing: dict[int, Sizing] = {}  # entry id -> its sizing
         self._ids = itertools.count(1)
@@ -113,8 +117,10 @@ class Pool:
         sizing: Sizing,
         exclude: Member | None = None,
         first: bool = False,
+        klass: str = "complete",
     ) -> Entry:
-        """Admit a request (see the module's contract); ``exclude``: a failover, which goes
+        """Admit a request (see the module's contract); ``klass``: its request class
+        (gating/classes.py); ``exclude``: a failover, which goes
         to the head of the queue and to another upstream than the one it failed on.
         ``first``: to the head of the queue too (a keystroke that waited on its session's
         generation, type-through); the queue's bound does not refuse either."""
@@ -140,7 +146,9 @@ class Pool:
         text = prompt_text(route, parsed) if self.settings.route == "cache" else ""
         loop = asyncio.get_running_loop()
         ident = next(self._ids)
-        ticket = Ticket(ident, session, supersedable, route, loop.create_future(), twin=twin)
+        ticket = Ticket(
+            ident, session, supersedable, route, loop.create_future(), twin=twin, klass=klass
+        )
         entry = Entry(
             ident,
             session,
@@ -230,7 +238,7 @@ class Pool:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        while (head := self.queue.head()) is not None:
+        while (head := self._head()) is not None:
             if head.future.done():  # its waiter left: as ``abandon`` would
                 self.queue.remove(head)
                 self._forget(head)
@@ -250,7 +258,7 @@ class Pool:
 
             def room(m: Member, head: Entry = head, sized: dict[int, Any] = sized) -> bool:
                 n = sized.get(id(m))
-                if not isinstance(n, int) or m.gate.free < n:
+                if not isinstance(n, int) or m.gate.free < n or not self._within_share(m, head, n):
                     return False
                 head.ticket.permits = n
                 return not m.gate.waits_for_its_slot(head.ticket)
@@ -267,6 +275,36 @@ class Pool:
             permits = sized[id(choice.member)]
             assert isinstance(permits, int)  # the router picks where it has room
             self._place(head, choice, permits)
+
+    def _head(self) -> Entry | None:
+        """The waiter served next: the queue's first with classes off; else the first of the
+        best class, a class counted one better for each ``class_max_wait_s`` it waited."""
+        if self.settings.classes == "off":
+            return self.queue.head()
+        now, best, best_rank = time.monotonic(), None, len(RANK)
+        for entry in self.queue:
+            rank = RANK[entry.ticket.klass]
+            if rank:
+                rank = max(
+                    0, rank - int((now - entry.created) // self._max_wait[entry.ticket.klass])
+                )
+            if rank < best_rank:
+                best, best_rank = entry, rank
+                if rank == 0:
+                    break
+        return best
+
+    def _within_share(self, m: Member, entry: Entry, permits: int) -> bool:
+        """May ``entry`` take ``permits`` of ``m``'s now? A request that is not a completion
+        leaves the upstream's reserve free (``reserve``; default 1 where it has 2 or more)."""
+        if entry.ticket.klass == "complete" or self.settings.classes == "off":
+            return True
+        capacity = m.gate.capacity
+        reserve = self.settings.reserve
+        if reserve is None:
+            reserve = 1 if capacity >= 2 else 0
+        others = sum(len(t.slots) for t in m.gate.inflight_snapshot() if t.klass != "complete")
+        return others + permits <= capacity - reserve
 
     def _place(self, entry: Entry, choice: Choice, permits: int) -> None:
         m = choice.member

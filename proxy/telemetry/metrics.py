@@ -68,6 +68,12 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.class_requests = Counter(
+            "llmproxy_class_requests",
+            "Gated requests by request class (complete, chat, bulk) and outcome",
+            ["request_class", "outcome"],
+            registry=r,
+        )
         self.reused_tokens = Counter(
             "llmproxy_reused_tokens",
             "Tokens answered from a running or recent generation (type-through)",
@@ -109,6 +115,8 @@ class Metrics:
         if not rec.gated:
             return
         self.requests.labels(outcome=rec.outcome, route=rec.path).inc()
+        if rec.request_class is not None:
+            self.class_requests.labels(rec.request_class, rec.outcome).inc()
         self.recent.add(rec)
         if rec.upstream_name is not None:
             self.upstreams.observe(rec.upstream_name, rec.route_decision)

@@ -27,6 +27,8 @@ class RequestRecord:
     # the app's (batched); default: one that writes at once
     request_log: RequestLog = field(default_factory=lambda: RequestLog(0))
     session: str | None = None
+    caller: str | None = None  # the name of the client key it came with (http/trust.py)
+    request_class: str | None = None  # gated: complete, chat or bulk (gating/classes.py)
     gated: bool = False
     parsed_body: Any = None
     started: float = field(default_factory=time.monotonic)
@@ -105,6 +107,8 @@ class RequestRecord:
             "status": self.status,
             "outcome": self.outcome,
             "session": self.session,
+            "caller": self.caller,
+            "class": self.request_class,
             "upstream": self.upstream_name,
             "route_decision": self.route_decision,
             "failover_from": self.failover,

@@ -57,6 +57,7 @@ def submit(
     parsed: Any = _PROMPT,
     sizing: Sizing | None = None,
     exclude: Member | None = None,
+    klass: str = "complete",
 ) -> Entry:
     """Submit a request of ``session`` whose body is ``{"prompt": prompt}`` (or ``parsed``):
     two supersedable requests of a session with equal bodies are twins (proxy/twins.py), so
@@ -70,6 +71,7 @@ def submit(
         sizing=sized(permits) if sizing is None else sizing,
         exclude=exclude,
         first=first,
+        klass=klass,
     )
 
 
