@@ -29,7 +29,8 @@ def read_key_file(path: Path) -> SecretStr:
 
 
 class KeySpec(BaseModel):
-    """One client key: ``key`` or ``key_file``, and the caller's ``name``."""
+    """One client key: ``key`` or ``key_file``, the caller's ``name``, and what the scheduler
+    grants that caller (``classes``, ``weight``, ``max_inflight``, ``max_queued``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -40,6 +41,13 @@ class KeySpec(BaseModel):
         default=None,
         description="Request classes this caller may use (its best one is the highest its "
         "requests get); default: all",
+    )
+    weight: float = Field(default=1.0, gt=0, description="Its share among callers in one class")
+    max_inflight: int | None = Field(
+        default=None, ge=1, description="At most this many of its requests run at once"
+    )
+    max_queued: int | None = Field(
+        default=None, ge=0, description="At most this many of its requests wait; more get 429"
     )
 
     @model_validator(mode="after")

@@ -24,6 +24,7 @@ class Ticket:
     sizer: Callable[[int], int] | None = None  # the permit count at grant time (capacity -> count)
     twin: str | None = None  # its body's twin key (proxy/twins.py): equal keys never supersede
     klass: str = "complete"  # its request class (classes.py)
+    caller: str = ""  # who sent it: its key's name, else its client's address (fair shares)
     created: float = field(default_factory=time.monotonic)
     state: State = "queued"
     slot: int | None = None  # the first granted slot (the one ``id_slot`` names)

@@ -64,6 +64,7 @@ async def _once(
         exclude=exclude,
         first=first,
         klass=rec.request_class or "complete",
+        caller=rec.caller or request.remote or "",
     )
     try:
         placement = await st.pool.acquire(entry, st.settings.queue_timeout_s)

@@ -60,6 +60,7 @@ from llmproxy.proxy.pool.entry import Entry, Placement
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.prefix import block_hashes, prompt_text
 from llmproxy.proxy.pool.router import Choice, Request, Router, Wait
+from llmproxy.proxy.pool.shares import Shares
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.twins import twin_key
 
@@ -75,6 +76,7 @@ class Pool:
         self.router = Router(settings.route, settings.affinity_wait_s)
         self.max_queue = settings.max_queue
         self._max_wait = settings.class_max_wait_s
+        self.shares = Shares(settings.keys)
         self.queue: WaitList[Entry] = WaitList(settings.queue_hold_s, settings.max_queue)
         self._sizing: dict[int, Sizing] = {}  # entry id -> its sizing
         self._ids = itertools.count(1)
@@ -118,9 +120,11 @@ class Pool:
         exclude: Member | None = None,
         first: bool = False,
         klass: str = "complete",
+        caller: str = "",
     ) -> Entry:
         """Admit a request (see the module's contract); ``klass``: its request class
-        (gating/classes.py); ``exclude``: a failover, which goes
+        (gating/classes.py); ``caller``: who sent it (shares.py: 429 past its key's
+        ``max_queued``); ``exclude``: a failover, which goes
         to the head of the queue and to another upstream than the one it failed on.
         ``first``: to the head of the queue too (a keystroke that waited on its session's
         generation, type-through); the queue's bound does not refuse either."""
@@ -134,6 +138,13 @@ class Pool:
             raise next(n for n in sized if isinstance(n, BadRequest))
         twin = twin_key(route, parsed) if supersedable else None
         placed, replaced = self.queue.place_of(session, twin) if supersedable else (False, None)
+        cap = self.shares.max_queued(caller)
+        if cap is not None and replaced is None and exclude is None:
+            if sum(e.ticket.caller == caller for e in self.queue) >= cap:
+                raise QueueFull(
+                    f"caller {caller!r} has {cap} requests waiting (max_queued)",
+                    headers={"Retry-After": str(self.settings.retry_after_s)},
+                )
         if replaced is None and exclude is None and not first and len(self.queue) >= self.max_queue:
             room = any(
                 isinstance(n, int) and m.gate.free >= n for m, n in zip(members, sized, strict=True)
@@ -147,7 +158,14 @@ class Pool:
         loop = asyncio.get_running_loop()
         ident = next(self._ids)
         ticket = Ticket(
-            ident, session, supersedable, route, loop.create_future(), twin=twin, klass=klass
+            ident,
+            session,
+            supersedable,
+            route,
+            loop.create_future(),
+            twin=twin,
+            klass=klass,
+            caller=caller,
         )
         entry = Entry(
             ident,
@@ -277,22 +295,41 @@ class Pool:
             self._place(head, choice, permits)
 
     def _head(self) -> Entry | None:
-        """The waiter served next: the queue's first with classes off; else the first of the
-        best class, a class counted one better for each ``class_max_wait_s`` it waited."""
+        """The waiter served next: the queue's first with classes off; else, among the
+        waiters of the best class (a class counted one better for each
+        ``class_max_wait_s`` waited), the first of the caller whose fair share comes first
+        (shares.py), passing over callers at their ``max_inflight``."""
         if self.settings.classes == "off":
             return self.queue.head()
-        now, best, best_rank = time.monotonic(), None, len(RANK)
+        now = time.monotonic()
+        capped = self._capped_callers()
+        best: Entry | None = None
+        best_key = (len(RANK), 0.0)
         for entry in self.queue:
-            rank = RANK[entry.ticket.klass]
+            ticket = entry.ticket
+            if ticket.caller in capped:
+                continue
+            rank = RANK[ticket.klass]
             if rank:
-                rank = max(
-                    0, rank - int((now - entry.created) // self._max_wait[entry.ticket.klass])
-                )
-            if rank < best_rank:
-                best, best_rank = entry, rank
-                if rank == 0:
-                    break
+                waited = now - entry.created
+                rank = max(0, rank - int(waited // self._max_wait[ticket.klass]))
+            key = (rank, self.shares.start(ticket.caller))
+            if key < best_key:  # ties: the earlier in the queue
+                best, best_key = entry, key
         return best
+
+    def _capped_callers(self) -> set[str]:
+        """Callers with ``max_inflight`` requests holding permits now."""
+        running: dict[str, int] = {}
+        for m in self.members:
+            for t in m.gate.inflight_snapshot():
+                running[t.caller] = running.get(t.caller, 0) + 1
+        capped = set()
+        for caller, n in running.items():
+            cap = self.shares.max_inflight(caller)
+            if cap is not None and n >= cap:
+                capped.add(caller)
+        return capped
 
     def _within_share(self, m: Member, entry: Entry, permits: int) -> bool:
         """May ``entry`` take ``permits`` of ``m``'s now? A request that is not a completion
@@ -316,6 +353,7 @@ class Pool:
             return
         entry.ticket.permits = permits
         m.gate.grant(entry.ticket)
+        self.shares.granted(entry.ticket.caller, permits)
         m.index.add(entry.request.hashes)
         m.routed += 1
         m.prompt_chars += entry.prompt_chars

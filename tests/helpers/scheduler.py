@@ -58,6 +58,7 @@ def submit(
     sizing: Sizing | None = None,
     exclude: Member | None = None,
     klass: str = "complete",
+    caller: str = "",
 ) -> Entry:
     """Submit a request of ``session`` whose body is ``{"prompt": prompt}`` (or ``parsed``):
     two supersedable requests of a session with equal bodies are twins (proxy/twins.py), so
@@ -72,6 +73,7 @@ def submit(
         exclude=exclude,
         first=first,
         klass=klass,
+        caller=caller,
     )
 
 

@@ -1,0 +1,91 @@
+"""Fair shares between callers (pool/shares.py) in the scheduler: turns, weights and the
+caps of a caller's key."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from llmproxy.proxy.errors import QueueFull
+from llmproxy.proxy.pool.entry import Entry
+from llmproxy.proxy.pool.pool import Pool
+from tests.helpers.scheduler import make_pool, submit
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:  # never used to connect here
+        yield s
+
+
+def keys(**specs: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"name": name, "key": f"key-{name}", **spec} for name, spec in specs.items()]
+
+
+async def finish(pool: Pool, entry: Entry) -> None:
+    placement = await pool.acquire(entry, 1)
+    placement.member.gate.take(placement.ticket)
+    placement.member.gate.release(placement.ticket)
+
+
+async def served_order(pool: Pool, entries: list[Entry], running: Entry) -> list[str]:
+    """Finish ``running``, then each request as it is granted: the callers in grant order."""
+    order = []
+    await finish(pool, running)
+    waiting = list(entries)
+    while waiting:
+        granted = [e for e in waiting if e.future.done()]
+        assert len(granted) == 1, [e.ticket.caller for e in granted]
+        order.append(granted[0].ticket.caller)
+        waiting.remove(granted[0])
+        await finish(pool, granted[0])
+    return order
+
+
+async def test_a_caller_with_one_request_is_not_behind_another_callers_eight(
+    session: aiohttp.ClientSession,
+) -> None:
+    pool, _ = make_pool(session, [1])
+    running = submit(pool, "x", "x", caller="x")
+    agent = [submit(pool, f"a{i}", f"a{i}", caller="A") for i in range(8)]
+    editor = submit(pool, "b", "b", caller="B")
+    order = await served_order(pool, [*agent, editor], running)
+    assert order[:2] == ["A", "B"] and order.count("A") == 8
+
+
+async def test_shares_follow_the_keys_weights(session: aiohttp.ClientSession) -> None:
+    pool, _ = make_pool(session, [1], keys=keys(A={"weight": 2}, B={}))
+    running = submit(pool, "x", "x", caller="x")
+    a = [submit(pool, f"a{i}", f"a{i}", caller="A") for i in range(6)]
+    b = [submit(pool, f"b{i}", f"b{i}", caller="B") for i in range(6)]
+    order = await served_order(pool, [*a, *b], running)
+    assert order[:6].count("A") == 4 and order[:6].count("B") == 2
+
+
+async def test_a_caller_past_its_max_queued_gets_429(session: aiohttp.ClientSession) -> None:
+    pool, _ = make_pool(session, [1], keys=keys(A={"max_queued": 2}))
+    running = submit(pool, "x", "x", caller="x")
+    waiting = [submit(pool, f"a{i}", f"a{i}", caller="A") for i in range(2)]
+    with pytest.raises(QueueFull, match="max_queued") as refused:
+        submit(pool, "a2", "a2", caller="A")
+    assert refused.value.headers["Retry-After"] == "1"
+    other = submit(pool, "b", "b", caller="B")  # others still queue
+    await served_order(pool, [*waiting, other], running)
+
+
+async def test_a_caller_at_its_max_inflight_waits_while_others_run(
+    session: aiohttp.ClientSession,
+) -> None:
+    pool, (m,) = make_pool(session, [3], keys=keys(A={"max_inflight": 1}))
+    first = submit(pool, "a0", "a0", caller="A")
+    second = submit(pool, "a1", "a1", caller="A")
+    other = submit(pool, "b", "b", caller="B")
+    assert first.future.done() and not second.future.done() and other.future.done()
+    assert m.gate.free == 1  # a free permit, yet A's second waits
+    await finish(pool, first)
+    assert second.future.done()
+    await finish(pool, second)
+    await finish(pool, other)
