@@ -12,6 +12,7 @@ _BENCHES = (
     "llmproxy.bench.backends",
     "llmproxy.bench.soak.run",
     "llmproxy.bench.pool.run",
+    "llmproxy.bench.mix.run",
     "llmproxy.bench.tokenize",
     "llmproxy.bench.match",
 )
