@@ -45,8 +45,10 @@ def closed_port() -> int:
 
 @contextlib.asynccontextmanager
 async def serve_app(app: web.Application, host: str = "127.0.0.1") -> AsyncIterator[str]:
-    """Run ``app`` as a real server on an ephemeral loopback port; yields its base URL."""
-    runner = web.AppRunner(app, access_log=None)
+    """Run ``app`` as a real server on an ephemeral loopback port; yields its base URL. Its
+    handlers still running at exit are cancelled after 2 s (an endless test upstream must
+    not hang the run when its test fails)."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, host, 0).start()
     try:
