@@ -50,8 +50,9 @@ class ProxySettings(LayeredSettings):
     keys: list[KeySpec] = Field(
         [],
         description="Client keys with names, one per caller: TOML [[keys]] tables (name, key or "
-        "key_file, and optionally classes: the request classes the caller may use); any of them "
-        "is accepted as api_key is",
+        "key_file; optionally classes: the request classes the caller may use, weight: its "
+        "share among callers, max_inflight and max_queued); any of them is accepted as "
+        "api_key is",
     )
     allowed_hosts: list[str] = Field(
         [],
