@@ -32,12 +32,17 @@ class VocabOnly:
 
     def __init__(self, model_path: Path) -> None:
         import llama_cpp
-        from llama_cpp import _internals
+        from llama_cpp import _internals, _logger
 
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = True
+        # Quiet through llama.cpp's log callback (errors still shown), never with
+        # ``verbose=False``: that points the process's fds 1 and 2 at /dev/null while the
+        # model loads, and this runs on a thread of the server's process, whose other
+        # threads' log lines would be lost meanwhile.
+        _logger.set_verbose(False)
         self._model: Any = _internals.LlamaModel(
-            path_model=str(model_path), params=params, verbose=False
+            path_model=str(model_path), params=params, verbose=True
         )
         self.metadata: dict[str, str] = self._model.metadata()
 

