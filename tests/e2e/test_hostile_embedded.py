@@ -195,7 +195,7 @@ async def test_hostile_inputs_through_the_proxy_and_embedded_backend(tmp_path: P
             return {
                 "free": status["permits"]["free"] == status["permits"]["total"],
                 "held": status["permits"]["held"],
-                "quarantine": status["quarantine"]["slots"],
+                "quarantine": [s for u in status["upstreams"] for s in u["quarantine"]],
                 "queued": status["queue"]["depth"],
                 "busy": [s["id"] for s in slots if s["is_processing"]],
             }
