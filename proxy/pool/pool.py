@@ -274,6 +274,9 @@ class Pool:
                 self._end(head, next(e for e in sized.values() if isinstance(e, ProxyError)))
                 continue
 
+            if self._waits_for_its_slot(head, fits, sized):
+                return  # strict FIFO: the queue behind waits too (the gate wakes it)
+
             def room(m: Member, head: Entry = head, sized: dict[int, Any] = sized) -> bool:
                 n = sized.get(id(m))
                 if not isinstance(n, int) or m.gate.free < n or not self._within_share(m, head, n):
@@ -293,6 +296,17 @@ class Pool:
             permits = sized[id(choice.member)]
             assert isinstance(permits, int)  # the router picks where it has room
             self._place(head, choice, permits)
+
+    def _waits_for_its_slot(self, head: Entry, fits: list[Member], sized: dict[int, Any]) -> bool:
+        """Is the slot ``head``'s session used last being stopped, on one of ``fits``, for
+        the session's superseded request? Its prompt is cached there: the head waits for
+        that slot (at most ``affinity_wait_s`` from its admission) rather than prefill it
+        on another slot or upstream."""
+        for m in fits:
+            head.ticket.permits = sized[id(m)]
+            if m.gate.waits_for_its_slot(head.ticket):
+                return True
+        return False
 
     def _head(self) -> Entry | None:
         """The waiter served next: the queue's first with classes off; else, among the
