@@ -53,11 +53,11 @@ from llmproxy.proxy.errors import (
     Superseded,
 )
 from llmproxy.proxy.gating.breaker import UpstreamUnavailable
-from llmproxy.proxy.gating.classes import RANK
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.gating.waitlist import WaitList
 from llmproxy.proxy.pool.entry import Entry, Placement
 from llmproxy.proxy.pool.member import Member
+from llmproxy.proxy.pool.order import Order
 from llmproxy.proxy.pool.prefix import block_hashes, prompt_text
 from llmproxy.proxy.pool.router import Choice, Request, Router, Wait
 from llmproxy.proxy.pool.shares import Shares
@@ -75,8 +75,8 @@ class Pool:
         self.settings = settings
         self.router = Router(settings.route, settings.affinity_wait_s)
         self.max_queue = settings.max_queue
-        self._max_wait = settings.class_max_wait_s
         self.shares = Shares(settings.keys)
+        self.order = Order(settings, self.shares)
         self.queue: WaitList[Entry] = WaitList(settings.queue_hold_s, settings.max_queue)
         self._sizing: dict[int, Sizing] = {}  # entry id -> its sizing
         self._ids = itertools.count(1)
@@ -309,53 +309,13 @@ class Pool:
         return False
 
     def _head(self) -> Entry | None:
-        """The waiter served next: the queue's first with classes off; else, among the
-        waiters of the best class (a class counted one better for each
-        ``class_max_wait_s`` waited), the first of the caller whose fair share comes first
-        (shares.py), passing over callers at their ``max_inflight``."""
+        """The waiter served next (order.py)."""
         if self.settings.classes == "off":
             return self.queue.head()
-        now = time.monotonic()
-        capped = self._capped_callers()
-        best: Entry | None = None
-        best_key = (len(RANK), 0.0)
-        for entry in self.queue:
-            ticket = entry.ticket
-            if ticket.caller in capped:
-                continue
-            rank = RANK[ticket.klass]
-            if rank:
-                waited = now - entry.created
-                rank = max(0, rank - int(waited // self._max_wait[ticket.klass]))
-            key = (rank, self.shares.start(ticket.caller))
-            if key < best_key:  # ties: the earlier in the queue
-                best, best_key = entry, key
-        return best
-
-    def _capped_callers(self) -> set[str]:
-        """Callers with ``max_inflight`` requests holding permits now."""
-        running: dict[str, int] = {}
-        for m in self.members:
-            for t in m.gate.inflight_snapshot():
-                running[t.caller] = running.get(t.caller, 0) + 1
-        capped = set()
-        for caller, n in running.items():
-            cap = self.shares.max_inflight(caller)
-            if cap is not None and n >= cap:
-                capped.add(caller)
-        return capped
+        return self.order.head(self.queue, self.members)
 
     def _within_share(self, m: Member, entry: Entry, permits: int) -> bool:
-        """May ``entry`` take ``permits`` of ``m``'s now? A request that is not a completion
-        leaves the upstream's reserve free (``reserve``; default 1 where it has 2 or more)."""
-        if entry.ticket.klass == "complete" or self.settings.classes == "off":
-            return True
-        capacity = m.gate.capacity
-        reserve = self.settings.reserve
-        if reserve is None:
-            reserve = 1 if capacity >= 2 else 0
-        others = sum(len(t.slots) for t in m.gate.inflight_snapshot() if t.klass != "complete")
-        return others + permits <= capacity - reserve
+        return self.settings.classes == "off" or self.order.within_reserve(m, entry, permits)
 
     def _place(self, entry: Entry, choice: Choice, permits: int) -> None:
         m = choice.member
