@@ -1,9 +1,13 @@
 """Background health probes of a pool's upstreams.
 
-Every ``health_interval_s`` each upstream is asked its kind's liveness route
-(llama-server ``/health``, OpenAI-compatible ``/v1/models``, Ollama ``/api/version``): a
-200 puts it in rotation, anything else (an error status, a timeout, no connection) takes
-it out until a probe succeeds again. Each round ends with the pool's ``advance``, so
+Every ``health_interval_s`` each upstream that runs none of the proxy's requests is asked
+its kind's liveness route (llama-server ``/health``, OpenAI-compatible ``/v1/models``,
+Ollama ``/api/version``): a 200 puts it in rotation, anything else (an error status, a
+timeout, no connection) takes it out until a probe succeeds again. One that runs requests
+is judged by them (their failures open its breaker), never probed meanwhile: a busy server
+answers slowly (a timeout would take a working upstream out), and llama-cpp-python's
+server interrupts the generation it runs when any other request arrives, a probe
+included. Each round ends with the pool's ``advance``, so
 queued requests go to an upstream that came back, or fail fast when none is left, and a
 breaker's cooldown that ended lets its probe request through.
 
@@ -40,8 +44,8 @@ async def probe(member: Member) -> bool:
 
 
 async def probe_round(pool: Pool) -> None:
-    """Probe every upstream once, then let the queue move."""
-    members = list(pool.members)
+    """Probe every upstream that runs nothing of ours once, then let the queue move."""
+    members = [m for m in pool.members if not m.gate.inflight]
     results = await asyncio.gather(*(probe(m) for m in members))
     for member, ok in zip(members, results, strict=True):
         if ok != member.healthy:

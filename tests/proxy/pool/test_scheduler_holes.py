@@ -21,6 +21,7 @@ import structlog
 
 from llmproxy.bench.fake.script import Script
 from llmproxy.bench.fake.upstream import FakeUpstream
+from llmproxy.proxy.pool.health import probe_round
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import RELOAD
 from tests.helpers.net import wait_until
@@ -200,3 +201,28 @@ async def test_a_keystroke_answered_by_type_through_supersedes_the_queued_one(
         assert (await typed)[0] == 200
         assert (await first)[0] == 499  # superseded by the stale one; its generation finished
         assert len(fake.generations) == 1
+
+
+async def test_an_upstream_is_not_probed_while_it_runs_our_requests(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A health probe is a request too: llama-cpp-python's server interrupts its running
+    generation for it, and a busy server's slow answer would take it out of rotation. While
+    a request runs there, its outcome is the upstream's health."""
+    hold = asyncio.Event()
+    script = lambda _p, _b: Script(tokens=2, hold=hold)  # noqa: E731
+    async with (
+        FakeUpstream(slots=2, script=script) as fake,
+        run_proxy(fake.url, health_interval_s=3600) as px,
+    ):
+        probes = lambda: sum(r.path == "/health" for r in fake.received)  # noqa: E731
+        await probe_round(px.state.pool)
+        assert probes() == 1
+        running = _post(http, px.url, "S", "x")
+        await fake.wait_for(lambda f: len(f.generations) == 1)
+        await probe_round(px.state.pool)
+        assert probes() == 1 and px.state.pool.members[0].healthy
+        hold.set()
+        assert (await running)[0] == 200
+        await probe_round(px.state.pool)
+        assert probes() == 2
