@@ -1,15 +1,16 @@
-"""Background health probes of a pool's upstreams.
+"""Background health probes of the upstreams.
 
-Every ``health_interval_s`` each upstream that runs none of the proxy's requests is asked
-its kind's liveness route (llama-server ``/health``, OpenAI-compatible ``/v1/models``,
-Ollama ``/api/version``): a 200 puts it in rotation, anything else (an error status, a
-timeout, no connection) takes it out until a probe succeeds again. One that runs requests
-is judged by them (their failures open its breaker), never probed meanwhile: a busy server
-answers slowly (a timeout would take a working upstream out), and llama-cpp-python's
-server interrupts the generation it runs when any other request arrives, a probe
-included. Each round ends with the pool's ``advance``, so
-queued requests go to an upstream that came back, or fail fast when none is left, and a
-breaker's cooldown that ended lets its probe request through.
+Every ``health_interval_s`` each upstream that runs none of the proxy's requests is
+probed: llama-server is asked ``/health`` and Ollama ``/api/version`` (a 200: up), an
+OpenAI-compatible server only to accept a connection, with no request (llama-cpp-python's
+server interrupts the generation it runs, its other clients' too, when any request
+arrives, and others may answer ``/v1/models`` only between generations). Up puts it in
+rotation; anything else (an error status, a timeout, no connection) takes it out until a
+probe succeeds again. One that runs requests is judged by them (their failures open its
+breaker), never probed meanwhile: a busy server answers slowly, and a timeout would take a
+working upstream out. Each round ends with the pool's ``advance``, so queued requests go to
+an upstream that came back, or fail fast when none is left, and a breaker's cooldown that
+ended lets its probe request through.
 
 Concurrency contract: one task (``probing``'s), owned by the pool's lifecycle, which
 cancels it at teardown; a probe round runs the upstreams' probes concurrently, each bounded
@@ -24,23 +25,40 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import structlog
+from yarl import URL
 
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.pool import Pool
-from llmproxy.proxy.upstream.adapters.base import get_json
+from llmproxy.proxy.upstream.adapters.base import PROBE_TIMEOUT, get_json
 
 log = structlog.get_logger("llmproxy.pool")
 
-PATHS = {"llamacpp": "/health", "ollama": "/api/version"}  # else /v1/models
+PATHS = {"llamacpp": "/health", "ollama": "/api/version"}
 
 
 async def probe(member: Member) -> bool:
-    path = PATHS.get(member.adapter.kind, "/v1/models")
+    if member.adapter.kind == "openai":
+        return await _accepts(member.adapter.base_url)
+    path = PATHS[member.adapter.kind]
     try:
         status, _ = await get_json(member.session, member.adapter.base_url.with_path(path))
     except (aiohttp.ClientError, TimeoutError, OSError):
         return False
     return status == 200
+
+
+async def _accepts(url: URL) -> bool:
+    """Does the server accept a connection? (No request: see the module's docstring.)"""
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT.total or 2.0):
+            _reader, writer = await asyncio.open_connection(url.host, port)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
 
 
 async def probe_round(pool: Pool) -> None:

@@ -226,3 +226,18 @@ async def test_an_upstream_is_not_probed_while_it_runs_our_requests(
         assert (await running)[0] == 200
         await probe_round(px.state.pool)
         assert probes() == 2
+
+
+async def test_an_openai_compatible_upstream_is_probed_without_a_request() -> None:
+    """llama-cpp-python's server interrupts the generation it runs (anyone's) for any
+    request: an OpenAI-compatible upstream is probed by a connection only."""
+    async with FakeUpstream(kind="openai", slots=1) as fake:
+        async with run_proxy(fake.url, health_interval_s=3600) as px:
+            before = len(fake.received)
+            await probe_round(px.state.pool)
+            assert len(fake.received) == before and px.state.pool.members[0].healthy
+            port = int(fake.url.rsplit(":", 1)[1])
+        async with run_proxy(f"http://127.0.0.1:{port}", upstream_kind="openai") as px:
+            await fake.stop()
+            await probe_round(px.state.pool)
+            assert not px.state.pool.members[0].healthy
