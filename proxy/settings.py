@@ -86,7 +86,11 @@ class ProxySettings(LayeredSettings):
         "of its prompt), session (the session's own), least-busy, round-robin",
     )
     health_interval_s: float = Field(
-        5.0, gt=0, description="Several upstreams: how often each is probed for health"
+        5.0,
+        gt=0,
+        description="How often each upstream running none of the proxy's requests is probed "
+        "for health (llama-server /health, Ollama /api/version, others: a connection); one "
+        "that fails is out of rotation until a probe succeeds",
     )
     upstream_stream: Literal["auto", "on", "off"] = Field(
         "auto",
