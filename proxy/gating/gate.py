@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from llmproxy.proxy.errors import SUPERSEDED, Superseded
+from llmproxy.proxy.gating.routes import SLOT_ROUTES
 from llmproxy.proxy.gating.slots import Slots
 from llmproxy.proxy.gating.ticket import Ticket as Ticket  # upstream/ imports it from here
 from llmproxy.proxy.twins import twins
@@ -113,7 +114,8 @@ class Gate:
             ticket.permits,
             self.free,
         )
-        ticket.slots = self._slots.take(ticket.session, ticket.permits)
+        pinned = ticket.route in SLOT_ROUTES
+        ticket.slots = self._slots.take(ticket.session, ticket.permits, pinned)
         ticket.slot = slot = ticket.slots[0]
         ticket.state = "granted"
         ticket.granted_at = time.monotonic()

@@ -34,12 +34,14 @@ class Slots:
         """Permits there are: the slots, less those quarantined."""
         return self.total - len(self.quarantined)
 
-    def take(self, session: str, permits: int) -> tuple[int, ...]:
+    def take(self, session: str, permits: int, pinned: bool = True) -> tuple[int, ...]:
         """Take ``permits`` free slots (the caller checked there are that many), first slot
-        first: the one ``session`` was granted last if it is free (prompt-cache affinity),
-        else the lowest; the others are the lowest free ids, where llama-server puts a
-        request's extra completions."""
-        preferred = self._affinity.get(session)
+        first: for a request the server runs on the slot it names (``pinned``), the one
+        ``session`` was granted last if it is free (prompt-cache affinity), else the lowest;
+        the others are the lowest free ids, where llama-server puts a request's extra
+        completions. An unpinned request (embeddings: the server runs it on idle slots of
+        its choosing, the lowest) gets the lowest, and leaves the session's slot as it was."""
+        preferred = self._affinity.get(session) if pinned else None
         self.free.sort()
         if preferred is not None and preferred in self.free:
             self.free.remove(preferred)
@@ -48,10 +50,11 @@ class Slots:
             slot = self.free.pop(0)
         extra = self.free[: permits - 1]
         del self.free[: permits - 1]
-        self._affinity[session] = slot
-        self._affinity.move_to_end(session)
-        if len(self._affinity) > _AFFINITY_MAX:
-            self._affinity.popitem(last=False)
+        if pinned:
+            self._affinity[session] = slot
+            self._affinity.move_to_end(session)
+            if len(self._affinity) > _AFFINITY_MAX:
+                self._affinity.popitem(last=False)
         return (slot, *extra)
 
     def waits_for_affinity(

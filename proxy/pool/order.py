@@ -5,7 +5,8 @@
   caller whose fair share comes first (shares.py), passing over callers that hold their
   key's ``max_inflight`` permits already. Ties: the earlier in the queue.
 - ``within_reserve``: a request that is not a completion leaves ``reserve`` of the
-  upstream's permits free (default 1 where it has 2 or more).
+  upstream's permits free (default 1 where it has 2 or more), or as many as it can while
+  it still fits (a wide one on a small upstream, a reserve as large as the upstream).
 
 Pure functions of the queue, the upstreams' gates and the settings; event loop thread
 only. With ``classes`` off the scheduler does not ask (one FIFO queue).
@@ -31,9 +32,15 @@ class Order:
             shares,
         )
 
-    def head(self, queue: Iterable[Entry], members: Sequence[Member]) -> Entry | None:
+    def head(
+        self, queue: Iterable[Entry], members: Sequence[Member], classes: bool = True
+    ) -> Entry | None:
+        """See the module's docstring; ``classes`` off: the first waiter whose caller is
+        not at its ``max_inflight``."""
+        capped = self.capped(members)
+        if not classes:
+            return next((e for e in queue if e.ticket.caller not in capped), None)
         now = time.monotonic()
-        capped = self._capped_callers(members)
         best: Entry | None = None
         best_key = (len(RANK), 0.0)
         for entry in queue:
@@ -49,7 +56,7 @@ class Order:
                 best, best_key = entry, key
         return best
 
-    def _capped_callers(self, members: Sequence[Member]) -> set[str]:
+    def capped(self, members: Sequence[Member]) -> set[str]:
         """Callers with ``max_inflight`` requests holding permits now."""
         running: dict[str, int] = {}
         for m in members:
@@ -61,11 +68,13 @@ class Order:
             if (cap := self.shares.max_inflight(caller)) is not None and n >= cap
         }
 
-    def within_reserve(self, m: Member, entry: Entry, permits: int) -> bool:
-        """May ``entry`` take ``permits`` of ``m``'s now (the reserve is for completions)?"""
-        if entry.ticket.klass == "complete":
+    def within_reserve(self, m: Member, klass: str, permits: int) -> bool:
+        """May a request of ``klass`` take ``permits`` of ``m``'s now (the reserve is for
+        completions)?"""
+        if klass == "complete":
             return True
         capacity = m.gate.capacity
         reserve = self.reserve if self.reserve is not None else (1 if capacity >= 2 else 0)
+        reserve = min(reserve, capacity - permits)  # never so much that it could not run
         others = sum(len(t.slots) for t in m.gate.inflight_snapshot() if t.klass != "complete")
         return others + permits <= capacity - reserve

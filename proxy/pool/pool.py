@@ -138,13 +138,29 @@ class Pool:
             raise next(n for n in sized if isinstance(n, BadRequest))
         twin = twin_key(route, parsed) if supersedable else None
         placed, replaced = self.queue.place_of(session, twin) if supersedable else (False, None)
+        text = prompt_text(route, parsed) if self.settings.route == "cache" else ""
+        hashes = block_hashes(text)
         cap = self.shares.max_queued(caller)
-        if cap is not None and replaced is None and exclude is None:
-            if sum(e.ticket.caller == caller for e in self.queue) >= cap:
+        theirs = replaced is None or replaced.ticket.caller != caller
+        if cap is not None and theirs and exclude is None:
+            waiting = sum(e.ticket.caller == caller for e in self.queue)
+            runs = self._runs_now(
+                session,
+                route,
+                klass,
+                caller,
+                hashes,
+                dict(zip(map(id, members), sized, strict=True)),
+                members,
+            )
+            if waiting >= cap and not runs:
                 raise QueueFull(
-                    f"caller {caller!r} has {cap} requests waiting (max_queued)",
+                    f"caller {caller!r} has {waiting} requests waiting (max_queued {cap})",
                     headers={"Retry-After": str(self.settings.retry_after_s)},
                 )
+            at_cap = waiting >= cap  # let in because it runs now: it must not wait then
+        else:
+            at_cap = False
         if replaced is None and exclude is None and not first and len(self.queue) >= self.max_queue:
             room = any(
                 isinstance(n, int) and m.gate.free >= n for m, n in zip(members, sized, strict=True)
@@ -154,7 +170,6 @@ class Pool:
                     f"queue full ({self.max_queue} waiting)",
                     headers={"Retry-After": str(self.settings.retry_after_s)},
                 )
-        text = prompt_text(route, parsed) if self.settings.route == "cache" else ""
         loop = asyncio.get_running_loop()
         ident = next(self._ids)
         ticket = Ticket(
@@ -172,13 +187,14 @@ class Pool:
             session,
             supersedable,
             route,
-            Request(session, block_hashes(text), time.monotonic()),
+            Request(session, hashes, time.monotonic()),
             ticket,
             exclude,
             loop.create_future(),
             prompt_chars=len(text),
             twin=twin,
         )
+        ticket.affinity_waited = at_cap  # no wait for its session's slot either
         self._sizing[ident] = sizing
         self._idle.clear()
         if supersedable:
@@ -197,6 +213,38 @@ class Pool:
             self.queue.append(entry)
         self.advance()
         return entry
+
+    def _runs_now(
+        self,
+        session: str,
+        route: str,
+        klass: str,
+        caller: str,
+        hashes: list[bytes],
+        sized: dict[int, int | BadRequest],
+        members: list[Member],
+    ) -> bool:
+        """Would a request with these traits be granted at once, as the queue's head now
+        (nothing waits, its caller is under ``max_inflight``, and the router picks an
+        upstream with room for it)? Changes nothing."""
+        if self.queue or caller in self.order.capped(self.members):
+            return False
+        probe = Ticket(0, session, False, route, asyncio.get_running_loop().create_future())
+        probe.klass = klass
+
+        def room(m: Member) -> bool:
+            n = sized.get(id(m))
+            if not isinstance(n, int) or m.gate.free < n:
+                return False
+            probe.permits = n
+            on = self.settings.classes == "on"
+            if on and not self.order.within_reserve(m, klass, n):
+                return False
+            return not m.gate.waits_for_its_slot(probe)
+
+        fits = [m for m in members if isinstance(sized.get(id(m)), int)]
+        request = Request(session, hashes, time.monotonic(), room=room)
+        return isinstance(self.router.choose(request, fits), Choice)
 
     def supersede_queued(self, session: str, twin: str | None) -> None:
         """A newer request of ``session`` (twin key ``twin``) was answered without queueing
@@ -310,12 +358,15 @@ class Pool:
 
     def _head(self) -> Entry | None:
         """The waiter served next (order.py)."""
-        if self.settings.classes == "off":
+        if self.settings.classes == "off" and not self.shares.caps:
             return self.queue.head()
-        return self.order.head(self.queue, self.members)
+        self.queue.head()  # drops expired holds
+        return self.order.head(self.queue, self.members, self.settings.classes == "on")
 
     def _within_share(self, m: Member, entry: Entry, permits: int) -> bool:
-        return self.settings.classes == "off" or self.order.within_reserve(m, entry, permits)
+        if self.settings.classes == "off":
+            return True
+        return self.order.within_reserve(m, entry.ticket.klass, permits)
 
     def _place(self, entry: Entry, choice: Choice, permits: int) -> None:
         m = choice.member

@@ -25,6 +25,8 @@ from llmproxy.proxy.keys import KeySpec
 class Shares:
     def __init__(self, keys: Sequence[KeySpec]) -> None:
         self._keys = {k.name: k for k in keys}
+        #: some key caps its caller's requests in flight (the queue's order must look)
+        self.caps = any(k.max_inflight is not None for k in keys)
         self._finish: dict[str, float] = {}
         self._now = 0.0
 

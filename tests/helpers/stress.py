@@ -255,13 +255,14 @@ class Limits:
             return 0
         return max(0, RANK[klass] - int(max(0.0, waited) // self.max_wait_s[klass]))
 
-    def reserved(self, m: Member, klass: str) -> int:
-        """Permits of ``m`` a request of ``klass`` may not take now."""
+    def reserved(self, m: Member, klass: str, permits: int = 1) -> int:
+        """Permits of ``m`` a request of ``klass`` needing ``permits`` may not take now: the
+        reserve, but never so much that the request could not run there at all."""
         if self.classes == "off" or klass == "complete":
             return 0
-        if self.reserve is not None:
-            return self.reserve
-        return 1 if m.gate.capacity >= 2 else 0
+        capacity = m.gate.capacity
+        reserve = self.reserve if self.reserve is not None else (1 if capacity >= 2 else 0)
+        return max(0, min(reserve, capacity - permits))
 
 
 @dataclass
@@ -386,7 +387,7 @@ class Watch:
                 n = kw["sizing"](m, m.gate.total)
             except BadRequest:
                 continue
-            if n > m.gate.free - self.limits.reserved(m, kw.get("klass", "complete")):
+            if n > m.gate.free - self.limits.reserved(m, kw.get("klass", "complete"), n):
                 return False
             fits = True
         return fits
@@ -419,19 +420,11 @@ class Watch:
         if limits.classes == "on":
             g = m.gate
             others = sum(t.permits for t in g.inflight_snapshot() if t.klass != "complete")
-            if ticket.klass != "complete" and others > g.capacity - limits.reserved(
-                m, ticket.klass
-            ):
+            reserved = limits.reserved(m, ticket.klass, ticket.permits)
+            if ticket.klass != "complete" and others > g.capacity - reserved:
                 self.violations.append(
                     f"{rid} ({ticket.klass}) granted on {m.name}: {others} permits held by "
-                    f"requests that are no completions, of {g.capacity}, reserve "
-                    f"{limits.reserved(m, ticket.klass)}"
-                )
-            reserve = 1 if limits.reserve is None else limits.reserve
-            if g.total >= 2 and reserve >= 1 and others > g.total - reserve:
-                self.violations.append(
-                    f"{rid} granted on {m.name}: {others} permits of {g.total} slots held by "
-                    f"requests that are no completions, reserve {reserve}"
+                    f"requests that are no completions, of {g.capacity}, reserve {reserved}"
                 )
         self._check_order(entry, now)
 

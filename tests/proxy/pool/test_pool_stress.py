@@ -547,12 +547,11 @@ def _req(at_ms: int, session: int, kind: str = "completion", **fields: Any) -> R
     route="round-robin",
     sched=Sched(),
 )
-# Product bugs this test found: each example below fails until its bug is fixed.
+# Product bugs this test found, each fixed; their examples stay.
 # (a) A request that is no completion and needs more permits than the reserve leaves it
-# (here an embeddings batch of two inputs on two slots, reserve 1 by default) is never
-# granted, though the upstream is idle: it waits its whole queue timeout (503), and as the
-# head it holds up the queue behind it (strict FIFO), completions too once it has aged. It
-# should be refused at once, as a request that fits no upstream is.
+# (here an embeddings batch of two inputs on two slots, reserve 1 by default) was never
+# granted, though the upstream was idle: the reserve now never keeps a request from
+# running at all (it shrinks to what the request leaves).
 @example(
     reqs=[_req(0, 0, "embed", shape="wide")],
     steps=[],
@@ -561,7 +560,7 @@ def _req(at_ms: int, session: int, kind: str = "completion", **fields: Any) -> R
     route="least-busy",
     sched=Sched(),
 )
-# (b) The same with `reserve` 1 on upstreams of one slot: no chat or bulk request ever runs.
+# (b) The same with `reserve` 1 on upstreams of one slot: no chat or bulk request ran.
 @example(
     reqs=[_req(0, 0, "chat")],
     steps=[],
@@ -570,7 +569,7 @@ def _req(at_ms: int, session: int, kind: str = "completion", **fields: Any) -> R
     route="least-busy",
     sched=Sched(reserve=1),
 )
-# (c) A key's `max_queued` 0 refuses all of its caller's requests (429), even those an idle
+# (c) A key's `max_queued` 0 refused all of its caller's requests (429), even those an idle
 # upstream would grant at once, which would not wait.
 @example(
     reqs=[_req(0, 0)],
@@ -580,8 +579,8 @@ def _req(at_ms: int, session: int, kind: str = "completion", **fields: Any) -> R
     route="least-busy",
     sched=Sched(callers=[Caller(1.0, None, 0, False)]),
 )
-# (d) With `classes` off the keys' `max_inflight` is not applied: two requests of a caller
-# capped at one run at once.
+# (d) With `classes` off the keys' `max_inflight` was not applied: two requests of a caller
+# capped at one ran at once.
 @example(
     reqs=[_req(0, 0, tokens=30), _req(0, 1, tokens=30)],
     steps=[],
@@ -592,7 +591,7 @@ def _req(at_ms: int, session: int, kind: str = "completion", **fields: Any) -> R
 )
 # (e) Sessions are not per caller: c1's request takes the queued place of c0's request of
 # the same session (an X-LLMProxy-Session both send), superseding it, and `submit` skips
-# c1's `max_queued` check because it replaced a waiter: c1 has two waiting, cap one.
+# c1's `max_queued` check because it replaced a waiter: c1 had two waiting, cap one.
 @example(
     reqs=[
         *(_long(i, 10 + i) for i in range(3)),  # every upstream busy
@@ -608,9 +607,10 @@ def _req(at_ms: int, session: int, kind: str = "completion", **fields: Any) -> R
 )
 # (f) An embeddings request runs on whichever slot the server finds idle (llama-server, and
 # the fake: the lowest), not the one its permit names: sessions 0 and 1 ran on slots 0 and
-# 1, the embeddings of session 1 gets permit 1 and runs on slot 0, and the completion of
-# session 0 that follows gets permit 0 and waits at the server behind the embeddings
-# (deferred) while slot 1 is idle. With three upstreams the requests spread: it passes.
+# 1, the embeddings of session 1 got permit 1 (its session's) and ran on slot 0, and the
+# completion of session 0 that followed got permit 0 and waited at the server behind the
+# embeddings (deferred) while slot 1 was idle. Unpinned requests now get the lowest free
+# permits, as the server picks.
 @example(
     reqs=[_req(0, 0, tokens=10), _req(0, 1, tokens=10), _req(100, 1, "embed", tokens=30)]
     + [_req(120, 0)],
