@@ -89,6 +89,8 @@ def config_markdown() -> str:
 def _toml_value(value: Any) -> str:
     if value is None:
         return '""  # unset by default'
+    if isinstance(value, dict):  # an inline table: keys are bare, values as below
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return json.dumps(value)  # TOML and JSON agree on strings, numbers, booleans and arrays
 
 
