@@ -161,6 +161,18 @@ class ProxySettings(LayeredSettings):
         description="Permits of each upstream granted only to completions (default: 1 where an "
         "upstream has 2 or more, else 0)",
     )
+    preempt: Literal["on", "off"] = Field(
+        "on",
+        description="With classes on: a completion that waited preempt_after_ms while every "
+        "slot it could take runs a chat or bulk generation that can be resumed exactly stops "
+        "the youngest one, runs, and the stopped one resumes from where it was (its client "
+        "sees one answer)",
+    )
+    preempt_after_ms: float = Field(
+        100.0,
+        ge=0,
+        description="How long a completion waits before it preempts a resumable generation",
+    )
 
     breaker_threshold: int = Field(
         5,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from llmproxy.bench.fake.prompts import add_timings, common_prefix, prompt_text
+from llmproxy.bench.fake.prompts import add_timings, common_prefix, continues_at, prompt_text
 from llmproxy.bench.fake.script import Kind, Received, Script
 from llmproxy.bench.fake.shapes import (
     Shape,
@@ -97,6 +97,7 @@ class Generation:
         self.up, self.table = upstream, upstream.table
         self.request, self.rec, self.body, self.shape = request, rec, body, shape
         self.prompt = prompt_text(rec.path, body) if upstream.prefill_s_per_char > 0 else None
+        self.first = continues_at(rec.path, body, upstream.kind)  # its first token's index
 
     async def run(self) -> web.StreamResponse:
         up, table, rec, body = self.up, self.table, self.rec, self.body
@@ -177,7 +178,9 @@ class Generation:
     ) -> web.StreamResponse:
         """Prefill for ``prefill_s``, generate on ``slots`` and answer; ``release()`` frees
         them right before the last bytes go out."""
-        request, shape, n = self.request, self.shape, token_count(script.tokens, self.body)
+        # a continuation ends where the answer it continues would have (the script's tokens)
+        tokens = max(script.tokens - self.first, 0)
+        request, shape, n = self.request, self.shape, token_count(tokens, self.body)
         stream = shape.wants_stream(self.body)
         resp = web.StreamResponse()
         if stream and script.fail != "hang_before_headers":  # llama-server: the head at start
@@ -212,7 +215,8 @@ class Generation:
                 return await self._error_event(resp, release)
             await resp.write(
                 b"".join(
-                    shape.frame(indexed(shape.chunk(i, rid, s), j)) for j, s in enumerate(slots)
+                    shape.frame(indexed(shape.chunk(self.first + i, rid, s), j))
+                    for j, s in enumerate(slots)
                 )
             )
             if script.padding and not shape.ndjson:
@@ -245,7 +249,7 @@ class Generation:
         start, delay = asyncio.get_running_loop().time(), script.token_delay_s
         for i in range(n):
             await self.table.tick(slots, start + (i + 1) * delay)
-        whole = self._timed(self.shape.whole_all(n, rid, slots, inputs(self.body)))
+        whole = self._timed(self.shape.whole_all(n, rid, slots, inputs(self.body), self.first))
         payload = dumps(whole).encode()
         if script.fail == "error_event":
             resp.set_status(500)

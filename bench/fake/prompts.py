@@ -74,3 +74,27 @@ def add_timings(fmt: str, obj: Any, evaluated: int, cached: int) -> None:
     for piece in pieces:
         timings = piece.setdefault("timings", {})
         timings.update(prompt_n=evaluated, cache_n=cached)
+
+
+def continues_at(path: str, body: dict[str, Any], kind: str) -> int:
+    """Where a generation starts: k when the request continues the fake's own answer, a
+    text prompt (``/completion``, ``/v1/completions``) or, on llama-server's chat routes, a
+    closing assistant message (a prefill) that ends with its tokens ``t0 `` .. ``t{k-1} ``,
+    as a deterministic model goes on with the text it was given; else 0."""
+    if path in TEXT_ROUTES:
+        text = _text(body.get("prompt"))
+    elif path in CHAT_ROUTES and kind == "llamacpp":
+        messages = body.get("messages")
+        last = messages[-1] if isinstance(messages, list) and messages else None
+        if not isinstance(last, dict) or last.get("role") != "assistant":
+            return 0
+        text = _text(last.get("content"))
+    else:
+        return 0
+    start = text.rfind("t0 ")
+    if start < 0 or (start > 0 and text[start - 1].isalnum()):
+        return 0
+    tokens = text[start:].split(" ")
+    if tokens[-1] != "" or tokens[:-1] != [f"t{i}" for i in range(len(tokens) - 1)]:
+        return 0
+    return len(tokens) - 1

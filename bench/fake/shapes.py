@@ -27,8 +27,9 @@ def error_body(message: str, type_: str, code: int) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "code": code}}
 
 
-def text(n: int) -> str:
-    return "".join(f"t{i} " for i in range(n))
+def text(n: int, first: int = 0) -> str:
+    """Tokens ``first`` .. ``first + n - 1``."""
+    return "".join(f"t{i} " for i in range(first, first + n))
 
 
 @dataclass(frozen=True)
@@ -154,8 +155,9 @@ class Shape:
             return [*lasts, "[DONE]"]
         return [indexed(self._piece("", rid, s, True, n), j) for j, s in enumerate(slots)]
 
-    def whole(self, n: int, rid: int, slot: int) -> dict[str, Any]:
-        """Non-streamed body with all ``n`` tokens (embeddings: a vector of ``n`` numbers)."""
+    def whole(self, n: int, rid: int, slot: int, first: int = 0) -> dict[str, Any]:
+        """Non-streamed body with all ``n`` tokens from token ``first`` on (embeddings: a
+        vector of ``n`` numbers)."""
         if self.fmt == "oai_embed":
             return {
                 "object": "list",
@@ -171,17 +173,19 @@ class Shape:
                 "type": "message",
                 "role": "assistant",
                 "model": "fake",
-                "content": [{"type": "text", "text": text(n)}],
+                "content": [{"type": "text", "text": text(n, first)}],
                 "stop_reason": "max_tokens",
                 "usage": {"input_tokens": 1, "output_tokens": n},
             }
         if self.fmt.startswith("oai"):
-            obj = self._oai(text(n), rid, "length", chunk=False)
+            obj = self._oai(text(n, first), rid, "length", chunk=False)
             obj["usage"] = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
             return obj
-        return self._piece(text(n), rid, slot, True, n)
+        return self._piece(text(n, first), rid, slot, True, n)
 
-    def whole_all(self, n: int, rid: int, slots: tuple[int, ...], inputs: int = 1) -> Any:
+    def whole_all(
+        self, n: int, rid: int, slots: tuple[int, ...], inputs: int = 1, first: int = 0
+    ) -> Any:
         """``whole`` for one completion per slot (llama-server's ``n_cmpl``): one body for a
         single slot, else a JSON array (native routes) or one body with a choice each (OpenAI).
         Embeddings: one vector per input, whatever slots they ran on (llama-server's native
@@ -200,8 +204,8 @@ class Shape:
             body["data"] = [{**body["data"][0], "index": i} for i in range(inputs)]
             return body
         if len(slots) == 1:
-            return self.whole(n, rid, slots[0])
-        bodies = [indexed(self.whole(n, rid, s), j) for j, s in enumerate(slots)]
+            return self.whole(n, rid, slots[0], first)
+        bodies = [indexed(self.whole(n, rid, s, first), j) for j, s in enumerate(slots)]
         if not self.fmt.startswith("oai"):
             return bodies
         merged = bodies[0]

@@ -2,7 +2,10 @@
 
 It speaks the wire shapes of llama.cpp's ``llama-server`` (``kind="llamacpp"``), an
 OpenAI-compatible server (``"openai"``) or Ollama (``"ollama"``), generates deterministic
-tokens (token i is ``f"t{i} "``) and records what actually reached it: every request
+tokens (token i is ``f"t{i} "``; a request that continues its answer, a text prompt or
+a llama-server chat's closing assistant message ending with ``t0 `` .. ``t{k-1} ``, goes
+on at token k, up to its script's ``tokens``: prompts.continues_at) and records what
+actually reached it: every request
 (``received``), which generations completed or were abandoned by their client
 (``completed`` / ``aborted``), and how many generations ran at once (``concurrent`` /
 ``max_concurrent``).

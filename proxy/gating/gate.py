@@ -178,7 +178,7 @@ class Gate:
         del self._inflight[ticket.id]
         self._slots.ended(ticket)
         ticket.state = "done"
-        ticket.on_supersede = None
+        ticket.on_supersede = ticket.on_preempt = None
         kept = set(slots) & set(ticket.slots)
         self._slots.quarantine(kept)
         self._slots.put([s for s in ticket.slots if s not in kept])

@@ -34,6 +34,10 @@ class Ticket:
     superseded: bool = False  # set if superseded after the grant but before the job took it
     affinity_timer: asyncio.TimerHandle | None = None  # ends a wait for its session's slot
     affinity_waited: bool = False  # that timer fired: the wait is over
+    # preemption (pool/preempt.py): its job can stop and resume it exactly from now on,
+    # through ``on_preempt``; ``preempted``: asked to, once
+    on_preempt: Callable[[], None] | None = None
+    preempted: bool = False
 
     async def wait(self) -> int:
         """Block until granted; returns the (first) slot id. Raises Superseded/ShuttingDown."""

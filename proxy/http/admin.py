@@ -91,6 +91,7 @@ def status_of(st: ProxyState) -> dict[str, Any]:
         ],
         "upstream": members[0].adapter.describe(),
         "jobs": len(st.jobs),
+        "preemptions": st.pool.preemptions,
         "policies": {**_policies(st, members[0].adapter), "route": st.settings.route},
         "upstreams": [m.describe() for m in members],
     }

@@ -23,7 +23,7 @@ from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import RECORD, ProxyState
 from llmproxy.proxy.upstream.adapters.base import Adapter
 from llmproxy.proxy.upstream.headers import request_headers
-from llmproxy.proxy.upstream.job import UpstreamJob, UpstreamRequest
+from llmproxy.proxy.upstream.job import Resume, UpstreamJob, UpstreamRequest
 from llmproxy.proxy.upstream.responder import Responder
 
 
@@ -41,8 +41,15 @@ class Target(NamedTuple):
 
 
 async def forward_granted(
-    st: ProxyState, target: Target, ticket: Ticket, request: web.Request, raw: bytes, probe: bool
+    st: ProxyState,
+    target: Target,
+    ticket: Ticket,
+    request: web.Request,
+    raw: bytes,
+    probe: bool,
+    resume: Resume | None = None,
 ) -> web.StreamResponse:
+    """``resume``: how the job gets permits again if its request is preempted (job.py)."""
     s = st.settings
     adapter = target.adapter
     rec = request[RECORD]
@@ -76,6 +83,7 @@ async def forward_granted(
             disconnect_policy=st.policy(s.on_disconnect, adapter, request.path, rec.parsed_body),
             unconfirmed_hold_s=s.unconfirmed_cancel_hold_s,
             generations=st.generations if continuable(s, request.path, rec.parsed_body) else None,
+            resume=resume,
         )
     except BaseException:
         target.breaker.neutral(probe)

@@ -22,6 +22,7 @@ from llmproxy.proxy.errors import UpstreamConnectTimeout, UpstreamUnreachable
 from llmproxy.proxy.http.granted import Target, forward_granted
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.state import RECORD, ProxyState
+from llmproxy.proxy.upstream.job import Grant
 
 
 async def pooled(
@@ -77,8 +78,35 @@ async def _once(
     rec.permits = placement.ticket.permits
     rec.upstream_name, rec.route_decision = m.name, placement.decision
     target = Target(m.gate, m.breaker, placement.adapter)
+
+    async def resume() -> Grant:
+        """Permits again for the preempted request, ahead of its class's waiters."""
+        again = st.pool.submit(
+            rec.session or "",
+            supersedable=supersedable,
+            route=path,
+            parsed=parsed,
+            sizing=sizing,
+            first=True,
+            klass=rec.request_class or "complete",
+            caller=rec.caller or request.remote or "",
+            since=entry.created,
+        )
+        p = await st.pool.acquire(again, st.settings.queue_timeout_s)
+        rec.upstream_name, rec.permits = p.member.name, p.ticket.permits
+        return Grant(p.member.gate, p.ticket, p.adapter, p.member.breaker, p.probe)
+
+    preemptible = st.settings.preempt == "on" and rec.request_class in ("chat", "bulk")
     try:
-        resp = await forward_granted(st, target, placement.ticket, request, raw, placement.probe)
+        resp = await forward_granted(
+            st,
+            target,
+            placement.ticket,
+            request,
+            raw,
+            placement.probe,
+            resume if preemptible else None,
+        )
     except (UpstreamUnreachable, UpstreamConnectTimeout):
         others = [o for o in st.pool.rotation() if o is not m]
         if exclude is not None or rec.sent or not others:

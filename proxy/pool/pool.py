@@ -58,6 +58,7 @@ from llmproxy.proxy.gating.waitlist import WaitList
 from llmproxy.proxy.pool.entry import Entry, Placement
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.order import Order
+from llmproxy.proxy.pool.preempt import victims
 from llmproxy.proxy.pool.prefix import block_hashes, prompt_text
 from llmproxy.proxy.pool.router import Choice, Request, Router, Wait
 from llmproxy.proxy.pool.shares import Shares
@@ -84,6 +85,8 @@ class Pool:
         self._advancing = False
         self._again = False
         self._timer: asyncio.TimerHandle | None = None
+        self._preempt_timer: asyncio.TimerHandle | None = None  # a completion's wait for it
+        self.preemptions = 0  # generations stopped for a completion (resumed after it)
         self._idle = asyncio.Event()
         self._idle.set()
         self.listeners: list[Callable[[Any, bool], None]] = []  # (member, joined): metrics
@@ -121,13 +124,15 @@ class Pool:
         first: bool = False,
         klass: str = "complete",
         caller: str = "",
+        since: float | None = None,
     ) -> Entry:
         """Admit a request (see the module's contract); ``klass``: its request class
         (gating/classes.py); ``caller``: who sent it (shares.py: 429 past its key's
         ``max_queued``); ``exclude``: a failover, which goes
         to the head of the queue and to another upstream than the one it failed on.
         ``first``: to the head of the queue too (a keystroke that waited on its session's
-        generation, type-through); the queue's bound does not refuse either."""
+        generation, type-through); the queue's bound does not refuse either. ``since``: when
+        the request first came (a preempted one's resume keeps its age: order.py, preempt.py)."""
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
         members = [m for m in self.rotation() if m is not exclude]
@@ -172,6 +177,7 @@ class Pool:
                 )
         loop = asyncio.get_running_loop()
         ident = next(self._ids)
+        created = time.monotonic() if since is None else since
         ticket = Ticket(
             ident,
             session,
@@ -181,6 +187,7 @@ class Pool:
             twin=twin,
             klass=klass,
             caller=caller,
+            created=created,
         )
         entry = Entry(
             ident,
@@ -193,6 +200,7 @@ class Pool:
             loop.create_future(),
             prompt_chars=len(text),
             twin=twin,
+            created=created,
         )
         ticket.affinity_waited = at_cap  # no wait for its session's slot either
         self._sizing[ident] = sizing
@@ -301,9 +309,10 @@ class Pool:
         self._check_idle()
 
     def _advance(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        for timer in (self._timer, self._preempt_timer):
+            if timer is not None:
+                timer.cancel()
+        self._timer = self._preempt_timer = None
         while (head := self._head()) is not None:
             if head.future.done():  # its waiter left: as ``abandon`` would
                 self.queue.remove(head)
@@ -339,11 +348,30 @@ class Pool:
                 self._timer = loop.call_later(choice.delay_s, self.advance)
                 return
             if choice is None:
+                self._preempt(head, fits, sized)
                 return
             self.queue.discard(head)
             permits = sized[id(choice.member)]
             assert isinstance(permits, int)  # the router picks where it has room
             self._place(head, choice, permits)
+
+    def _preempt(self, head: Entry, fits: list[Member], sized: dict[int, Any]) -> None:
+        """A completion at the head found no room: once it waited ``preempt_after_ms``, stop
+        the generations preempt.py picks for it (their jobs resume them later)."""
+        s = self.settings
+        if s.preempt == "off" or s.classes == "off" or head.ticket.klass != "complete":
+            return
+        left = head.created + s.preempt_after_ms / 1000 - time.monotonic()
+        if left > 0:
+            loop = asyncio.get_running_loop()
+            self._preempt_timer = loop.call_later(left, self.advance)
+            return
+        now = time.monotonic()
+        for t in victims([(m, sized[id(m)]) for m in fits], now, s.class_max_wait_s):
+            t.preempted = True
+            self.preemptions += 1
+            assert t.on_preempt is not None
+            t.on_preempt()
 
     def _waits_for_its_slot(self, head: Entry, fits: list[Member], sized: dict[int, Any]) -> bool:
         """Is the slot ``head``'s session used last being stopped, on one of ``fits``, for
@@ -430,8 +458,9 @@ class Pool:
             self._end(entry, ShuttingDown("llmproxy is shutting down"))
         for m in self.members:
             m.gate.close()
-        if self._timer is not None:
-            self._timer.cancel()
+        for timer in (self._timer, self._preempt_timer):
+            if timer is not None:
+                timer.cancel()
         self._check_idle()
 
 

@@ -79,6 +79,16 @@ class Metrics:
             "Tokens answered from a running or recent generation (type-through)",
             registry=r,
         )
+        self.preemptions = Counter(
+            "llmproxy_preemptions",
+            "Generations stopped for a waiting completion and resumed after it",
+            registry=r,
+        )
+        self.resume_prompt_tokens = Counter(
+            "llmproxy_resume_prompt_tokens",
+            "Prompt tokens the upstream evaluated again for resumed generations (llama-server)",
+            registry=r,
+        )
         self.confirm_timeouts = Counter(
             "llmproxy_confirm_timeouts",
             "Stop confirmations that timed out (the slot is quarantined until idle)",
@@ -122,6 +132,9 @@ class Metrics:
             self.upstreams.observe(rec.upstream_name, rec.route_decision)
         if rec.reused_tokens:
             self.reused_tokens.inc(rec.reused_tokens)
+        if rec.preempted:
+            self.preemptions.inc(rec.preempted)
+            self.resume_prompt_tokens.inc(rec.resume_prompt_n or 0)
         for histogram, value in (
             (self.queue_wait, rec.queue_wait_s),
             (self.upstream_ttfb, rec.upstream_ttfb_s),

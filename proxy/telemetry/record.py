@@ -49,6 +49,8 @@ class RequestRecord:
     confirm_wait_s: float | None = None
     confirm_timed_out: bool = False
     superseded_inflight: bool = False
+    preempted: int = 0  # times stopped for a completion and resumed (upstream/resume.py)
+    resume_prompt_n: int | None = None  # prompt tokens its last continuation evaluated
     reused_tokens: int | None = None  # answered from a running generation (type-through)
     upstream_name: str | None = None  # several upstreams: the one it was routed to ...
     route_decision: str | None = None  # ... and why (pool/router.py)
@@ -124,6 +126,9 @@ class RequestRecord:
         }
         if self.assembled:
             fields["assembled"] = True
+        if self.preempted:
+            fields["preempted"] = self.preempted
+            fields["resume_prompt_n"] = self.resume_prompt_n
         if self.reused_tokens is not None:
             fields["reused_tokens"] = self.reused_tokens
         if self.confirm_timed_out:

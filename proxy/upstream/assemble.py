@@ -67,13 +67,26 @@ def assembles(path: str, body: Any) -> bool:
 class Assembler:
     """Reads one upstream SSE stream (``feed``) and renders the non-streaming body (``render``).
 
-    Also keeps the text generated so far per completion (``text``). Pure bookkeeping: no I/O."""
+    Also keeps the text generated so far per completion (``text``). An event counts once its
+    blank line came (``cut`` drops one that was cut before it: a preempted stream's, whose
+    continuation sends it again). Pure bookkeeping: no I/O."""
 
-    __slots__ = ("oai", "_pending", "_texts", "_finals", "_lasts", "_done", "_last_index", "error")
+    __slots__ = (
+        "oai",
+        "_pending",
+        "_data",
+        "_texts",
+        "_finals",
+        "_lasts",
+        "_done",
+        "_last_index",
+        "error",
+    )
 
     def __init__(self, path: str) -> None:
         self.oai = path in OAI_ROUTES
         self._pending = b""  # an unfinished line
+        self._data: list[bytes] = []  # the ``data:`` lines of an event not ended yet
         self._texts: dict[int, list[str]] = {}
         self._finals: list[tuple[int, dict[str, Any]]] = []
         self._lasts: dict[int, dict[str, Any]] = {}  # OpenAI: each completion's last chunk
@@ -94,7 +107,18 @@ class Assembler:
         self._pending = lines.pop()
         for line in lines:
             if line.startswith(b"data:"):
-                self._event(line[5:].strip())
+                self._data.append(line[5:].strip())
+            elif not line.strip():
+                self._flush()
+
+    def _flush(self) -> None:
+        events, self._data = self._data, []
+        for payload in events:
+            self._event(payload)
+
+    def cut(self) -> None:
+        """The stream was cut: an event not ended yet is dropped."""
+        self._pending, self._data = b"", []
 
     def _event(self, payload: bytes) -> None:
         if payload == b"[DONE]":
@@ -146,6 +170,10 @@ class Assembler:
     def render(self) -> tuple[int, bytes]:
         """(status, body) of the non-streaming answer; UpstreamFailed if the stream ended
         with neither a final event nor an error."""
+        if self._pending.startswith(b"data:"):  # a last line without its newline
+            self._data.append(self._pending[5:].strip())
+        self._pending = b""
+        self._flush()  # a last event without its blank line
         if self.error is not None:
             code = self.error.get("code")
             status = code if isinstance(code, int) and 400 <= code <= 599 else 500

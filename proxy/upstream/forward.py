@@ -26,6 +26,7 @@ from llmproxy.proxy.upstream.adapters.base import Adapter
 from llmproxy.proxy.upstream.assemble import CONTENT_TYPE, Assembler
 from llmproxy.proxy.upstream.headers import response_headers
 from llmproxy.proxy.upstream.responder import Responder
+from llmproxy.proxy.upstream.resume import Framed
 
 
 async def forward(
@@ -34,7 +35,7 @@ async def forward(
     raw_path: str,
     headers: Mapping[str, str],
     body: bytes | None,
-    out: Responder,
+    out: Responder | Framed,
     rec: RequestRecord,
     on_end: Callable[[], None] | None = None,
     on_head: Callable[[], None] | None = None,
@@ -57,7 +58,10 @@ async def forward(
     error the upstream gave before streaming) is relayed as it came.
 
     ``observe``: called with each piece of a 200 event stream's body as it is read, before
-    it is written (type-through records the generation with it). Never for other answers."""
+    it is written (type-through records the generation with it). Never for other answers.
+
+    ``out`` may be a resumable stream's ``Framed`` writer (resume.py): a continuation's head
+    is then not written again, and its body, come whole, goes out as the stream's end."""
     start = time.monotonic()
     last: bytes | None = None  # the body's last piece (all of it, if it came whole with the head)
     assembled = False

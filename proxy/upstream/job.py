@@ -38,13 +38,22 @@ Concurrency contract:
   readers remain, its own client leaving stops nothing; the disconnect policy applies once
   the last reader left (after the generation's grace). A stop ends the generation for
   every reader.
+- Preemption (``resume``, given for a request that may be preempted; resume.py): once a
+  resumable stream's first event came, its ticket offers ``on_preempt``; the scheduler's
+  call stops it as any stop (cut, confirmed); the job then gives its permits back, waits
+  in ``resume()`` (the scheduler's queue again) for new ones, and sends the continuation,
+  written to the same client as one answer. Nothing is written for the cut segment, and a
+  failed resume ends the client's answer with its error. A client gone meanwhile stops it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import structlog
 from multidict import CIMultiDict
@@ -69,6 +78,7 @@ from llmproxy.proxy.upstream.confirm import confirm_stop
 from llmproxy.proxy.upstream.forward import forward
 from llmproxy.proxy.upstream.health import report_health, stopped_error, upstream_failed
 from llmproxy.proxy.upstream.responder import Responder
+from llmproxy.proxy.upstream.resume import Framed, Transcript, continuation, resumable
 
 log = structlog.get_logger("llmproxy.job")
 
@@ -80,6 +90,20 @@ class UpstreamRequest:
     raw_path: str
     headers: CIMultiDict[str]
     body: bytes
+
+
+class Grant(NamedTuple):
+    """Permits granted anew to a preempted request: where its continuation runs."""
+
+    gate: Gate
+    ticket: Ticket
+    adapter: Adapter
+    breaker: CircuitBreaker
+    probe: bool
+
+
+#: waits for a preempted request's new permits (ProxyError: none; see the module's contract)
+Resume = Callable[[], Awaitable[Grant]]
 
 
 class UpstreamJob:
@@ -99,6 +123,7 @@ class UpstreamJob:
         disconnect_policy: str,
         unconfirmed_hold_s: float,
         generations: Generations | None = None,
+        resume: Resume | None = None,
     ) -> None:
         self.gate, self.ticket, self.adapter = gate, ticket, adapter
         self.request, self.out = request, out
@@ -133,6 +158,15 @@ class UpstreamJob:
         # (Adapter.answers_at_start): a stop confirmed before that could miss a task that
         # was still on its way to the slot.
         self._cancel_on_head = adapter.answers_at_start(request.path, record.parsed_body)
+        self._body, self._parsed = request.body, record.parsed_body  # a continuation's later
+        self.resume: Resume | None = None
+        self._transcript: Transcript | None = None
+        self._framed: Framed | None = None
+        self._assembler: Assembler | None = None
+        if resume is not None and self.generation is None:
+            if resumable(adapter.kind, request.path, record.parsed_body):
+                self.resume, self._transcript = resume, Transcript(request.path)
+                self._framed = Framed(out)
 
     # -- control (called from the handler / the gate) ------------------------------
     def _superseded(self) -> None:
@@ -177,6 +211,20 @@ class UpstreamJob:
         if self.disconnect_policy == "cancel" or not self.record.sent:
             self.stop("client_disconnect")
 
+    def _observe(self, data: bytes) -> None:
+        """A piece of a resumable event stream: recorded; preemptible from its first event."""
+        t = self._transcript
+        assert t is not None
+        t.feed(data)
+        if not t.exact:
+            self.ticket.on_preempt = None
+        elif t.pieces and self.ticket.on_preempt is None and not self._finished:
+            self.ticket.on_preempt = self._preempted
+
+    def _preempted(self) -> None:
+        self.ticket.on_preempt = None
+        self.stop("preempted")
+
     def stop(self, reason: str) -> None:
         if self._stop_reason is not None or self._finished:
             return
@@ -199,6 +247,9 @@ class UpstreamJob:
         if status is not None and not upstream_failed(status):
             self.breaker.success(self.breaker_probe)
             self._success_reported = True
+        if status != 200 and self.record.preempted and self.out.started:
+            # a continuation's error cannot join the stream the client is reading
+            raise UpstreamFailed(f"the preempted generation's continuation failed ({status})")
         if self._stop_reason is not None and not self._stop_cancelled:
             self._stop_cancelled = True
             raise asyncio.CancelledError
@@ -208,21 +259,24 @@ class UpstreamJob:
         """Own the permit until the upstream is idle for this request, then release it."""
         rec = self.record
         try:
-            if self._stop_reason is None:  # stopped before its first step: never sent at all
-                await self._transfer_scope()
-            if self._stop_reason == "superseded":
-                rec.outcome = "superseded"
-                self.out.fail(Superseded(SUPERSEDED))
-            if self._needs_confirmation():
-                self._quarantine = not await confirm_stop(
-                    self.adapter,
-                    self.request.path,
-                    self.ticket.slots,
-                    rec,
-                    self.metrics,
-                    stopped=self._stop_reason is not None,
-                    hold_s=self.unconfirmed_hold_s,
-                )
+            while True:
+                if self._stop_reason is None:  # stopped before its first step: never sent
+                    await self._transfer_scope()
+                if self._stop_reason == "superseded":
+                    rec.outcome = "superseded"
+                    self.out.fail(Superseded(SUPERSEDED))
+                if self._needs_confirmation():
+                    self._quarantine = not await confirm_stop(
+                        self.adapter,
+                        self.request.path,
+                        self.ticket.slots,
+                        rec,
+                        self.metrics,
+                        stopped=self._stop_reason is not None,
+                        hold_s=self.unconfirmed_hold_s,
+                    )
+                if self._stop_reason != "preempted" or not await self._resume():
+                    break
         finally:
             task = asyncio.current_task()
             ended = self._finished or self._crashed or rec.upstream_error is not None
@@ -239,6 +293,8 @@ class UpstreamJob:
             self._release()
             if self.generation is not None:  # ended here unless it ended above
                 self.generation.end(rec.upstream_error or ProxyError("upstream job ended"))
+            if rec.preempted and self._transcript is not None:
+                rec.resume_prompt_n = self._transcript.last_prompt_n
             if rec.piece_gap_s is not None:
                 self.adapter.note_piece_gap(rec.piece_gap_s)
             rec.end_ref()
@@ -256,6 +312,49 @@ class UpstreamJob:
                 answered=rec.upstream_status is not None,
             )
 
+    async def _resume(self) -> bool:
+        """A preempted request, its stop confirmed: permits back, new ones, continuation
+        ready (False: it cannot go on; the client's answer ends here)."""
+        rec, t = self.record, self._transcript
+        assert self.resume is not None and t is not None and self._framed is not None
+        report_health(self.breaker, self.breaker_probe, rec, self._success_reported)
+        self._success_reported = True  # told: the job's last report must not count it again
+        if self._quarantine or self.out.ended:
+            if not self.out.ended:
+                self.out.fail(UpstreamFailed("a preempted generation could not be resumed"))
+            return False
+        self._release()
+        self._framed.cut()
+        if self._assembler is not None:
+            self._assembler.cut()
+        rec.preempted += 1
+        try:
+            grant = await self.resume()
+        except ProxyError as exc:
+            rec.upstream_error = exc
+            self.out.fail(exc)
+            return False
+        self.gate, self.ticket, self.adapter = grant.gate, grant.ticket, grant.adapter
+        self.breaker, self.breaker_probe = grant.breaker, grant.probe
+        try:
+            self.slot = self.gate.take(self.ticket, on_supersede=self._superseded)
+        except ProxyError as exc:  # superseded since the grant
+            self.breaker.neutral(self.breaker_probe)
+            self.out.fail(exc)
+            return False
+        if self.out.ended:  # the client left while it waited
+            self.breaker.neutral(self.breaker_probe)
+            self.gate.release(self.ticket)
+            return False
+        parsed: Any = continuation(self.request.path, self._parsed, t)
+        self._parsed, self._body = parsed, json.dumps(parsed).encode()
+        self._cancel_on_head = self.adapter.answers_at_start(self.request.path, parsed)
+        self._stop_reason, self._stop_cancelled, self._finished = None, False, False
+        self._success_reported = self._released = self._quarantine = False
+        rec.upstream_sent, rec.upstream_status, rec.slot = False, None, self.slot
+        rec.upstream_ttfb_s = rec.piece_gap_s = None  # the continuation's own, from here
+        return True
+
     def _release(self) -> None:
         """Give the permit back (once; the upstream is idle for this request, or its slots
         are quarantined: ``_quarantine``)."""
@@ -269,6 +368,7 @@ class UpstreamJob:
     def _upstream_ended(self) -> None:
         """The upstream's body was read to its end: nothing left to stop, permit back."""
         self._finished = True
+        self.ticket.on_preempt = None
         self._release()
         if self.generation is not None:
             answered = self.record.upstream_status == 200 and self.generation.events
@@ -308,23 +408,24 @@ class UpstreamJob:
         rec, req = self.record, self.request
         if len(self.ticket.slots) > 1:  # n_cmpl: see LlamaCppAdapter.settle
             await self.adapter.settle(self.gate, self.ticket)
-        body = self.adapter.prepare_body(req.path, req.body, rec.parsed_body, self.slot)
+        body = self.adapter.prepare_body(req.path, self._body, self._parsed, self.slot)
         try:
-            assembler = None
-            if self.adapter.assembles(req.path, rec.parsed_body):  # sent as a stream (assemble.py)
-                rec.assembled, assembler = True, Assembler(req.path)
+            if self.adapter.assembles(req.path, self._parsed):  # sent as a stream (assemble.py)
+                rec.assembled = True
+                self._assembler = self._assembler or Assembler(req.path)  # one over segments
+            observe = self.generation.feed if self.generation is not None else None
             await forward(
                 self.adapter,
                 req.method,
                 req.raw_path,
                 req.headers,
                 body,
-                self.out,
+                self._framed or self.out,
                 rec,
                 self._upstream_ended,
                 self._on_head,
-                assembler,
-                self.generation.feed if self.generation is not None else None,
+                self._assembler,
+                self._observe if self._transcript is not None else observe,
             )
         except ProxyError as exc:
             rec.upstream_error = exc

@@ -1,0 +1,244 @@
+"""Preemption (pool/preempt.py, upstream/resume.py): a completion that waits behind chat
+generations that can be resumed exactly stops the youngest, runs, and the stopped one goes
+on from where it was; its client sees one answer. Through the real app, against the fake
+llama-server (its continuation of ``t0 .. t{k-1}`` is ``t{k} ..``: a deterministic model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+import structlog
+
+from llmproxy.bench.fake.script import Kind, Script
+from llmproxy.bench.fake.shapes import text
+from llmproxy.bench.fake.upstream import FakeUpstream
+from tests.helpers.net import wait_until
+from tests.helpers.proxy import RunningProxy, request_events, run_proxy
+
+CHAT = {"messages": [{"role": "user", "content": "write"}], "stream": True}
+TOKENS = 40
+
+
+def events(raw: bytes) -> list[Any]:
+    out = []
+    for line in raw.decode().split("\n"):
+        if line.startswith("data: ") and line[6:] != "[DONE]":
+            out.append(json.loads(line[6:]))
+    return out
+
+
+def streamed_text(path: str, raw: bytes) -> str:
+    pieces = []
+    for e in events(raw):
+        assert "error" not in e, e
+        if path == "/completion":
+            pieces.append(e.get("content", ""))
+        elif "chat" in path:
+            pieces.append((e["choices"][0].get("delta") or {}).get("content") or "")
+        else:
+            pieces.append(e["choices"][0].get("text", ""))
+    return "".join(pieces)
+
+
+def whole_text(path: str, body: Any) -> str:
+    if path == "/completion":
+        return str(body["content"])
+    if "chat" in path:
+        return str(body["choices"][0]["message"]["content"])
+    return str(body["choices"][0]["text"])
+
+
+def continued(body: dict[str, Any] | None) -> bool:
+    """Is this request a continuation of the fake's answer?"""
+    if body is None:
+        return False
+    last = (body.get("messages") or [{}])[-1]
+    return last.get("role") == "assistant" or str(body.get("prompt", "")).endswith(" ")
+
+
+def script(path: str, body: dict[str, Any]) -> Script:
+    if path == "/infill":
+        return Script(tokens=4, token_delay_s=0.001)
+    return Script(tokens=TOKENS, token_delay_s=0.01)
+
+
+async def keystroke(http: aiohttp.ClientSession, px: RunningProxy) -> dict[str, Any]:
+    body = {"input_prefix": "def f(", "input_suffix": "", "prompt": "", "n_predict": 4}
+    async with http.post(px.url + "/infill", json=body) as r:
+        assert r.status == 200
+        return dict(await r.json())
+
+
+async def long_request(
+    http: aiohttp.ClientSession,
+    px: RunningProxy,
+    path: str,
+    body: dict[str, Any],
+    started: asyncio.Event,
+    **headers: str,
+) -> tuple[int, bytes]:
+    """Post ``body``; ``started`` is set once the upstream is generating it."""
+    async with http.post(px.url + path, json=body, headers=headers) as r:
+        if body.get("stream"):
+            first = await r.content.readany()
+            started.set()
+            return r.status, first + await r.read()
+        return r.status, await r.read()
+
+
+def offered(px: RunningProxy) -> bool:
+    """Does a running generation offer to be preempted (its first event came)?"""
+    return any(t.on_preempt is not None for t in px.member.gate.inflight_snapshot())
+
+
+@pytest.mark.parametrize(
+    ("path", "stream"),
+    [
+        ("/v1/chat/completions", True),
+        ("/completion", True),
+        ("/completion", False),
+        ("/v1/completions", True),
+        ("/v1/completions", False),
+    ],
+)
+async def test_a_preempted_generation_resumes_into_one_answer(
+    http: aiohttp.ClientSession, path: str, stream: bool
+) -> None:
+    if "chat" in path:
+        body: dict[str, Any] = dict(CHAT)
+    else:
+        body = {
+            "prompt": "Once upon a time\n",
+            "stream": stream,
+            "max_tokens": TOKENS,
+            "n_predict": TOKENS,
+        }
+    started = asyncio.Event()
+    async with (
+        FakeUpstream(slots=1, script=script) as fake,
+        # type-through off: a generation later keystrokes may read is never preempted
+        run_proxy(fake.url, preempt_after_ms=0, type_through="off") as px,
+    ):
+        # a completion route counts as chat when its caller says so (an agent's request)
+        long = asyncio.create_task(
+            long_request(http, px, path, body, started, **{"X-LLMProxy-Class": "chat"})
+        )
+        if stream:
+            await started.wait()
+        await wait_until(lambda: offered(px), what="the generation under way")
+        answer = await keystroke(http, px)
+        status, raw = await long
+        assert answer["content"] == text(4)
+        assert status == 200
+        got = streamed_text(path, raw) if stream else whole_text(path, json.loads(raw))
+        assert got == text(TOKENS)  # as if it had never stopped
+        gens = [r for r in fake.generations if r.path == path]
+        assert len(gens) == 2 and continued(gens[1].body) and not continued(gens[0].body)
+        assert px.state.pool.preemptions == 1
+        assert fake.deferred == []  # never two generations for the one slot
+        await asyncio.sleep(0)
+        px.flush_log()
+
+
+@pytest.mark.parametrize(
+    ("kind", "body", "settings"),
+    [
+        ("openai", CHAT, {}),  # an OpenAI server's chat: no exact continuation
+        ("llamacpp", {**CHAT, "tools": [{"type": "function"}]}, {}),  # tool calls restart
+        ("llamacpp", {**CHAT, "response_format": {"type": "json_object"}}, {}),  # grammar
+        ("llamacpp", CHAT, {"preempt": "off"}),
+        ("llamacpp", CHAT, {"classes": "off"}),
+        # answered whole by the server: the text so far is not seen
+        ("llamacpp", {**CHAT, "stream": False}, {}),
+        # older than its class's aging bound: it counts as a completion, none starves
+        ("llamacpp", CHAT, {"class_max_wait_s": "chat=0.001"}),
+    ],
+    ids=["openai-chat", "tools", "json", "preempt-off", "classes-off", "whole-chat", "aged"],
+)
+async def test_a_generation_without_exact_continuation_is_never_preempted(
+    http: aiohttp.ClientSession, kind: Kind, body: dict[str, Any], settings: dict[str, Any]
+) -> None:
+    started = asyncio.Event()
+    async with (
+        FakeUpstream(kind=kind, slots=1, script=script) as fake,
+        run_proxy(fake.url, preempt_after_ms=0, **settings) as px,
+    ):
+        path = "/v1/chat/completions"
+        long = asyncio.create_task(long_request(http, px, path, body, started))
+        if body.get("stream"):
+            await started.wait()
+        else:
+            await fake.wait_for(lambda f: f.slot_busy == [True])
+        if kind == "openai":  # its completion route: the keystroke's
+            answer = asyncio.create_task(
+                http.post(px.url + "/v1/completions", json={"prompt": "x", "max_tokens": 4})
+            )
+        else:
+            answer = asyncio.create_task(keystroke(http, px))
+        status, raw = await long
+        assert status == 200 and not answer.done()  # the keystroke waited it out
+        r = await answer
+        if isinstance(r, aiohttp.ClientResponse):
+            assert r.status == 200
+            r.release()
+        assert len([g for g in fake.generations if g.path == path]) == 1
+        assert px.state.pool.preemptions == 0
+
+
+async def test_a_failed_resume_ends_the_answer_with_the_error_event(
+    http: aiohttp.ClientSession,
+) -> None:
+    def failing(path: str, body: dict[str, Any]) -> Script:
+        if continued(body):
+            return Script(status=500)
+        return script(path, body)
+
+    started = asyncio.Event()
+    async with (
+        FakeUpstream(slots=1, script=failing) as fake,
+        run_proxy(fake.url, preempt_after_ms=0) as px,
+    ):
+        long = asyncio.create_task(long_request(http, px, "/v1/chat/completions", CHAT, started))
+        await started.wait()
+        await keystroke(http, px)
+        status, raw = await long
+        assert status == 200
+        *text_events, last = events(raw)
+        assert "error" in last and "continuation failed (500)" in last["error"]["message"]
+        assert all("error" not in e for e in text_events)
+        assert px.state.pool.preemptions == 1
+        await fake.wait_for(lambda f: not any(f.slot_busy))
+        await wait_until(lambda: px.member.gate.free == 1, what="the permit back")
+
+
+async def test_the_request_log_and_metrics_count_preemptions(
+    http: aiohttp.ClientSession,
+) -> None:
+    started = asyncio.Event()
+    with structlog.testing.capture_logs() as logs:
+        async with (
+            FakeUpstream(slots=1, script=script) as fake,
+            run_proxy(fake.url, preempt_after_ms=0) as px,
+        ):
+            long = asyncio.create_task(
+                long_request(http, px, "/v1/chat/completions", CHAT, started)
+            )
+            await started.wait()
+            await keystroke(http, px)
+            status, _ = await long
+            assert status == 200
+            await wait_until(lambda: px.member.gate.free == 1, what="the permit back")
+            px.flush_log()
+            async with http.get(px.url + "/llmproxy/metrics") as r:
+                metrics = await r.text()
+            async with http.get(px.url + "/llmproxy/status") as r:
+                status_body = await r.json()
+    chats = [e for e in request_events(logs).values() if e["route"] == "/v1/chat/completions"]
+    assert [c.get("preempted") for c in chats] == [1]
+    assert "llmproxy_preemptions_total 1.0" in metrics
+    assert status_body["preemptions"] == 1
+    assert len(fake.generations) == 3
