@@ -2,10 +2,11 @@
 
 It speaks the wire shapes of llama.cpp's ``llama-server`` (``kind="llamacpp"``), an
 OpenAI-compatible server (``"openai"``) or Ollama (``"ollama"``), generates deterministic
-tokens (token i is ``f"t{i} "``; a request that continues its answer, a text prompt or
-a llama-server chat's closing assistant message ending with ``t0 `` .. ``t{k-1} ``, goes
-on at token k, up to its script's ``tokens``: prompts.continues_at) and records what
-actually reached it: every request
+tokens (token i is ``f"t{i} "``; with ``continues`` on, a request that continues its
+answer, a text prompt or a llama-server chat's closing assistant message ending with
+``t0 `` .. ``t{k-1} ``, goes on at token k, up to its script's ``tokens``, as a
+deterministic model would: prompts.continues_at) and records what actually reached it:
+every request
 (``received``), which generations completed or were abandoned by their client
 (``completed`` / ``aborted``), and how many generations ran at once (``concurrent`` /
 ``max_concurrent``).
@@ -87,6 +88,7 @@ class FakeUpstream:
         slots_endpoint: bool = True,
         metrics_endpoint: bool = False,
         prefill_s_per_char: float = 0.0,
+        continues: bool = False,
         script: Callable[[str, dict[str, Any]], Script] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -100,6 +102,7 @@ class FakeUpstream:
         self.slots_endpoint = slots_endpoint
         self.metrics_endpoint = metrics_endpoint
         self.prefill_s_per_char = prefill_s_per_char  # > 0: the prompt-cache model is on
+        self.continues = continues  # a prompt ending with its own tokens goes on after them
         self.script: Callable[[str, dict[str, Any]], Script] = script or (lambda _p, _b: Script())
         self._host, self._port = host, port
         self.url = ""
