@@ -44,6 +44,11 @@ class FakeUpstreamSettings(LayeredSettings):
     prefill_s_per_char: float = Field(
         0.0, ge=0, description="Prompt-cache model: prefill seconds per uncached prompt char"
     )
+    continues: bool = Field(
+        False,
+        description="A prompt (or chat prefill) ending with the fake's own tokens t0 .. t{k-1} "
+        "goes on at tk, as a deterministic model continues its answer",
+    )
     slots_endpoint: bool = Field(
         True, description="Serve GET /slots (off: 501, like llama-server --no-slots)"
     )
@@ -64,6 +69,7 @@ async def _serve(settings: FakeUpstreamSettings) -> None:
         slots_endpoint=settings.slots_endpoint,
         metrics_endpoint=settings.metrics_endpoint,
         prefill_s_per_char=settings.prefill_s_per_char,
+        continues=settings.continues,
         script=lambda _p, _b: script,
         host=settings.host,
         port=settings.port,

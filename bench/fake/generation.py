@@ -97,7 +97,8 @@ class Generation:
         self.up, self.table = upstream, upstream.table
         self.request, self.rec, self.body, self.shape = request, rec, body, shape
         self.prompt = prompt_text(rec.path, body) if upstream.prefill_s_per_char > 0 else None
-        self.first = continues_at(rec.path, body, upstream.kind)  # its first token's index
+        # its first token's index
+        self.first = continues_at(rec.path, body, upstream.kind) if upstream.continues else 0
 
     async def run(self) -> web.StreamResponse:
         up, table, rec, body = self.up, self.table, self.rec, self.body

@@ -43,7 +43,8 @@ Concurrency contract:
   call stops it as any stop (cut, confirmed); the job then gives its permits back, waits
   in ``resume()`` (the scheduler's queue again) for new ones, and sends the continuation,
   written to the same client as one answer. Nothing is written for the cut segment, and a
-  failed resume ends the client's answer with its error. A client gone meanwhile stops it.
+  failed resume ends the client's answer with its error. A stop while it waits there (its
+  client left) cancels that wait, which gives its place in the queue up.
 """
 
 from __future__ import annotations
@@ -162,6 +163,7 @@ class UpstreamJob:
         self.resume: Resume | None = None
         self._transcript: Transcript | None = None
         self._framed: Framed | None = None
+        self._resuming: asyncio.Task[object] | None = None  # the job's task, in ``resume()``
         self._assembler: Assembler | None = None
         if resume is not None and self.generation is None:
             if resumable(adapter.kind, request.path, record.parsed_body):
@@ -226,6 +228,10 @@ class UpstreamJob:
         self.stop("preempted")
 
     def stop(self, reason: str) -> None:
+        if self._resuming is not None:  # preempted, waiting for permits: it goes no further
+            self._resuming.cancel()
+            self._resuming = None
+            return
         if self._stop_reason is not None or self._finished:
             return
         self._stop_reason = reason
@@ -328,12 +334,21 @@ class UpstreamJob:
         if self._assembler is not None:
             self._assembler.cut()
         rec.preempted += 1
+        task = asyncio.current_task()
+        assert task is not None
+        self._resuming = task  # stop() (the client left) cancels the wait
         try:
             grant = await self.resume()
         except ProxyError as exc:
             rec.upstream_error = exc
             self.out.fail(exc)
             return False
+        except asyncio.CancelledError:
+            if self._resuming is None and task.uncancel() == 0:
+                return False  # stop()'s: its place in the queue was given up
+            raise
+        finally:
+            self._resuming = None
         self.gate, self.ticket, self.adapter = grant.gate, grant.ticket, grant.adapter
         self.breaker, self.breaker_probe = grant.breaker, grant.probe
         try:

@@ -119,7 +119,7 @@ async def test_a_preempted_generation_resumes_into_one_answer(
         }
     started = asyncio.Event()
     async with (
-        FakeUpstream(slots=1, script=script) as fake,
+        FakeUpstream(slots=1, continues=True, script=script) as fake,
         # type-through off: a generation later keystrokes may read is never preempted
         run_proxy(fake.url, preempt_after_ms=0, type_through="off") as px,
     ):
@@ -164,7 +164,7 @@ async def test_a_generation_without_exact_continuation_is_never_preempted(
 ) -> None:
     started = asyncio.Event()
     async with (
-        FakeUpstream(kind=kind, slots=1, script=script) as fake,
+        FakeUpstream(kind=kind, slots=1, continues=True, script=script) as fake,
         run_proxy(fake.url, preempt_after_ms=0, **settings) as px,
     ):
         path = "/v1/chat/completions"
@@ -199,7 +199,7 @@ async def test_a_failed_resume_ends_the_answer_with_the_error_event(
 
     started = asyncio.Event()
     async with (
-        FakeUpstream(slots=1, script=failing) as fake,
+        FakeUpstream(slots=1, continues=True, script=failing) as fake,
         run_proxy(fake.url, preempt_after_ms=0) as px,
     ):
         long = asyncio.create_task(long_request(http, px, "/v1/chat/completions", CHAT, started))
@@ -221,7 +221,7 @@ async def test_the_request_log_and_metrics_count_preemptions(
     started = asyncio.Event()
     with structlog.testing.capture_logs() as logs:
         async with (
-            FakeUpstream(slots=1, script=script) as fake,
+            FakeUpstream(slots=1, continues=True, script=script) as fake,
             run_proxy(fake.url, preempt_after_ms=0) as px,
         ):
             long = asyncio.create_task(
@@ -242,3 +242,31 @@ async def test_the_request_log_and_metrics_count_preemptions(
     assert "llmproxy_preemptions_total 1.0" in metrics
     assert status_body["preemptions"] == 1
     assert len(fake.generations) == 3
+
+
+async def test_a_preempted_request_whose_client_leaves_gives_its_place_up(
+    http: aiohttp.ClientSession,
+) -> None:
+    hold = asyncio.Event()
+
+    def held(path: str, body: dict[str, Any]) -> Script:
+        if path == "/infill":
+            return Script(tokens=4, token_delay_s=0.001, hold=hold)
+        return script(path, body)
+
+    started = asyncio.Event()
+    async with (
+        FakeUpstream(slots=1, continues=True, script=held) as fake,
+        run_proxy(fake.url, preempt_after_ms=0) as px,
+    ):
+        path = "/v1/chat/completions"
+        long = asyncio.create_task(long_request(http, px, path, CHAT, started))
+        await started.wait()
+        answer = asyncio.create_task(keystroke(http, px))
+        await wait_until(lambda: len(px.state.pool.queue) == 1, what="the chat waiting again")
+        long.cancel()
+        await wait_until(lambda: not px.state.pool.queue, what="its place given up")
+        hold.set()
+        assert (await answer)["content"] == text(4)
+        await wait_until(lambda: px.state.pool.preemptions == 1 and px.member.gate.free == 1)
+        assert len([g for g in fake.generations if g.path == path]) == 1
