@@ -30,6 +30,7 @@ from llmproxy.bench.fake.shapes import (
     indexed,
     json_response,
     pick_fields,
+    text,
     token_count,
 )
 
@@ -99,6 +100,8 @@ class Generation:
         self.prompt = prompt_text(rec.path, body) if upstream.prefill_s_per_char > 0 else None
         # its first token's index
         self.first = continues_at(rec.path, body, upstream.kind) if upstream.continues else 0
+        # llama-server's streamed chat continuation repeats its prefill in its first piece
+        self.echo = text(self.first) if self.first and shape.fmt == "oai_chat" else ""
 
     async def run(self) -> web.StreamResponse:
         up, table, rec, body = self.up, self.table, self.rec, self.body
@@ -214,12 +217,13 @@ class Generation:
                 return self._reset(resp)
             if script.fail == "error_event" and i == max(1, n // 2) and not shape.ndjson:
                 return await self._error_event(resp, release)
-            await resp.write(
-                b"".join(
-                    shape.frame(indexed(shape.chunk(self.first + i, rid, s), j))
-                    for j, s in enumerate(slots)
-                )
-            )
+            chunks = [indexed(shape.chunk(self.first + i, rid, s), j) for j, s in enumerate(slots)]
+            if i == 0 and self.echo:
+                for c in chunks:
+                    c["choices"][0]["delta"]["content"] = (
+                        self.echo + c["choices"][0]["delta"]["content"]
+                    )
+            await resp.write(b"".join(shape.frame(c) for c in chunks))
             if script.padding and not shape.ndjson:
                 await resp.write(b": " + b"x" * script.padding + b"\n\n")
             if i == 0 and script.fail == "malformed":

@@ -5,7 +5,8 @@ OpenAI-compatible server (``"openai"``) or Ollama (``"ollama"``), generates dete
 tokens (token i is ``f"t{i} "``; with ``continues`` on, a request that continues its
 answer, a text prompt or a llama-server chat's closing assistant message ending with
 ``t0 `` .. ``t{k-1} ``, goes on at token k, up to its script's ``tokens``, as a
-deterministic model would: prompts.continues_at) and records what actually reached it:
+deterministic model would: prompts.continues_at; a streamed chat's first piece repeats
+the prefill first, as llama-server's does) and records what actually reached it:
 every request
 (``received``), which generations completed or were abandoned by their client
 (``completed`` / ``aborted``), and how many generations ran at once (``concurrent`` /

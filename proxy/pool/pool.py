@@ -132,7 +132,8 @@ class Pool:
         to the head of the queue and to another upstream than the one it failed on.
         ``first``: to the head of the queue too (a keystroke that waited on its session's
         generation, type-through); the queue's bound does not refuse either. ``since``: when
-        the request first came (a preempted one's resume keeps its age: order.py, preempt.py)."""
+        the request first came: a preempted one's resume, which keeps its age (order.py,
+        preempt.py) and supersedes nothing, though a newer request may supersede it."""
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
         members = [m for m in self.rotation() if m is not exclude]
@@ -142,7 +143,9 @@ class Pool:
         if not any(isinstance(n, int) for n in sized):
             raise next(n for n in sized if isinstance(n, BadRequest))
         twin = twin_key(route, parsed) if supersedable else None
-        placed, replaced = self.queue.place_of(session, twin) if supersedable else (False, None)
+        # a resume (``since``) is no newcomer: it supersedes nothing
+        newcomer = supersedable and since is None
+        placed, replaced = self.queue.place_of(session, twin) if newcomer else (False, None)
         text = prompt_text(route, parsed) if self.settings.route == "cache" else ""
         hashes = block_hashes(text)
         cap = self.shares.max_queued(caller)
@@ -205,7 +208,7 @@ class Pool:
         ticket.affinity_waited = at_cap  # no wait for its session's slot either
         self._sizing[ident] = sizing
         self._idle.clear()
-        if supersedable:
+        if newcomer:
             for m in self.members:
                 m.gate.supersede_inflight(session, twin)
         if placed:  # the first rival's position (or its hold's: see gating/waitlist.py)

@@ -168,7 +168,7 @@ class UpstreamJob:
         if resume is not None and self.generation is None:
             if resumable(adapter.kind, request.path, record.parsed_body):
                 self.resume, self._transcript = resume, Transcript(request.path)
-                self._framed = Framed(out)
+                self._framed = Framed(out, self._transcript)
 
     # -- control (called from the handler / the gate) ------------------------------
     def _superseded(self) -> None:
@@ -216,8 +216,8 @@ class UpstreamJob:
     def _observe(self, data: bytes) -> None:
         """A piece of a resumable event stream: recorded; preemptible from its first event."""
         t = self._transcript
-        assert t is not None
-        t.feed(data)
+        assert t is not None and self._framed is not None
+        self._framed.observe(data)  # feeds the transcript
         if not t.exact:
             self.ticket.on_preempt = None
         elif t.pieces and self.ticket.on_preempt is None and not self._finished:
@@ -331,6 +331,8 @@ class UpstreamJob:
             return False
         self._release()
         self._framed.cut()
+        if t.chat:  # llama-server's chat continuation repeats its prefill first
+            self._framed.expect_echo(t.text)
         if self._assembler is not None:
             self._assembler.cut()
         rec.preempted += 1

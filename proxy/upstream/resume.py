@@ -93,14 +93,13 @@ def _chat_messages(parsed: dict[str, Any]) -> bool:
 
 
 class Transcript:
-    """What a resumable stream produced so far (see the module's docstring)."""
+    """What a resumable stream produced so far (see the module's docstring): fed whole
+    events by ``Framed``."""
 
-    __slots__ = ("chat", "_pending", "_data", "pieces", "tokens", "exact", "last_prompt_n")
+    __slots__ = ("chat", "pieces", "tokens", "exact", "last_prompt_n")
 
     def __init__(self, path: str) -> None:
         self.chat = path in CHAT_ROUTES
-        self._pending = b""  # an unfinished line
-        self._data: list[bytes] = []  # the ``data:`` lines of an event not ended yet
         self.pieces: list[str] = []
         self.tokens = 0  # generated so far, over every segment
         self.exact = True
@@ -110,27 +109,8 @@ class Transcript:
     def text(self) -> str:
         return "".join(self.pieces)
 
-    def feed(self, data: bytes) -> None:
-        """A piece of the stream; an event counts once its blank line came (as ``Framed``
-        passes it on)."""
-        lines = (self._pending + data).split(b"\n")
-        self._pending = lines.pop()
-        for line in lines:
-            if line.startswith(b"data:"):
-                self._data.append(line[5:].strip())
-            elif not line.strip():
-                events, self._data = self._data, []
-                for payload in events:
-                    self._event(payload)
-
-    def _event(self, payload: bytes) -> None:
-        if not payload or payload == b"[DONE]":
-            return
-        try:
-            obj = json.loads(payload)
-        except ValueError:
-            self.exact = False
-            return
+    def event(self, obj: Any) -> None:
+        """One event's JSON (None: not JSON)."""
         if not isinstance(obj, dict):
             self.exact = False
             return
@@ -141,20 +121,28 @@ class Transcript:
         if isinstance(choices, list):
             choice = choices[0] if choices and isinstance(choices[0], dict) else {}
             if self.chat:
-                delta = choice.get("delta")
-                delta = delta if isinstance(delta, dict) else {}
+                delta = _delta(obj)
                 if delta.get("tool_calls") or delta.get("reasoning_content"):
                     self.exact = False
-                self._piece(delta.get("content"))
+                self._piece(delta.get("content"), None)
             else:
-                self._piece(choice.get("text"))
+                self._piece(choice.get("text"), None)
         elif obj.get("stop") is False:
-            self._piece(obj.get("content"))
+            self._piece(obj.get("content"), obj.get("tokens"))
 
-    def _piece(self, text: Any) -> None:
+    def _piece(self, text: Any, tokens: Any) -> None:
         if isinstance(text, str) and text:
             self.pieces.append(text)
-            self.tokens += 1
+            # llama-server's native events name their tokens (a held-back stop word's come
+            # together); else one event is one token
+            self.tokens += len(tokens) if isinstance(tokens, list) and tokens else 1
+
+
+def _delta(obj: dict[str, Any]) -> dict[str, Any]:
+    choices = obj.get("choices")
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    delta = choice.get("delta") if isinstance(choice, dict) else None
+    return delta if isinstance(delta, dict) else {}
 
 
 def continuation(path: str, parsed: dict[str, Any], transcript: Transcript) -> dict[str, Any]:
@@ -173,14 +161,18 @@ def continuation(path: str, parsed: dict[str, Any], transcript: Transcript) -> d
 
 
 class Framed:
-    """The writer of a resumable stream: whole events only, one head (see the module's
-    docstring). Delegates to the request's ``Responder``."""
+    """The writer of a resumable stream (see the module's docstring). ``observe`` gets each
+    piece of the upstream's stream before it is written: it passes whole events on, to
+    the ``Transcript`` and to the next ``piece``/``end`` write, with the prefill that
+    llama-server's chat continuation repeats first (``expect_echo``) taken out."""
 
-    __slots__ = ("out", "_pending")
+    __slots__ = ("out", "transcript", "_pending", "_ready", "_echo")
 
-    def __init__(self, out: Responder) -> None:
-        self.out = out
+    def __init__(self, out: Responder, transcript: Transcript) -> None:
+        self.out, self.transcript = out, transcript
         self._pending = b""  # the start of an event not complete yet
+        self._ready = b""  # whole events for the next write
+        self._echo = ""  # what the continuation's first content repeats, still to drop
 
     @property
     def started(self) -> bool:
@@ -189,7 +181,45 @@ class Framed:
     def cut(self) -> None:
         """The segment was cut: the unfinished event is dropped (the continuation sends
         its text again)."""
-        self._pending = b""
+        self._pending = self._ready = b""
+
+    def expect_echo(self, text: str) -> None:
+        """The continuation about to start repeats ``text`` (its chat prefill) first."""
+        self._echo = text
+
+    def observe(self, data: bytes) -> None:
+        data = self._pending + data
+        end = data.rfind(b"\n\n")
+        self._pending = data[end + 2 :] if end >= 0 else data
+        self._ready = b""  # unless relayed (an answer assembled whole), nobody writes it
+        for event in data[: end + 2].split(b"\n\n")[:-1] if end >= 0 else ():
+            self._ready += self._event(event + b"\n\n")
+
+    def _event(self, raw: bytes) -> bytes:
+        """One whole event: recorded, and as it goes on to the client."""
+        payload = b"".join(
+            line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:")
+        )
+        if not payload or payload == b"[DONE]":
+            return raw
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            self.transcript.event(None)
+            return raw
+        if self._echo and isinstance(obj, dict):
+            delta = _delta(obj)
+            content = delta.get("content")
+            if isinstance(content, str) and content:
+                if content.startswith(self._echo):
+                    delta["content"], self._echo = content[len(self._echo) :], ""
+                elif self._echo.startswith(content):
+                    delta["content"], self._echo = "", self._echo[len(content) :]
+                else:  # no echo after all
+                    self._echo = ""
+                raw = b"data: " + _dumps(obj) + b"\n\n"
+        self.transcript.event(obj)
+        return raw
 
     async def head(
         self, status: int, headers: CIMultiDict[str], content_length: int | None
@@ -198,15 +228,18 @@ class Framed:
             await self.out.head(status, headers, content_length)
 
     async def piece(self, data: bytes) -> None:
-        data = self._pending + data
-        end = data.rfind(b"\n\n")
-        self._pending = data[end + 2 :] if end >= 0 else data
-        if end >= 0:
-            await self.out.piece(data[: end + 2])
+        ready, self._ready = self._ready, b""
+        if ready:
+            await self.out.piece(ready)
 
     async def end(self, last: bytes = b"") -> None:
-        last, self._pending = self._pending + last, b""
-        await self.out.end(last)
+        ready, self._ready, self._pending = self._ready + self._pending, b"", b""
+        await self.out.end(ready)
 
     async def whole(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
         await self.out.whole(status, headers, body)
+
+
+def _dumps(obj: Any) -> bytes:
+    """Compact JSON with UTF-8 as it is, as llama-server writes it."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()

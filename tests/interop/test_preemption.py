@@ -50,7 +50,9 @@ def whole(path: str, raw: bytes) -> str:
 
 
 async def answer(http: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any]) -> str:
-    async with http.post(url + path, json=body, headers={"X-LLMProxy-Class": "chat"}) as r:
+    """An agent's request (its own session: an editor's keystroke must not supersede it)."""
+    headers = {"X-LLMProxy-Class": "chat", "X-LLMProxy-Session": "agent"}
+    async with http.post(url + path, json=body, headers=headers) as r:
         raw = await r.read()
         assert r.status == 200, raw
     return streamed(path, raw) if body.get("stream") else whole(path, raw)
@@ -81,7 +83,8 @@ async def test_a_preempted_greedy_generation_resumes_to_the_same_text(
         uninterrupted = await answer(http, srv.url, path, body)
         long = asyncio.create_task(answer(http, px.url, path, body))
         await wait_until(lambda: offered(px), timeout=60, what="the generation under way")
-        async with http.post(px.url + "/completion", json=KEYSTROKE) as r:
+        editor = {"X-LLMProxy-Session": "editor"}
+        async with http.post(px.url + "/completion", json=KEYSTROKE, headers=editor) as r:
             assert r.status == 200
             await r.read()
         resumed = await long
