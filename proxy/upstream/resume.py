@@ -217,7 +217,8 @@ class Framed:
                     delta["content"], self._echo = "", self._echo[len(content) :]
                 else:  # no echo after all
                     self._echo = ""
-                raw = b"data: " + _dumps(obj) + b"\n\n"
+                if delta["content"] != content:
+                    raw = b"data: " + _dumps(obj) + b"\n\n"
         self.transcript.event(obj)
         return raw
 
