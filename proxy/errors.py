@@ -1,19 +1,16 @@
-"""The proxy's own exceptions, the error envelope, and the one client-exception boundary.
+"""The proxy's own exceptions and the error envelope, free of any transport.
 
 Every error the proxy itself produces is a ``ProxyError`` carrying its HTTP status and
 envelope ``type``. aiohttp client exceptions are translated into these in exactly one
-place, ``map_client_errors`` (like httpx's ``map_httpcore_exceptions``); the middleware
-(http/middleware.py) turns them into HTTP responses.
+place, beside the client (upstream/client_errors.py, as httpx keeps ``_exceptions.py``
+pure and maps in its transport); the middleware (http/middleware.py) turns them into HTTP
+responses. Nothing here imports aiohttp, so the gate that raises them stays pure asyncio.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
-
-import aiohttp
-from aiohttp.http_exceptions import HttpProcessingError
 
 
 class ProxyError(Exception):
@@ -122,49 +119,3 @@ class UpstreamTimeout(ProxyError):
 
 class UpstreamConnectTimeout(UpstreamTimeout):
     """No connection within ``connect_timeout_s`` (a black-holed host): the request never left."""
-
-
-def map_client_errors(what: str = "upstream") -> ClientErrorMap:
-    """``with map_client_errors():`` translates aiohttp/asyncio client exceptions raised in
-    the block into ProxyErrors (the one boundary)."""
-    return ClientErrorMap(what)
-
-
-class ClientErrorMap:
-    """The context manager ``map_client_errors`` returns (a plain class: it is on every
-    relayed request's path, where a generator-based one costs more)."""
-
-    __slots__ = ("what",)
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, _type: type[BaseException] | None, exc: BaseException | None, _tb: object
-    ) -> None:
-        if exc is None or isinstance(exc, ProxyError) or not isinstance(exc, Exception):
-            return  # nothing raised, already ours, or not an error (cancellation): as it is
-        mapped = _translate(exc, self.what)
-        if mapped is not None:
-            raise mapped from exc
-        # anything else is a bug of ours: it propagates as it is
-
-
-def _translate(exc: Exception, what: str) -> ProxyError | None:
-    if isinstance(exc, (aiohttp.ClientConnectorError, ConnectionRefusedError)):
-        return UpstreamUnreachable(f"{what} unreachable: {exc.__class__.__name__}: {exc}")
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return UpstreamConnectTimeout(f"{what} connect timed out")
-    if isinstance(exc, (aiohttp.ServerTimeoutError, asyncio.TimeoutError, TimeoutError)):
-        return UpstreamTimeout(f"{what} timed out")
-    if isinstance(exc, aiohttp.ClientResponseError):
-        return UpstreamFailed(f"{what} error: {exc.status} {exc.message}")
-    if isinstance(exc, HttpProcessingError):
-        # aiohttp's response parser: not HTTP/1.1 as it knows it
-        return UpstreamFailed(f"{what} sent a malformed response: {exc.message}")
-    if isinstance(exc, (aiohttp.ClientError, ConnectionError, OSError)):
-        return UpstreamFailed(f"{what} failed: {exc.__class__.__name__}: {exc}")
-    return None

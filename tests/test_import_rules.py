@@ -111,3 +111,44 @@ def test_a_rule_catches_a_forbidden_import(tmp_path: Path) -> None:
     path = tmp_path / "mod.py"
     path.write_text("import aiohttp.web\nfrom llmproxy.proxy.http import handlers\n")
     assert imports(path) >= {"aiohttp.web", "llmproxy.proxy.http", "llmproxy.proxy.http.handlers"}
+
+
+def module_file(name: str) -> Path | None:
+    """The source file of llmproxy module ``name`` (None: not one of ours, or a name
+    imported from a module rather than a module)."""
+    if not name.startswith("llmproxy."):
+        return None
+    rel = Path(*name.split(".")[1:])
+    for path in (ROOT / rel.with_suffix(".py"), ROOT / rel / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def loaded(path: Path) -> set[str]:
+    """Every module importing ``path`` loads, through llmproxy's own modules in turn."""
+    seen: set[Path] = set()
+    todo, names = [path], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        for name in imports(p):
+            names.add(name)
+            found = module_file(name)
+            if found is not None and found not in seen:
+                todo.append(found)
+    return names
+
+
+def test_admission_loads_no_transport_even_through_what_it_imports() -> None:
+    """The gate and its parts are pure asyncio: no module they load, however indirectly,
+    imports aiohttp (the proxy's errors are free of it; client_errors.py maps aiohttp's)."""
+    bad = sorted(
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in sources("proxy/gating")
+        for name in loaded(path)
+        if name == "aiohttp" or name.startswith("aiohttp.")
+    )
+    assert not bad

@@ -25,7 +25,7 @@ followed.
 Concurrency contract: pool state is touched from the event loop's thread only and never
 across an ``await``. ``close()`` (the app's cleanup) closes the idle connections;
 connections in use are closed by their exchanges. Exceptions are aiohttp's (and
-``OSError``/``TimeoutError`` from connecting); ``errors.map_client_errors`` is the boundary
+``OSError``/``TimeoutError`` from connecting); ``client_errors.map_client_errors`` is the boundary
 that turns them into ProxyErrors.
 """
 

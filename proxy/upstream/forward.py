@@ -20,10 +20,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-from llmproxy.proxy.errors import map_client_errors
 from llmproxy.proxy.telemetry.record import RequestRecord
 from llmproxy.proxy.upstream.adapters.base import Adapter
 from llmproxy.proxy.upstream.assemble import CONTENT_TYPE, Assembler
+from llmproxy.proxy.upstream.client_errors import map_client_errors
 from llmproxy.proxy.upstream.headers import response_headers
 from llmproxy.proxy.upstream.responder import Responder
 from llmproxy.proxy.upstream.resume import Framed

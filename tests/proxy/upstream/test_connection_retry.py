@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from llmproxy.proxy.errors import UpstreamFailed, UpstreamUnreachable, map_client_errors
+from llmproxy.proxy.errors import UpstreamFailed, UpstreamUnreachable
+from llmproxy.proxy.upstream.client_errors import map_client_errors
 from tests.helpers.net import closed_port
 from tests.helpers.upstreams import client, fetch, read_request, scripted_server
 

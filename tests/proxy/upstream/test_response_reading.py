@@ -11,7 +11,8 @@ import aiohttp
 import pytest
 from aiohttp.http_exceptions import HttpProcessingError
 
-from llmproxy.proxy.errors import UpstreamFailed, map_client_errors
+from llmproxy.proxy.errors import UpstreamFailed
+from llmproxy.proxy.upstream.client_errors import map_client_errors
 from tests.helpers.net import wait_until
 from tests.helpers.proxy import run_proxy
 from tests.helpers.upstreams import client, fetch, raw_server, read_request, scripted_server
