@@ -99,6 +99,8 @@ class Adapter:
         # kind auto, upstream not there at start (no answer, 502-504): detected again
         self.undetected = False
         self.piece_gap_s: float | None = None  # recent streams' gap between pieces (about a token)
+        #: the model ids its ``/v1/models`` reported at detection (detect.py; empty: none)
+        self.models: tuple[str, ...] = ()
 
     def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
         """Body to send upstream for a gated request holding permit ``slot``."""
