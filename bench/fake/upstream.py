@@ -60,7 +60,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -84,6 +84,7 @@ class FakeUpstream:
         slots_endpoint: bool = True,
         metrics_endpoint: bool = False,
         prefill_s_per_char: float = 0.0,
+        models: Sequence[str] = ("fake",),
         script: Callable[[str, dict[str, Any]], Script] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -97,6 +98,7 @@ class FakeUpstream:
         self.slots_endpoint = slots_endpoint
         self.metrics_endpoint = metrics_endpoint
         self.prefill_s_per_char = prefill_s_per_char  # > 0: the prompt-cache model is on
+        self.models = tuple(models)  # the ids /v1/models lists (any name is served)
         self.script: Callable[[str, dict[str, Any]], Script] = script or (lambda _p, _b: Script())
         self._host, self._port = host, port
         self.url = ""
@@ -206,7 +208,7 @@ class FakeUpstream:
 
     # ----------------------------------------------------------------- routing
     def _get_routes(self) -> dict[str, Callable[[], web.Response]]:
-        routes = info_routes(self.kind, len(self.table))
+        routes = info_routes(self.kind, len(self.table), self.models)
         if self.kind == "llamacpp":
             routes["/slots"] = self._slots_response
             routes["/metrics"] = self._metrics_response
