@@ -1,5 +1,6 @@
 """The gated handler's path through the scheduler (pool/pool.py, one upstream or several):
-its queue, then the upstream the request was granted on (granted.py).
+its queue, then the upstream the request was granted on (granted.py). The model it asks
+for (pool/models.py) is the record's from before it is admitted, so a refused one names it.
 
 Failover: a request whose connection to its upstream could not be made (refused,
 unreachable, connect timeout: none of its bytes left) goes to another upstream in rotation,
@@ -21,6 +22,7 @@ from aiohttp import web
 from llmproxy.proxy.errors import UpstreamConnectTimeout, UpstreamUnreachable
 from llmproxy.proxy.http.granted import Target, forward_granted
 from llmproxy.proxy.pool.member import Member
+from llmproxy.proxy.pool.models import asked
 from llmproxy.proxy.state import RECORD, ProxyState
 
 
@@ -55,6 +57,8 @@ async def _once(
     def sizing(m: Member, capacity: int) -> int:
         return m.adapter.permits(path, parsed, capacity)  # or BadRequest
 
+    model = asked(path, parsed, st.settings.default_model, st.pool.members)
+    rec.model = model
     entry = st.pool.submit(
         rec.session or "",
         supersedable=supersedable,
@@ -65,6 +69,7 @@ async def _once(
         first=first,
         klass=rec.request_class or "complete",
         caller=rec.caller or request.remote or "",
+        model=model,
     )
     try:
         placement = await st.pool.acquire(entry, st.settings.queue_timeout_s)
@@ -76,6 +81,7 @@ async def _once(
     rec.queue_wait_s = time.monotonic() - entry.created
     rec.permits = placement.ticket.permits
     rec.upstream_name, rec.route_decision = m.name, placement.decision
+    rec.model_listed = model is not None and model in m.models
     target = Target(m.gate, m.breaker, placement.adapter)
     try:
         resp = await forward_granted(st, target, placement.ticket, request, raw, placement.probe)

@@ -24,6 +24,12 @@ state: permits, slot affinity, quarantine. Concurrency contract:
   starve). A breaker's half-open probe is the request granted on that upstream while its
   probe is free; the probe is returned by the request's report, or when it leaves before
   its job took the permits.
+- Models first (models.py): a request goes only to the upstreams that serve its model,
+  and everything below (routing, the reserve, room, ``UpstreamUnavailable``) is among
+  those; a model no upstream serves is ``UnknownModel`` (404). A head that cannot be
+  granted yet holds up the queue behind it only on the upstreams it waits for: a waiter
+  for another model goes past it to its own upstreams (so strict FIFO holds among the
+  waiters that want the same upstreams, and with one model it is the whole queue's).
 - ``acquire`` blocks the request's handler until it is granted, at most the queue timeout
   (``QueueTimeout``). A cancelled or timed-out waiter abandons its entry: out of the queue
   (a supersedable one leaves a held place), or its untaken permits and probe back. From
@@ -51,12 +57,14 @@ from llmproxy.proxy.errors import (
     QueueTimeout,
     ShuttingDown,
     Superseded,
+    UnknownModel,
 )
 from llmproxy.proxy.gating.breaker import UpstreamUnavailable
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.gating.waitlist import WaitList
 from llmproxy.proxy.pool.entry import Entry, Placement
 from llmproxy.proxy.pool.member import Member
+from llmproxy.proxy.pool.models import Held, serving
 from llmproxy.proxy.pool.order import Order
 from llmproxy.proxy.pool.prefix import block_hashes, prompt_text
 from llmproxy.proxy.pool.router import Choice, Request, Router, Wait
@@ -121,18 +129,20 @@ class Pool:
         first: bool = False,
         klass: str = "complete",
         caller: str = "",
+        model: str | None = None,
     ) -> Entry:
         """Admit a request (see the module's contract); ``klass``: its request class
         (gating/classes.py); ``caller``: who sent it (shares.py: 429 past its key's
         ``max_queued``); ``exclude``: a failover, which goes
         to the head of the queue and to another upstream than the one it failed on.
         ``first``: to the head of the queue too (a keystroke that waited on its session's
-        generation, type-through); the queue's bound does not refuse either."""
+        generation, type-through); the queue's bound does not refuse either. ``model``: the
+        model it asks for (models.py ``asked``; None: any upstream)."""
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
-        members = [m for m in self.rotation() if m is not exclude]
+        members = self._serving(model, exclude)  # or UnknownModel
         if not members:
-            raise self._unavailable(exclude)
+            raise self._unavailable(exclude, model)
         sized = [_size(sizing, m) for m in members]
         if not any(isinstance(n, int) for n in sized):
             raise next(n for n in sized if isinstance(n, BadRequest))
@@ -193,6 +203,7 @@ class Pool:
             loop.create_future(),
             prompt_chars=len(text),
             twin=twin,
+            model=model,
         )
         ticket.affinity_waited = at_cap  # no wait for its session's slot either
         self._sizing[ident] = sizing
@@ -304,15 +315,21 @@ class Pool:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        while (head := self._head()) is not None:
+        held = Held()  # upstreams kept for the waiters passed over (models.py)
+        while (head := self._head(held.passed)) is not None:
             if head.future.done():  # its waiter left: as ``abandon`` would
                 self.queue.remove(head)
                 self._forget(head)
                 continue
-            members = [m for m in self.rotation() if m is not head.exclude]
+            try:
+                members = self._serving(head.model, head.exclude)
+            except UnknownModel as exc:  # a reload took its model away
+                self.queue.discard(head)
+                self._end(head, exc)
+                continue
             if not members:
                 self.queue.discard(head)
-                self._end(head, self._unavailable(head.exclude))
+                self._end(head, self._unavailable(head.exclude, head.model))
                 continue
             sizing = self._sizing[head.id]
             sized = {id(m): _size(sizing, m) for m in members}
@@ -323,7 +340,9 @@ class Pool:
                 continue
 
             if self._waits_for_its_slot(head, fits, sized):
-                return  # strict FIFO: the queue behind waits too (the gate wakes it)
+                if held.hold(head, fits, self.rotation()):
+                    return  # strict FIFO: the queue behind waits too (the gate wakes it)
+                continue
 
             def room(m: Member, head: Entry = head, sized: dict[int, Any] = sized) -> bool:
                 n = sized.get(id(m))
@@ -333,13 +352,13 @@ class Pool:
                 return not m.gate.waits_for_its_slot(head.ticket)
 
             head.request.room = room
-            choice = self.router.choose(head.request, fits)
+            choice = self.router.choose(head.request, [m for m in fits if m not in held])
             if isinstance(choice, Wait):
-                loop = asyncio.get_running_loop()
-                self._timer = loop.call_later(choice.delay_s, self.advance)
-                return
-            if choice is None:
-                return
+                self._wake_in(choice.delay_s)
+            if not isinstance(choice, Choice):
+                if held.hold(head, fits, self.rotation()):
+                    return
+                continue
             self.queue.discard(head)
             permits = sized[id(choice.member)]
             assert isinstance(permits, int)  # the router picks where it has room
@@ -356,12 +375,29 @@ class Pool:
                 return True
         return False
 
-    def _head(self) -> Entry | None:
-        """The waiter served next (order.py)."""
+    def _wake_in(self, delay_s: float) -> None:
+        """Advance again in ``delay_s`` (a routing wait), or sooner if already asked."""
+        loop = asyncio.get_running_loop()
+        if self._timer is None or self._timer.when() > loop.time() + delay_s:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_later(delay_s, self.advance)
+
+    def _serving(self, model: str | None, exclude: Member | None) -> list[Member]:
+        """The upstreams in rotation, ``exclude`` aside, that serve ``model`` (models.py;
+        ``UnknownModel`` if none in the pool does)."""
+        return [m for m in serving(self.members, model) if m.in_rotation and m is not exclude]
+
+    def _head(self, passed: set[Any] | frozenset[Any] = frozenset()) -> Entry | None:
+        """The waiter served next (order.py), ``passed`` (held back this pass) aside."""
         if self.settings.classes == "off" and not self.shares.caps:
-            return self.queue.head()
+            head = self.queue.head()
+            if head is None or not passed:
+                return head
+            return next((e for e in self.queue if e not in passed), None)
         self.queue.head()  # drops expired holds
-        return self.order.head(self.queue, self.members, self.settings.classes == "on")
+        waiting = [e for e in self.queue if e not in passed] if passed else self.queue
+        return self.order.head(waiting, self.members, self.settings.classes == "on")
 
     def _within_share(self, m: Member, entry: Entry, permits: int) -> bool:
         if self.settings.classes == "off":
@@ -398,11 +434,11 @@ class Pool:
         if timer is not None:
             timer.cancel()
 
-    def _unavailable(self, exclude: Member | None) -> ProxyError:
-        """The error for a request no upstream in rotation can take: an open breaker's own
-        (its cooldown as Retry-After) when that is what keeps the upstreams out, else
-        'no upstream is available' until the next health probe."""
-        up = [m for m in self.members if m is not exclude and m.healthy and not m.draining]
+    def _unavailable(self, exclude: Member | None, model: str | None = None) -> ProxyError:
+        """The error for a request no upstream in rotation serving ``model`` can take: an
+        open breaker's own (its cooldown as Retry-After) when that is what keeps the
+        upstreams out, else 'no upstream is available' until the next health probe."""
+        up = [m for m in serving(self.members, model) if m is not exclude and m.healthy]
         if up and all(not m.breaker.admissible for m in up):
             try:
                 up[0].breaker.admit()
