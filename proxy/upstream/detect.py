@@ -13,7 +13,8 @@ stop confirmation). The gate has one permit until then (``watch.gate_capacity``)
 llamacpp adapter whose slot count is not known then (or whose ``/slots`` failed for a
 reason that may pass) is completed later by ``watch.watch_upstream``. Once the kind is
 known, ``GET /v1/models`` gives the model ids the upstream reports (``Adapter.models``;
-none when it does not answer: the pool's rules for them are in pool/models.py). A 401/403 on
+none when it does not answer; a llama-server still loading: once the watcher reads its
+``/props``; the pool's rules for them are in pool/models.py). A 401/403 on
 ``/props`` is logged with a hint at ``upstream_api_key``: the proxy's own probes need the
 key a keyed llama-server wants.
 """
@@ -167,19 +168,5 @@ async def _build(
         adapter.props_pending = props_pending  # learnt later by watch.watch_upstream
         await adapter.probe_slots()
     if not props_pending:
-        adapter.models = await _models(session, base)
+        await adapter.learn_models()
     return adapter
-
-
-async def _models(session: aiohttp.ClientSession, base: str) -> tuple[str, ...]:
-    """The model ids ``GET /v1/models`` lists (OpenAI's shape, which llama-server, vLLM,
-    llama-cpp-python and Ollama answer); none if it does not answer that way."""
-    try:
-        status, body = await get_json(session, base + "/v1/models")
-    except (aiohttp.ClientError, TimeoutError, OSError):
-        return ()
-    data = body.get("data") if status == 200 and isinstance(body, dict) else None
-    if not isinstance(data, list):
-        return ()
-    ids = [d.get("id") for d in data if isinstance(d, dict)]
-    return tuple(dict.fromkeys(i for i in ids if isinstance(i, str) and i))

@@ -102,6 +102,19 @@ class Adapter:
         #: the model ids its ``/v1/models`` reported at detection (detect.py; empty: none)
         self.models: tuple[str, ...] = ()
 
+    async def learn_models(self) -> None:
+        """Read the model ids ``GET /v1/models`` lists (OpenAI's shape, which llama-server,
+        vLLM, llama-cpp-python and Ollama answer) into ``models``; left as they are when it
+        does not answer that way."""
+        try:
+            status, body = await get_json(self.session, self.base_url / "v1" / "models")
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return
+        data = body.get("data") if status == 200 and isinstance(body, dict) else None
+        if isinstance(data, list):
+            ids = [d.get("id") for d in data if isinstance(d, dict)]
+            self.models = tuple(dict.fromkeys(i for i in ids if isinstance(i, str) and i))
+
     def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
         """Body to send upstream for a gated request holding permit ``slot``."""
         return raw

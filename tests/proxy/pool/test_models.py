@@ -25,6 +25,7 @@ from llmproxy.proxy.pool.specs import UpstreamSpec
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import RELOAD
 from llmproxy.proxy.upstream.adapters.base import Adapter
+from tests.helpers.llama_fakes import LoadingFake
 from tests.helpers.net import wait_until
 from tests.helpers.proxy import RunningProxy, request_events, run_proxy
 
@@ -352,3 +353,24 @@ def test_model_settings_say_what_is_wrong(overrides: dict[str, Any], says: str) 
 def test_default_model_reads_a_flag_value() -> None:
     settings = ProxySettings(default_model="complete=qwen-fim, chat=gpt-oss")
     assert settings.default_model == {"complete": "qwen-fim", "chat": "gpt-oss"}
+
+
+async def test_a_llama_server_loading_at_start_reports_its_model_once_loaded(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Detection gave up while it loaded: it takes any name meanwhile (it reported none),
+    and the id its /v1/models reports once it is up steers the requests naming it."""
+    async with (
+        LoadingFake(kind="llamacpp", models=["late.gguf"], script=quick) as late,
+        FakeUpstream(models=["other.gguf"], script=quick) as other,
+    ):
+        specs = [{"url": late.url, "name": "late"}, {"url": other.url, "name": "other"}]
+        async with run_proxy(None, upstreams=specs, route="least-busy") as px:
+            member = px.state.pool.members[0]
+            assert member.models == () and member.any_model
+            late.ready.set()
+            await asyncio.wait_for(member.adapter.known.wait(), 10)
+            assert member.models == ("late.gguf",)
+            for i in range(3):
+                assert (await post(http, px, "/completion", "late.gguf", f"r{i}"))[0] == 200
+            assert models_at(late) == ["late.gguf"] * 3 and not other.generations
