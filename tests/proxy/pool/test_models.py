@@ -374,3 +374,25 @@ async def test_a_llama_server_loading_at_start_reports_its_model_once_loaded(
             for i in range(3):
                 assert (await post(http, px, "/completion", "late.gguf", f"r{i}"))[0] == 200
             assert models_at(late) == ["late.gguf"] * 3 and not other.generations
+
+
+async def test_a_queued_request_whose_model_a_reload_drops_gets_the_404(
+    http: aiohttp.ClientSession,
+) -> None:
+    release = asyncio.Event()
+
+    def held(_path: str, body: dict[str, Any]) -> Script:
+        return Script(tokens=2, hold=release if body.get("prompt") == "long" else None)
+
+    async with fronted([{"models": ["fim"], "script": held}], classes="off") as ([a], px):
+        pool = px.state.pool
+        running = asyncio.create_task(post(http, px, "/completion", "fim", "long"))
+        await a.wait_for(lambda f: len(f.generations) == 1)
+        queued = asyncio.create_task(post(http, px, "/completion", "fim", "waits"))
+        await wait_until(lambda: len(pool.queue) == 1, what="the second fim queued")
+        px.app[RELOAD](ProxySettings(upstreams=[{"url": a.url, "name": "u0", "models": ["x"]}]))
+        status, body = await queued
+        assert status == 404 and body["error"]["message"].endswith("models: x")
+        assert not pool.queue and len(a.generations) == 1
+        release.set()
+        assert (await running)[0] == 200  # the one running there is left to finish
