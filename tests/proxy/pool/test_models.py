@@ -19,11 +19,13 @@ import structlog
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.proxy.errors import UnknownModel
 from llmproxy.proxy.gating.gate import Gate
+from llmproxy.proxy.http.picture import picture
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.models import asked, serving
 from llmproxy.proxy.pool.specs import UpstreamSpec
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import RELOAD
+from llmproxy.proxy.status_cmd import render
 from llmproxy.proxy.upstream.adapters.base import Adapter
 from tests.helpers.llama_fakes import LoadingFake
 from tests.helpers.net import wait_until
@@ -266,6 +268,9 @@ async def test_a_single_model_server_that_states_nothing_takes_any_name(
             (["fim"], "config", False),
             (["big.gguf"], "upstream", True),
         ]
+        text = render(picture(px.state), px.url)  # ``llmproxy status``
+        assert "upstream u0 (llamacpp, models fim, 1/1 permits free)" in text
+        assert "upstream u1 (llamacpp, 1/1 permits free)" in text
 
 
 async def test_learnt_ids_route_the_names_they_report(http: aiohttp.ClientSession) -> None:
