@@ -59,6 +59,7 @@ async def _once(
 
     model = asked(path, parsed, st.settings.default_model, st.pool.members)
     rec.model = model
+    rec.model_listed = model is not None and any(model in m.models for m in st.pool.members)
     entry = st.pool.submit(
         rec.session or "",
         supersedable=supersedable,
@@ -81,7 +82,6 @@ async def _once(
     rec.queue_wait_s = time.monotonic() - entry.created
     rec.permits = placement.ticket.permits
     rec.upstream_name, rec.route_decision = m.name, placement.decision
-    rec.model_listed = model is not None and model in m.models
     target = Target(m.gate, m.breaker, placement.adapter)
     try:
         resp = await forward_granted(st, target, placement.ticket, request, raw, placement.probe)

@@ -30,7 +30,7 @@ class RequestRecord:
     caller: str | None = None  # the name of the client key it came with (http/trust.py)
     request_class: str | None = None  # gated: complete, chat or bulk (gating/classes.py)
     model: str | None = None  # gated: the model it asks for (pool/models.py; None: any)
-    model_listed: bool = False  # ... and its upstream lists that name (a bounded set)
+    model_listed: bool = False  # ... and an upstream lists that name (a bounded set)
     gated: bool = False
     parsed_body: Any = None
     started: float = field(default_factory=time.monotonic)

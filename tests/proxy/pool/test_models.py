@@ -401,3 +401,31 @@ async def test_a_queued_request_whose_model_a_reload_drops_gets_the_404(
         assert not pool.queue and len(a.generations) == 1
         release.set()
         assert (await running)[0] == 200  # the one running there is left to finish
+
+
+async def test_a_listed_model_is_counted_by_name_whatever_the_outcome(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A request for a listed model that never got a permit (a queue timeout) is counted
+    under its model, not as 'other'."""
+    release = asyncio.Event()
+
+    def held(_path: str, body: dict[str, Any]) -> Script:
+        return Script(tokens=2, hold=release if body.get("prompt") == "long" else None)
+
+    tables = [{"models": ["fim"], "script": held}]
+    async with fronted(tables, queue_timeout_s=0.2, log_flush_s=0) as ([a], px):
+        running = asyncio.create_task(post(http, px, "/completion", "fim", "long"))
+        await a.wait_for(lambda f: len(f.generations) == 1)
+        assert (await post(http, px, "/completion", "fim", "late"))[0] == 503
+        release.set()
+        assert (await running)[0] == 200
+        await px.state.pool.wait_quiescent()
+        px.flush_log()
+        async with http.get(px.url + "/llmproxy/metrics") as r:
+            lines = (await r.text()).splitlines()
+        counted = [ln for ln in lines if ln.startswith("llmproxy_model_requests_total{")]
+        assert sorted(counted) == [
+            'llmproxy_model_requests_total{model="fim",outcome="completed"} 1.0',
+            'llmproxy_model_requests_total{model="fim",outcome="rejected"} 1.0',
+        ]
