@@ -352,7 +352,8 @@ class Pool:
                 return not m.gate.waits_for_its_slot(head.ticket)
 
             head.request.room = room
-            choice = self.router.choose(head.request, [m for m in fits if m not in held])
+            free = [m for m in fits if m not in held]
+            choice = self.router.choose(head.request, free) if free else None
             if isinstance(choice, Wait):
                 self._wake_in(choice.delay_s)
             if not isinstance(choice, Choice):

@@ -59,10 +59,17 @@ async def fronted(
 
 
 async def post(
-    http: aiohttp.ClientSession, px: RunningProxy, path: str, model: str | None, rid: str
+    http: aiohttp.ClientSession,
+    px: RunningProxy,
+    path: str,
+    model: str | None,
+    rid: str,
+    text: str = "",
 ) -> tuple[int, Any]:
+    """One request with id and session ``rid``; its prompt ``rid`` + ``text``."""
+    prompt = rid + text
     body: dict[str, Any] = (
-        {"messages": [{"role": "user", "content": rid}]} if path == CHAT else {"prompt": rid}
+        {"messages": [{"role": "user", "content": prompt}]} if path == CHAT else {"prompt": prompt}
     )
     if model is not None:
         body["model"] = model
@@ -180,7 +187,8 @@ async def test_every_request_lands_on_an_upstream_serving_its_model(
                 model = rng.choice(["fim", "chat", None, "fim", "chat", "gpt-4"])
                 rid = f"c{k}-{i}"
                 asked_for[rid] = model
-                status, body = await post(http, px, path, model, rid)
+                text = rng.choice(["", "x" * 100, "y" * 300])  # cache: prompt blocks
+                status, body = await post(http, px, path, model, rid, text)
                 results.append((rid, status, body))
             return results
 
@@ -224,12 +232,16 @@ async def test_a_model_waits_only_for_its_own_upstreams(http: aiohttp.ClientSess
         await chat.wait_for(lambda f: len(f.generations) == 1)
         queued = asyncio.create_task(post(http, px, "/completion", "chat", "next"))
         await wait_until(lambda: len(pool.queue) == 1, what="the second chat queued")
+        # a prompt of whole blocks: --route cache looks it up among the upstreams left
+        behind = asyncio.create_task(post(http, px, "/completion", "chat", "then", "x" * 600))
+        await wait_until(lambda: len(pool.queue) == 2, what="the third chat queued")
         status, _ = await post(http, px, "/completion", "fim", "other model")
         assert status == 200 and models_at(fim) == ["fim"]
-        assert not queued.done() and len(pool.queue) == 1  # still waiting for chat's slot
+        assert not queued.done() and len(pool.queue) == 2  # still waiting for chat's slot
         release.set()
         assert (await running)[0] == 200 and (await queued)[0] == 200
-        assert models_at(chat) == ["chat", "chat"]
+        assert (await behind)[0] == 200
+        assert models_at(chat) == ["chat", "chat", "chat"]
 
 
 async def test_an_unknown_model_is_a_404_naming_the_known_ones(
