@@ -69,6 +69,11 @@ class NotFound(ProxyError):
     status, type, outcome = 404, "not_found_error", "rejected"
 
 
+class UnknownModel(NotFound):
+    """A request names a model no upstream serves (pool/models.py); the message lists those
+    they do."""
+
+
 class NotAllowed(ProxyError):
     status, type, outcome = 405, "invalid_request_error", "rejected"
 

@@ -78,12 +78,18 @@ class ProxySettings(LayeredSettings):
     upstreams: list[UpstreamSpec] = Field(
         [],
         description="More upstreams, with their own settings: TOML [[upstreams]] tables (url, "
-        "name, kind, capacity, api_key, weight)",
+        "name, kind, capacity, api_key, weight, models)",
     )
     route: RoutePolicy = Field(
         "cache",
         description="Several upstreams: which one a request goes to: cache (the one holding most "
         "of its prompt), session (the session's own), least-busy, round-robin",
+    )
+    default_model: dict[str, str] = Field(
+        {},
+        description="The model a request without a `model` field asks for, by its route's "
+        "class, e.g. complete=qwen-fim,chat=gpt-oss; a class not named: the first model an "
+        "upstream states, else any upstream (see Several models)",
     )
     health_interval_s: float = Field(
         5.0,
@@ -330,7 +336,7 @@ class ProxySettings(LayeredSettings):
         300.0, gt=0, description="Longest wait for the embedded backend to load"
     )
 
-    @field_validator("class_max_wait_s", mode="before")
+    @field_validator("class_max_wait_s", "default_model", mode="before")
     @classmethod
     def _class_waits_text(cls, value: Any) -> Any:
         """A flag or env value: JSON, or ``chat=5,bulk=20``."""
@@ -348,6 +354,17 @@ class ProxySettings(LayeredSettings):
         if unknown or any(v <= 0 for v in waits.values()):
             raise ValueError("class_max_wait_s takes positive seconds for 'chat' and 'bulk'")
         return {"chat": 10.0, "bulk": 30.0, **waits}
+
+    @field_validator("default_model")
+    @classmethod
+    def _default_models(cls, models: dict[str, str]) -> dict[str, str]:
+        unknown = [k for k in models if k not in ("complete", "chat", "bulk")]
+        if unknown or any(not v.strip() for v in models.values()):
+            raise ValueError(
+                "default_model takes a model name for 'complete', 'chat' or 'bulk' "
+                f"(not {', '.join(map(repr, unknown)) or 'an empty name'})"
+            )
+        return models
 
     @field_validator("session_parts")
     @classmethod

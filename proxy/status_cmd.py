@@ -76,7 +76,8 @@ def render(picture: dict[str, Any], url: str) -> str:
     for up in picture["upstreams"]:
         permits = up["permits"]
         health = "" if up["healthy"] else ", out of rotation"
-        out += ["", f"upstream {up['name']} ({up['kind']}, "
+        models = f"models {' '.join(up['models'])}, " if up.get("models") else ""
+        out += ["", f"upstream {up['name']} ({up['kind']}, {models}"
                 f"{permits['free']}/{permits['total']} permits free{health})"]  # fmt: skip
         rows = [["slot", "state", "session", "class", "route", "for", "tokens"]]
         for s in up["slots"]:

@@ -12,7 +12,7 @@ Pure functions and frozen data only: no state, no I/O.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -294,12 +294,14 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(text=dumps(obj), status=status, content_type="application/json")
 
 
-def info_routes(kind: str, n_slots: int) -> dict[str, Callable[[], web.Response]]:
-    """The fixed GET routes of a ``kind`` with ``n_slots`` slots (/slots is the fake's own)."""
+def info_routes(
+    kind: str, n_slots: int, models: Sequence[str] = ("fake",)
+) -> dict[str, Callable[[], web.Response]]:
+    """The fixed GET routes of a ``kind`` with ``n_slots`` slots (/slots is the fake's own);
+    ``/v1/models`` lists ``models``."""
+    listed = [{"id": m, "object": "model", "owned_by": "llmproxy"} for m in models]
     routes: dict[str, Callable[[], web.Response]] = {
-        "/v1/models": lambda: json_response(
-            {"object": "list", "data": [{"id": "fake", "object": "model", "owned_by": "llmproxy"}]}
-        ),
+        "/v1/models": lambda: json_response({"object": "list", "data": listed}),
     }
     if kind == "llamacpp":
         routes["/health"] = lambda: json_response({"status": "ok"})

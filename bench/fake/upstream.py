@@ -65,7 +65,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -90,6 +90,7 @@ class FakeUpstream:
         metrics_endpoint: bool = False,
         prefill_s_per_char: float = 0.0,
         continues: bool = False,
+        models: Sequence[str] = ("fake",),
         script: Callable[[str, dict[str, Any]], Script] | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -104,6 +105,7 @@ class FakeUpstream:
         self.metrics_endpoint = metrics_endpoint
         self.prefill_s_per_char = prefill_s_per_char  # > 0: the prompt-cache model is on
         self.continues = continues  # a prompt ending with its own tokens goes on after them
+        self.models = tuple(models)  # the ids /v1/models lists (any name is served)
         self.script: Callable[[str, dict[str, Any]], Script] = script or (lambda _p, _b: Script())
         self._host, self._port = host, port
         self.url = ""
@@ -213,7 +215,7 @@ class FakeUpstream:
 
     # ----------------------------------------------------------------- routing
     def _get_routes(self) -> dict[str, Callable[[], web.Response]]:
-        routes = info_routes(self.kind, len(self.table))
+        routes = info_routes(self.kind, len(self.table), self.models)
         if self.kind == "llamacpp":
             routes["/slots"] = self._slots_response
             routes["/metrics"] = self._metrics_response

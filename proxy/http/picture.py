@@ -28,6 +28,7 @@ def picture(st: ProxyState, since: int = 0) -> dict[str, Any]:
     recent = st.metrics.recent
     upstreams = [
         _upstream(m.name, m.adapter.kind, m.gate, st.generations, now, healthy=m.in_rotation)
+        | {"models": [] if m.any_model else list(m.models)}  # only these (pool/models.py)
         for m in st.pool.members
     ]
     places: list[tuple[str, Any]] = st.pool.queue.places()

@@ -1,5 +1,6 @@
 """The gated handler's path through the scheduler (pool/pool.py, one upstream or several):
-its queue, then the upstream the request was granted on (granted.py).
+its queue, then the upstream the request was granted on (granted.py). The model it asks
+for (pool/models.py) is the record's from before it is admitted, so a refused one names it.
 
 Failover: a request whose connection to its upstream could not be made (refused,
 unreachable, connect timeout: none of its bytes left) goes to another upstream in rotation,
@@ -21,6 +22,7 @@ from aiohttp import web
 from llmproxy.proxy.errors import UpstreamConnectTimeout, UpstreamUnreachable
 from llmproxy.proxy.http.granted import Target, forward_granted
 from llmproxy.proxy.pool.member import Member
+from llmproxy.proxy.pool.models import asked
 from llmproxy.proxy.state import RECORD, ProxyState
 from llmproxy.proxy.upstream.job import Grant
 
@@ -56,6 +58,9 @@ async def _once(
     def sizing(m: Member, capacity: int) -> int:
         return m.adapter.permits(path, parsed, capacity)  # or BadRequest
 
+    model = asked(path, parsed, st.settings.default_model, st.pool.members)
+    rec.model = model
+    rec.model_listed = model is not None and any(model in m.models for m in st.pool.members)
     entry = st.pool.submit(
         rec.session or "",
         supersedable=supersedable,
@@ -66,6 +71,7 @@ async def _once(
         first=first,
         klass=rec.request_class or "complete",
         caller=rec.caller or request.remote or "",
+        model=model,
     )
     try:
         placement = await st.pool.acquire(entry, st.settings.queue_timeout_s)
@@ -91,6 +97,7 @@ async def _once(
             klass=rec.request_class or "complete",
             caller=rec.caller or request.remote or "",
             since=entry.created,
+            model=model,
         )
         p = await st.pool.acquire(again, st.settings.queue_timeout_s)
         rec.upstream_name, rec.permits = p.member.name, p.ticket.permits

@@ -38,6 +38,7 @@ class Entry:
     future: asyncio.Future[Placement]
     prompt_chars: int = 0
     twin: str | None = None  # its body's twin key (proxy/twins.py)
+    model: str | None = None  # the model it asks for (models.py; None: any upstream)
     created: float = field(default_factory=time.monotonic)
     placement: Placement | None = None
 

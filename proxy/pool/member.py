@@ -52,6 +52,17 @@ class Member:
         """May it be granted requests now? Healthy, breaker not open, not leaving."""
         return self.healthy and not self.draining and self.breaker.admissible
 
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The model names it lists: its entry's ``models``, else the ids its ``/v1/models``
+        reported at detection (models.py says how the pool routes by them)."""
+        return tuple(self.spec.models) if self.spec.models is not None else self.adapter.models
+
+    @property
+    def any_model(self) -> bool:
+        """Does it serve any model name? A single-model server that states none (models.py)."""
+        return self.spec.models is None and len(self.adapter.models) <= 1
+
     def fits(self, permits: int) -> bool:
         return permits <= self.gate.total
 
@@ -67,7 +78,7 @@ class Member:
             self.gate.on_advance()
 
     def update(self, spec: UpstreamSpec, settings: ProxySettings) -> None:
-        """A reload changed this server's entry (name, weight, capacity, ...): the member
+        """A reload changed this server's entry (name, weight, capacity, models, ...): the member
         stays, with its live slot state; only more permits can be added while it serves
         (fewer need a restart: a permit granted now may name any slot it has)."""
         self.spec, self.name, self.settings = spec, spec.label, settings
@@ -90,6 +101,9 @@ class Member:
             "name": self.name,
             "url": str(self.adapter.base_url),
             "kind": self.adapter.kind,
+            "models": list(self.models),
+            "models_from": "config" if self.spec.models is not None else "upstream",
+            "any_model": self.any_model,
             "healthy": self.healthy,
             "draining": self.draining,
             "breaker": self.breaker.state,

@@ -24,6 +24,12 @@ state: permits, slot affinity, quarantine. Concurrency contract:
   starve). A breaker's half-open probe is the request granted on that upstream while its
   probe is free; the probe is returned by the request's report, or when it leaves before
   its job took the permits.
+- Models first (models.py): a request goes only to the upstreams that serve its model,
+  and everything below (routing, the reserve, room, ``UpstreamUnavailable``) is among
+  those; a model no upstream serves is ``UnknownModel`` (404). A head that cannot be
+  granted yet holds up the queue behind it only on the upstreams it waits for: a waiter
+  for another model goes past it to its own upstreams (so strict FIFO holds among the
+  waiters that want the same upstreams, and with one model it is the whole queue's).
 - ``acquire`` blocks the request's handler until it is granted, at most the queue timeout
   (``QueueTimeout``). A cancelled or timed-out waiter abandons its entry: out of the queue
   (a supersedable one leaves a held place), or its untaken permits and probe back. From
@@ -51,12 +57,14 @@ from llmproxy.proxy.errors import (
     QueueTimeout,
     ShuttingDown,
     Superseded,
+    UnknownModel,
 )
 from llmproxy.proxy.gating.breaker import UpstreamUnavailable
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.gating.waitlist import WaitList
 from llmproxy.proxy.pool.entry import Entry, Placement
 from llmproxy.proxy.pool.member import Member
+from llmproxy.proxy.pool.models import Held, serving
 from llmproxy.proxy.pool.order import Order
 from llmproxy.proxy.pool.preempt import victims
 from llmproxy.proxy.pool.prefix import block_hashes, prompt_text
@@ -125,6 +133,7 @@ class Pool:
         klass: str = "complete",
         caller: str = "",
         since: float | None = None,
+        model: str | None = None,
     ) -> Entry:
         """Admit a request (see the module's contract); ``klass``: its request class
         (gating/classes.py); ``caller``: who sent it (shares.py: 429 past its key's
@@ -133,12 +142,13 @@ class Pool:
         ``first``: to the head of the queue too (a keystroke that waited on its session's
         generation, type-through); the queue's bound does not refuse either. ``since``: when
         the request first came: a preempted one's resume, which keeps its age (order.py,
-        preempt.py) and supersedes nothing, though a newer request may supersede it."""
+        preempt.py) and supersedes nothing, though a newer request may supersede it.
+        ``model``: the model it asks for (models.py ``asked``; None: any upstream)."""
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
-        members = [m for m in self.rotation() if m is not exclude]
+        members = self._serving(model, exclude)  # or UnknownModel
         if not members:
-            raise self._unavailable(exclude)
+            raise self._unavailable(exclude, model)
         sized = [_size(sizing, m) for m in members]
         if not any(isinstance(n, int) for n in sized):
             raise next(n for n in sized if isinstance(n, BadRequest))
@@ -204,6 +214,7 @@ class Pool:
             prompt_chars=len(text),
             twin=twin,
             created=created,
+            model=model,
         )
         ticket.affinity_waited = at_cap  # no wait for its session's slot either
         self._sizing[ident] = sizing
@@ -316,15 +327,21 @@ class Pool:
             if timer is not None:
                 timer.cancel()
         self._timer = self._preempt_timer = None
-        while (head := self._head()) is not None:
+        held = Held()  # upstreams kept for the waiters passed over (models.py)
+        while (head := self._head(held.passed)) is not None:
             if head.future.done():  # its waiter left: as ``abandon`` would
                 self.queue.remove(head)
                 self._forget(head)
                 continue
-            members = [m for m in self.rotation() if m is not head.exclude]
+            try:
+                members = self._serving(head.model, head.exclude)
+            except UnknownModel as exc:  # a reload took its model away
+                self.queue.discard(head)
+                self._end(head, exc)
+                continue
             if not members:
                 self.queue.discard(head)
-                self._end(head, self._unavailable(head.exclude))
+                self._end(head, self._unavailable(head.exclude, head.model))
                 continue
             sizing = self._sizing[head.id]
             sized = {id(m): _size(sizing, m) for m in members}
@@ -335,7 +352,9 @@ class Pool:
                 continue
 
             if self._waits_for_its_slot(head, fits, sized):
-                return  # strict FIFO: the queue behind waits too (the gate wakes it)
+                if held.hold(head, fits, self.rotation()):
+                    return  # strict FIFO: the queue behind waits too (the gate wakes it)
+                continue
 
             def room(m: Member, head: Entry = head, sized: dict[int, Any] = sized) -> bool:
                 n = sized.get(id(m))
@@ -345,14 +364,16 @@ class Pool:
                 return not m.gate.waits_for_its_slot(head.ticket)
 
             head.request.room = room
-            choice = self.router.choose(head.request, fits)
+            free = [m for m in fits if m not in held]
+            choice = self.router.choose(head.request, free) if free else None
             if isinstance(choice, Wait):
-                loop = asyncio.get_running_loop()
-                self._timer = loop.call_later(choice.delay_s, self.advance)
-                return
-            if choice is None:
-                self._preempt(head, fits, sized)
-                return
+                self._wake_in(choice.delay_s)
+            if not isinstance(choice, Choice):
+                if choice is None and free:  # no room where it may run now
+                    self._preempt(head, free, sized)
+                if held.hold(head, fits, self.rotation()):
+                    return
+                continue
             self.queue.discard(head)
             permits = sized[id(choice.member)]
             assert isinstance(permits, int)  # the router picks where it has room
@@ -367,7 +388,11 @@ class Pool:
         left = head.created + s.preempt_after_ms / 1000 - time.monotonic()
         if left > 0:
             loop = asyncio.get_running_loop()
-            self._preempt_timer = loop.call_later(left, self.advance)
+            timer = self._preempt_timer
+            if timer is None or timer.when() > loop.time() + left:
+                if timer is not None:
+                    timer.cancel()
+                self._preempt_timer = loop.call_later(left, self.advance)
             return
         now = time.monotonic()
         for t in victims([(m, sized[id(m)]) for m in fits], now, s.class_max_wait_s):
@@ -387,12 +412,29 @@ class Pool:
                 return True
         return False
 
-    def _head(self) -> Entry | None:
-        """The waiter served next (order.py)."""
+    def _wake_in(self, delay_s: float) -> None:
+        """Advance again in ``delay_s`` (a routing wait), or sooner if already asked."""
+        loop = asyncio.get_running_loop()
+        if self._timer is None or self._timer.when() > loop.time() + delay_s:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_later(delay_s, self.advance)
+
+    def _serving(self, model: str | None, exclude: Member | None) -> list[Member]:
+        """The upstreams in rotation, ``exclude`` aside, that serve ``model`` (models.py;
+        ``UnknownModel`` if none in the pool does)."""
+        return [m for m in serving(self.members, model) if m.in_rotation and m is not exclude]
+
+    def _head(self, passed: set[Any] | frozenset[Any] = frozenset()) -> Entry | None:
+        """The waiter served next (order.py), ``passed`` (held back this pass) aside."""
         if self.settings.classes == "off" and not self.shares.caps:
-            return self.queue.head()
+            head = self.queue.head()
+            if head is None or not passed:
+                return head
+            return next((e for e in self.queue if e not in passed), None)
         self.queue.head()  # drops expired holds
-        return self.order.head(self.queue, self.members, self.settings.classes == "on")
+        waiting = [e for e in self.queue if e not in passed] if passed else self.queue
+        return self.order.head(waiting, self.members, self.settings.classes == "on")
 
     def _within_share(self, m: Member, entry: Entry, permits: int) -> bool:
         if self.settings.classes == "off":
@@ -429,11 +471,11 @@ class Pool:
         if timer is not None:
             timer.cancel()
 
-    def _unavailable(self, exclude: Member | None) -> ProxyError:
-        """The error for a request no upstream in rotation can take: an open breaker's own
-        (its cooldown as Retry-After) when that is what keeps the upstreams out, else
-        'no upstream is available' until the next health probe."""
-        up = [m for m in self.members if m is not exclude and m.healthy and not m.draining]
+    def _unavailable(self, exclude: Member | None, model: str | None = None) -> ProxyError:
+        """The error for a request no upstream in rotation serving ``model`` can take: an
+        open breaker's own (its cooldown as Retry-After) when that is what keeps the
+        upstreams out, else 'no upstream is available' until the next health probe."""
+        up = [m for m in serving(self.members, model) if m is not exclude and m.healthy]
         if up and all(not m.breaker.admissible for m in up):
             try:
                 up[0].breaker.admit()

@@ -58,11 +58,27 @@ class UpstreamSpec(BaseModel):
     weight: float = Field(
         default=1.0, gt=0, description="Share of the load (least-busy, round-robin)"
     )
+    models: list[str] | None = Field(
+        default=None,
+        description="The model names it serves (a request's `model`); stated, it serves "
+        "only these; default: what its /v1/models reports (see Several models)",
+    )
 
     @field_validator("url")
     @classmethod
     def _url(cls, url: str) -> str:
         return check_base_url(url)
+
+    @field_validator("models")
+    @classmethod
+    def _models(cls, models: list[str] | None) -> list[str] | None:
+        if models is None:
+            return None
+        if not models or any(not m.strip() for m in models):
+            raise ValueError("models must name at least one model, each a non-empty name")
+        if len(set(models)) != len(models):
+            raise ValueError("models names a model twice")
+        return models
 
     @property
     def label(self) -> str:

@@ -74,6 +74,13 @@ class Metrics:
             ["request_class", "outcome"],
             registry=r,
         )
+        self.model_requests = Counter(
+            "llmproxy_model_requests",
+            "Gated requests by the model they asked for and outcome; a name no upstream lists "
+            "(served by one that takes any name, or refused) counts as 'other'",
+            ["model", "outcome"],
+            registry=r,
+        )
         self.reused_tokens = Counter(
             "llmproxy_reused_tokens",
             "Tokens answered from a running or recent generation (type-through)",
@@ -127,6 +134,9 @@ class Metrics:
         self.requests.labels(outcome=rec.outcome, route=rec.path).inc()
         if rec.request_class is not None:
             self.class_requests.labels(rec.request_class, rec.outcome).inc()
+        if rec.model is not None:
+            model = rec.model if rec.model_listed else "other"
+            self.model_requests.labels(model, rec.outcome).inc()
         self.recent.add(rec)
         if rec.upstream_name is not None:
             self.upstreams.observe(rec.upstream_name, rec.route_decision)

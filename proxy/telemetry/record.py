@@ -29,6 +29,8 @@ class RequestRecord:
     session: str | None = None
     caller: str | None = None  # the name of the client key it came with (http/trust.py)
     request_class: str | None = None  # gated: complete, chat or bulk (gating/classes.py)
+    model: str | None = None  # gated: the model it asks for (pool/models.py; None: any)
+    model_listed: bool = False  # ... and an upstream lists that name (a bounded set)
     gated: bool = False
     parsed_body: Any = None
     started: float = field(default_factory=time.monotonic)
@@ -111,6 +113,7 @@ class RequestRecord:
             "session": self.session,
             "caller": self.caller,
             "class": self.request_class,
+            "model": self.model,
             "upstream": self.upstream_name,
             "route_decision": self.route_decision,
             "failover_from": self.failover,

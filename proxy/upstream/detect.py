@@ -11,7 +11,10 @@ again (``redetect``) until it answers, and swaps in the adapter found (a llama-s
 started after the proxy, or by a later systemd unit, still gets its slots, ``id_slot`` and
 stop confirmation). The gate has one permit until then (``watch.gate_capacity``). A
 llamacpp adapter whose slot count is not known then (or whose ``/slots`` failed for a
-reason that may pass) is completed later by ``watch.watch_upstream``. A 401/403 on
+reason that may pass) is completed later by ``watch.watch_upstream``. Once the kind is
+known, ``GET /v1/models`` gives the model ids the upstream reports (``Adapter.models``;
+none when it does not answer; a llama-server still loading: once the watcher reads its
+``/props``; the pool's rules for them are in pool/models.py). A 401/403 on
 ``/props`` is logged with a hint at ``upstream_api_key``: the proxy's own probes need the
 key a keyed llama-server wants.
 """
@@ -164,4 +167,6 @@ async def _build(
             adapter.learn_props(props)
         adapter.props_pending = props_pending  # learnt later by watch.watch_upstream
         await adapter.probe_slots()
+    if not props_pending:
+        await adapter.learn_models()
     return adapter

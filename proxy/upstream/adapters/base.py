@@ -99,6 +99,21 @@ class Adapter:
         # kind auto, upstream not there at start (no answer, 502-504): detected again
         self.undetected = False
         self.piece_gap_s: float | None = None  # recent streams' gap between pieces (about a token)
+        #: the model ids its ``/v1/models`` reported at detection (detect.py; empty: none)
+        self.models: tuple[str, ...] = ()
+
+    async def learn_models(self) -> None:
+        """Read the model ids ``GET /v1/models`` lists (OpenAI's shape, which llama-server,
+        vLLM, llama-cpp-python and Ollama answer) into ``models``; left as they are when it
+        does not answer that way."""
+        try:
+            status, body = await get_json(self.session, self.base_url / "v1" / "models")
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return
+        data = body.get("data") if status == 200 and isinstance(body, dict) else None
+        if isinstance(data, list):
+            ids = [d.get("id") for d in data if isinstance(d, dict)]
+            self.models = tuple(dict.fromkeys(i for i in ids if isinstance(i, str) and i))
 
     def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
         """Body to send upstream for a gated request holding permit ``slot``."""

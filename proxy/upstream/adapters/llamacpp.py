@@ -219,6 +219,7 @@ class LlamaCppAdapter(SlotPollingAdapter):
             if status == 200 and isinstance(props, dict):
                 self.props_pending = False
                 self.learn_props(props)
+                await self.learn_models()
             elif status is not None and status < 500:  # will not change (404: no /props)
                 self.props_pending = False
         if self.slots_pending and not self.can_confirm:

@@ -117,11 +117,14 @@ async def test_proxy_relays_through_one_kept_alive_connection(http: aiohttp.Clie
         recorder() as (rec, url),
         run_proxy(url, upstream_kind="openai", upstream_stream="off") as px,
     ):
+        probed = len(rec.seen)  # detection's own requests (its session, not the relay's)
         for _ in range(3):
             async with http.post(px.url + "/v1/completions", data=b'{"prompt":"x"}') as r:
                 assert r.status == 200 and await r.read() == b'echo:{"prompt":"x"}'
         async with http.get(px.url + "/v1/models") as r:
             assert r.status == 200
         assert px.member.adapter.client.idle == 1
-    relayed = [s for s in rec.seen if s["line"] in ("POST /v1/completions", "GET /v1/models")]
+    relayed = [
+        s for s in rec.seen[probed:] if s["line"] in ("POST /v1/completions", "GET /v1/models")
+    ]
     assert len(relayed) == 4 and len({s["conn"] for s in relayed}) == 1
