@@ -123,11 +123,14 @@ class Pool:
         caller: str = "",
     ) -> Entry:
         """Admit a request (see the module's contract); ``klass``: its request class
-        (gating/classes.py); ``caller``: who sent it (shares.py: 429 past its key's
-        ``max_queued``); ``exclude``: a failover, which goes
-        to the head of the queue and to another upstream than the one it failed on.
-        ``first``: to the head of the queue too (a keystroke that waited on its session's
-        generation, type-through); the queue's bound does not refuse either."""
+        (gating/classes.py); ``caller``: who sent it (shares.py: 429 when it would wait
+        with its key's ``max_queued`` requests waiting already, unless it takes the place
+        of one of the caller's own); ``exclude``: a failover, which goes to the head of
+        the queue and to another upstream than the one it failed on. ``first``: to the
+        head of the queue too (a keystroke that waited on its session's generation,
+        type-through). The queue's bound refuses neither; ``max_queued`` refuses a
+        ``first`` one as any other (it was never counted), never a failover (it was, when
+        it was first admitted)."""
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
         members = [m for m in self.rotation() if m is not exclude]
