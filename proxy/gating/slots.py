@@ -31,7 +31,7 @@ class Slots:
         self.quarantined: set[int] = set()
         self._affinity: OrderedDict[str, int] = OrderedDict()
         self._settling: dict[int, Ticket] = {}  # ticket id -> wide ticket about to be sent
-        self._sent: dict[int, Ticket] = {}  # ticket id -> wide ticket sent, still running
+        self._sent: dict[int, Ticket] = {}  # ticket id -> ticket with extras sent, running
 
     @property
     def capacity(self) -> int:
@@ -142,8 +142,8 @@ class Slots:
         ticket.slots = (*fixed, *lowest)
 
     def put(self, slots: Iterable[int]) -> None:
-        """Held slots are free again (a sent wide ticket holds those below its highest
-        extra, see ``settled``; then settling tickets pick first, oldest first)."""
+        """Held slots are free again (a sent ticket with extras holds those below its
+        highest extra, see ``settled``; then settling tickets pick first, oldest first)."""
         back = list(slots)
         for ticket in self._sent.values():
             top = max(_extras(ticket))
