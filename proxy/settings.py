@@ -251,8 +251,8 @@ class ProxySettings(LayeredSettings):
     settle_timeout_s: float = Field(
         1.0,
         ge=0,
-        description="Longest wait before sending an n_cmpl request until the lower slots other "
-        "requests hold are busy (llamacpp)",
+        description="Longest wait before sending an n_cmpl, embeddings or rerank request until "
+        "the lower slots other requests hold are busy (llamacpp)",
     )
     unconfirmed_cancel_hold_s: float = Field(
         1.0,

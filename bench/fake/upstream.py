@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -117,6 +118,7 @@ class FakeUpstream:
         self.prompt_chars_cached = 0
         self.table = SlotTable(slots)
         self._runner: web.AppRunner | None = None
+        self._listener: socket.socket | None = None
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -126,16 +128,31 @@ class FakeUpstream:
             app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self._host, self._port)
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        # SO_REUSEADDR (as aiohttp's own sites): a new fake may take this port at once
+        self._listener = socket.create_server((self._host, self._port), family=family)
+        site = web.SockSite(self._runner, self._listener)
         await site.start()
-        port = self._runner.addresses[0][1]
+        port = self._listener.getsockname()[1]
         self.url = f"http://{self._host}:{port}"
 
     async def stop(self) -> None:
+        """Stop as a killed server does: from now on the port refuses connections, and every
+        connection accepted before is closed, a request on it unanswered."""
         await self.table.stop()
         if self._runner is not None:
+            await self._stop_accepting()
             await self._runner.cleanup()
             self._runner = None
+
+    async def _stop_accepting(self) -> None:
+        """No more accepts, and those already made handed to the server (asyncio's loop on
+        Python 3.11 leaves a connection it accepted just before its listener closed open
+        and unread: the client's request would wait forever, the socket leak)."""
+        loop = asyncio.get_running_loop()
+        if self._listener is not None and isinstance(loop, asyncio.SelectorEventLoop):
+            loop.remove_reader(self._listener.fileno())
+            await asyncio.sleep(0)  # each accept in flight gets its transport, in order
 
     async def __aenter__(self) -> FakeUpstream:
         await self.start()

@@ -11,7 +11,9 @@ places a request on to ``grant`` at once. Pure asyncio logic, no sockets. Contra
   completions. Until its job has sent it, ``settle_extras`` may trade those for lower
   slots freed meanwhile (the job's adapter owns that wait; ``settled`` ends it); from then
   until it ends, a slot below its highest extra that comes back is held for it too
-  (``Slots.settled``: the server may have put an extra completion there).
+  (``Slots.settled``: the server may have put an extra completion there). An unpinned
+  ticket (embeddings, rerank: the server runs them on its lowest idle slots) gets the
+  lowest free ids, and all of them are extras, settled the same way.
 - ``waits_for_its_slot``: when the slot a session used last is being stopped for the
   session's superseded request, its next request should wait for it, at most
   ``affinity_wait_s`` from admission, so it finds its prompt in that slot's cache; the
@@ -146,8 +148,9 @@ class Gate:
         return ticket.slot
 
     def settle_extras(self, ticket: Ticket, pinned: Callable[[Ticket], bool]) -> set[int]:
-        """Before a wide ticket's request is sent: see ``Slots.settle_extras``."""
-        if len(ticket.slots) < 2 or ticket.state != "running":
+        """Before a request is sent: see ``Slots.settle_extras`` (nothing to settle for a
+        ticket the server runs on the one slot it names)."""
+        if (len(ticket.slots) < 2 and pinned(ticket)) or ticket.state != "running":
             self._slots.settled(ticket)
             return set()
         return self._slots.settle_extras(ticket, self._inflight.values(), pinned)

@@ -3,9 +3,12 @@
 Bookkeeping only: no waiting and no order between requests (the gate owns both; an
 affinity wait only arms a loop timer that wakes the gate), no locks (the event loop's
 thread only). Slot ids are 0..``total`` - 1; at any time each one is
-free, quarantined, or held by exactly one ticket (the pool tracks the first two). A wide
-ticket being settled (``settle`` .. ``settled``, see ``Gate.settle_extras``) gets the first
-pick of slots put back meanwhile: its extras become the lowest of its own and the free ones.
+free, quarantined, or held by exactly one ticket (the pool tracks the first two). A ticket
+being settled (``settle`` .. ``settled``, see ``Gate.settle_extras``) gets the first pick
+of slots put back meanwhile: its extras become the lowest of its own and the free ones.
+A ticket's extras are the slots the server picks for it, the lowest idle ones: all but the
+first of a request pinned to its first slot by ``id_slot`` (``SLOT_ROUTES``), all of an
+unpinned one (embeddings, rerank).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
+from llmproxy.proxy.gating.routes import SLOT_ROUTES
 from llmproxy.proxy.gating.ticket import Ticket
 
 _AFFINITY_MAX = 4096  # sessions whose last slot is remembered (least recently granted dropped)
@@ -27,7 +31,7 @@ class Slots:
         self.quarantined: set[int] = set()
         self._affinity: OrderedDict[str, int] = OrderedDict()
         self._settling: dict[int, Ticket] = {}  # ticket id -> wide ticket about to be sent
-        self._sent: dict[int, Ticket] = {}  # ticket id -> wide ticket sent, still running
+        self._sent: dict[int, Ticket] = {}  # ticket id -> ticket with extras sent, running
 
     @property
     def capacity(self) -> int:
@@ -87,21 +91,23 @@ class Slots:
     def settle_extras(
         self, ticket: Ticket, inflight: Iterable[Ticket], pinned: Callable[[Ticket], bool]
     ) -> set[int]:
-        """A wide ``ticket`` about to be sent: its extra slots become the lowest among them
-        and the free ones (a free permit is an idle slot, and llama-server puts extra
-        completions on the lowest idle slots), and until ``settled`` it gets the first pick
-        of slots freed meanwhile (so two wide tickets settling at once never wait on each
-        other: the later one's slots are all above the earlier one's extras). Returns the
-        slots below its highest extra that other ``pinned`` requests of ``inflight`` (those
-        the server runs on their own slot) hold: each must be busy at the server before the
-        send, or the server, seeing it idle, would put an extra completion there."""
+        """A ``ticket`` with extras (a wide one, or an unpinned one) about to be sent: its
+        extras become the lowest among them and the free ones (a free permit is an idle
+        slot, and llama-server puts extra completions, and embeddings, on the lowest idle
+        slots), and until ``settled`` it gets the first pick of slots freed meanwhile (so
+        two tickets settling at once never wait on each other: the later one's slots are
+        all above the earlier one's extras). Returns the slots below its highest extra that
+        other requests of ``inflight`` hold and the server runs there: ``pinned`` ones (on
+        their own slot), and unpinned ones already sent (settled on their slots). Each must
+        be busy at the server before the send, or the server, seeing it idle, would put an
+        extra completion (an embeddings task) there."""
         self.settle(ticket)
-        top = max(ticket.slots[1:])
+        top = max(_extras(ticket))
         mine = set(ticket.slots)
         return {
             s
             for t in inflight
-            if t is not ticket and pinned(t)
+            if t is not ticket and (pinned(t) or t.id in self._sent)
             for s in t.slots
             if s < top and s not in mine
         }
@@ -127,18 +133,20 @@ class Slots:
         self._sent.pop(ticket.id, None)
 
     def _lower_extras(self, ticket: Ticket) -> None:
-        """Trade the ticket's extras (all slots but the first) for the lowest ids among them
-        and the free slots; the ones given up are free again."""
-        pool = sorted([*self.free, *ticket.slots[1:]])
-        extras, self.free = pool[: len(ticket.slots) - 1], pool[len(ticket.slots) - 1 :]
-        ticket.slots = (ticket.slots[0], *extras)
+        """Trade the ticket's extras for the lowest ids among them and the free slots; the
+        ones given up are free again."""
+        extras = _extras(ticket)
+        fixed = ticket.slots[: len(ticket.slots) - len(extras)]
+        pool = sorted([*self.free, *extras])
+        lowest, self.free = pool[: len(extras)], pool[len(extras) :]
+        ticket.slots = (*fixed, *lowest)
 
     def put(self, slots: Iterable[int]) -> None:
-        """Held slots are free again (a sent wide ticket holds those below its highest
-        extra, see ``settled``; then settling tickets pick first, oldest first)."""
+        """Held slots are free again (a sent ticket with extras holds those below its
+        highest extra, see ``settled``; then settling tickets pick first, oldest first)."""
         back = list(slots)
         for ticket in self._sent.values():
-            top = max(ticket.slots[1:])
+            top = max(_extras(ticket))
             kept = [s for s in back if s < top]
             if kept:
                 ticket.slots = (*ticket.slots, *kept)
@@ -166,3 +174,8 @@ class Slots:
         self.free.extend(range(self.total, total))
         self.total = total
         return True
+
+
+def _extras(ticket: Ticket) -> tuple[int, ...]:
+    """The slots of ``ticket`` the server picks (see the module's docstring)."""
+    return ticket.slots[1:] if ticket.route in SLOT_ROUTES else ticket.slots

@@ -136,14 +136,17 @@ class Pool:
         model: str | None = None,
     ) -> Entry:
         """Admit a request (see the module's contract); ``klass``: its request class
-        (gating/classes.py); ``caller``: who sent it (shares.py: 429 past its key's
-        ``max_queued``); ``exclude``: a failover, which goes
-        to the head of the queue and to another upstream than the one it failed on.
-        ``first``: to the head of the queue too (a keystroke that waited on its session's
-        generation, type-through); the queue's bound does not refuse either. ``since``: when
-        the request first came: a preempted one's resume, which keeps its age (order.py,
-        preempt.py) and supersedes nothing, though a newer request may supersede it.
-        ``model``: the model it asks for (models.py ``asked``; None: any upstream)."""
+        (gating/classes.py); ``caller``: who sent it (shares.py: 429 when it would wait
+        with its key's ``max_queued`` requests waiting already, unless it takes the place
+        of one of the caller's own); ``exclude``: a failover, which goes to the head of
+        the queue and to another upstream than the one it failed on. ``first``: to the
+        head of the queue too (a keystroke that waited on its session's generation,
+        type-through). The queue's bound refuses neither; ``max_queued`` refuses a
+        ``first`` one as any other (it was never counted), never a failover (it was, when
+        it was first admitted). ``since``: when the request first came: a preempted one's
+        resume, which keeps its age (order.py, preempt.py) and supersedes nothing, though a
+        newer request may supersede it. ``model``: the model it asks for (models.py
+        ``asked``; None: any upstream)."""
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
         members = self._serving(model, exclude)  # or UnknownModel

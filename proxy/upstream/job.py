@@ -423,8 +423,7 @@ class UpstreamJob:
 
     async def _transfer_body(self) -> None:
         rec, req = self.record, self.request
-        if len(self.ticket.slots) > 1:  # n_cmpl: see LlamaCppAdapter.settle
-            await self.adapter.settle(self.gate, self.ticket)
+        await self.adapter.settle(self.gate, self.ticket)  # n_cmpl, embeddings: llamacpp's
         body = self.adapter.prepare_body(req.path, self._body, self._parsed, self.slot)
         try:
             if self.adapter.assembles(req.path, self._parsed):  # sent as a stream (assemble.py)

@@ -195,3 +195,40 @@ async def test_every_llama_server_route_that_runs_on_a_slot_is_gated(
         assert ("id_slot" in fake.generations[0].body) is (path == "/v1/messages")
         assert px.member.adapter.confirms(path) is (path == "/v1/messages")
         await asyncio.wait_for(px.state.pool.wait_quiescent(), 5)
+
+
+async def test_embeddings_wait_until_a_lower_slot_granted_before_them_is_taken(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Two grants at once: x (a completion with a large body, still on its way) gets slot 0,
+    the embeddings slot 1. The server runs embeddings on its lowest idle slot: sent at once,
+    they would reach it first and take slot 0, and x, pinned there by ``id_slot``, would
+    wait in the server's queue. The embeddings are sent only once slot 0 is busy with x."""
+    holds = {"first": asyncio.Event(), "e": asyncio.Event()}
+    script = lambda _p, b: Script(tokens=2, token_delay_s=0.001, hold=holds.get(b["tag"]))  # noqa: E731
+
+    def post(path: str, body: dict[str, Any]) -> Any:
+        return http.post(px.url + path, json=body, headers={"X-LLMProxy-Session": body["tag"]})
+
+    async with (
+        FakeUpstream(slots=2, script=script) as fake,
+        run_proxy(fake.url, settle_timeout_s=30, classes="off") as px,
+    ):
+        first = asyncio.create_task(
+            post("/completion", {"prompt": "h", "n_cmpl": 2, "tag": "first"})
+        )
+        await fake.wait_for(lambda f: f.slot_busy == [True, True])
+        x = asyncio.create_task(
+            post("/completion", {"prompt": "x", "tag": "x", "pad": "y" * 900_000})
+        )
+        await wait_until(lambda: len(px.state.pool.queue) == 1, what="x queued")
+        e = asyncio.create_task(post("/v1/embeddings", {"input": "e", "tag": "e"}))
+        await wait_until(lambda: len(px.state.pool.queue) == 2, what="the embeddings queued")
+        holds["first"].set()
+        await fake.wait_for(lambda f: len(f.generations) == 3)
+        holds["e"].set()
+        for task in (first, x, e):
+            async with await task as r:
+                assert r.status == 200
+        assert fake.deferred == [] and fake.max_concurrent == 2, fake.snapshot()
+        await asyncio.wait_for(px.member.gate.wait_quiescent(), 5)

@@ -139,7 +139,7 @@ class Adapter:
         return 1
 
     async def settle(self, gate: Gate, ticket: Ticket) -> None:
-        """Called before a request holding several permits is sent (see llamacpp's)."""
+        """Called before a gated request is sent (see llamacpp's)."""
 
     def pending(self) -> bool:
         """Is something about the upstream still to be learnt by probing again (see watch.py)?"""

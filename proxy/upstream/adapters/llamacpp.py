@@ -5,8 +5,9 @@ exactly which slot runs which request, and a stop is confirmed from ``GET /slots
 (slots.py: confirmation, quarantine, settling). Without ``/slots`` (``--no-slots``), the
 adapter cannot confirm and the policies fall back to ``finish``; so do routes that carry no
 ``id_slot`` (embeddings, reranking), whose slot the proxy cannot know. An embeddings batch
-(a rerank) runs one task per input (document) on any idle slots, so it holds
-min(inputs, capacity) permits. Every route that runs on a slot is gated here
+(a rerank) runs one task per input (document) on idle slots, the lowest, so it holds
+min(inputs, capacity) permits, the lowest free ones, settled before it is sent as the
+extras of an ``n_cmpl`` request are (below). Every route that runs on a slot is gated here
 (``gated_routes``), llama-server's own embeddings, rerank and ``/v1/messages`` included.
 
 ``n_cmpl`` (alias ``n``, as llama.vscode sends it) asks llama-server for that many

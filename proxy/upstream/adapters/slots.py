@@ -74,12 +74,13 @@ class SlotPollingAdapter(Adapter):
         return "idle" if all(slot in busy for slot in slots) else "unknown"
 
     async def settle(self, gate: Gate, ticket: Ticket) -> None:
-        """Before a request on several slots is sent, make the server's choice of slots for
-        its extra completions (the lowest idle ones) the gate's: take lower free permits in
-        exchange (``Gate.settle_extras``) and wait, polling /slots for at most
-        ``settle_timeout_s``, until every lower slot another pinned request holds is busy
-        at the server. A request granted just before this one but not there yet (a large
-        body still on its way) would otherwise lose its slot to an extra completion and
+        """Before a request on several slots, or an unpinned one (embeddings, rerank), is
+        sent, make the server's choice of slots for its extra completions or its tasks (the
+        lowest idle ones) the gate's: take lower free permits in exchange
+        (``Gate.settle_extras``) and wait, polling /slots for at most ``settle_timeout_s``,
+        until every lower slot another request runs on is busy at the server. A request
+        granted just before this one but not there yet (a large body still on its way)
+        would otherwise lose its slot to an extra completion or an embeddings task and
         wait in the server's queue. A poll that finds them busy is trusted only if nothing
         changed in the gate meanwhile. Cancelled with the job (it runs in the job's
         transfer scope); a refused connection (server down) ends the wait at once."""
@@ -88,8 +89,6 @@ class SlotPollingAdapter(Adapter):
         def pinned(t: Ticket) -> bool:
             return t.route in SLOT_ROUTES
 
-        if not pinned(ticket):
-            return  # an embeddings batch: the server runs it on whichever slots are idle
         try:
             watch = gate.settle_extras(ticket, pinned)
             if not watch or not self.can_confirm or s.settle_timeout_s <= 0:
