@@ -3,8 +3,8 @@
 ``agent`` sends ``/v1/chat/completions`` streams one after another, each agent its own
 caller session, with its caller's client key when it has one, until it is cancelled
 (which closes its connection). ``Agents`` counts what every agent read: tokens (a ``data:``
-object each), answers per caller, errors; ``working`` is set at the first token any agent
-reads. Event loop thread only.
+object each), answers per caller, errors (by HTTP status or exception); ``working`` is set
+at the first token any agent reads. Event loop thread only.
 """
 
 from __future__ import annotations
@@ -29,7 +29,12 @@ class Agents:
     errors: int = 0
     answers: dict[str, int] = field(default_factory=dict)  # caller -> answers read to the end
     tokens_by: dict[str, int] = field(default_factory=dict)  # caller -> tokens
+    failures: dict[str, int] = field(default_factory=dict)  # HTTP status or exception -> count
     working: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def failed(self, why: str) -> None:
+        self.errors += 1
+        self.failures[why] = self.failures.get(why, 0) + 1
 
     def snapshot(self) -> tuple[int, dict[str, int], dict[str, int]]:
         return self.tokens, dict(self.answers), dict(self.tokens_by)
@@ -61,7 +66,7 @@ async def agent(
         try:
             async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
                 if r.status != 200:
-                    out.errors += 1
+                    out.failed(str(r.status))
                     await r.read()
                     await asyncio.sleep(0.05)
                     continue
@@ -70,8 +75,8 @@ async def agent(
                         out.tokens += 1
                         out.tokens_by[caller.name] += 1
                         out.working.set()
-        except (aiohttp.ClientError, TimeoutError):
-            out.errors += 1
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            out.failed(type(exc).__name__)
             await asyncio.sleep(0.05)
             continue
         out.answers[caller.name] += 1

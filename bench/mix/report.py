@@ -33,9 +33,19 @@ def _server(s: MixSettings) -> str:
 
 def format_table(rows: list[dict[str, Any]], s: MixSettings) -> str:
     body = _callers_table(rows, s) if s.callers else _editors_table(rows, s)
-    tail = "".join(
-        f"\n{goal}: {value} ({'PASS' if ok else 'FAIL' if ok is False else 'n/a'})"
-        for goal, value, ok in goals(rows, s)
+    failed = "".join(
+        f"\n{r['target']}: agents' failed requests: "
+        + ", ".join(f"{why} x{n}" for why, n in r["agent_failures"].items())
+        for r in rows
+        if r.get("agent_failures")
+    )
+    tail = (
+        failed
+        + "\n" * bool(failed)
+        + "".join(
+            f"\n{goal}: {value} ({'PASS' if ok else 'FAIL' if ok is False else 'n/a'})"
+            for goal, value, ok in goals(rows, s)
+        )
     )
     return body + tail + "\n"
 

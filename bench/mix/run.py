@@ -206,6 +206,7 @@ async def _editors(
         "agent_tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
         "agent_answers": sum(agents.answers.values()),
         "agent_errors": agents.errors,
+        "agent_failures": agents.failures,
     }
 
 
@@ -223,6 +224,7 @@ async def _callers(s: MixSettings, agents: Agents, callers: list[Caller]) -> dic
         "agent_tokens_per_s": (tokens1 - tokens0) / elapsed,
         "agent_answers": total,
         "agent_errors": agents.errors,
+        "agent_failures": agents.failures,
         "callers": [
             {
                 "caller": c.name,
