@@ -60,10 +60,10 @@ from llmproxy.common.logs import configure_logging
 FULL_LENGTH = {"ignore_eos": True, "stop": []}
 
 
-def proxy_argv(url: str, target: str, config: Path | None) -> list[str]:
+def proxy_argv(url: str, target: str, config: Path | None, log_level: str) -> list[str]:
     argv = [sys.executable, "-m", "llmproxy.proxy", "serve", "--port", "0", "--upstream", url]
     argv += ["--config", str(config)] if config is not None else []
-    return argv + list(PROXY_ARGS[target]) + ["--log-level", "warning"]
+    return argv + list(PROXY_ARGS[target]) + ["--log-level", log_level]
 
 
 def callers_of(s: MixSettings) -> list[Caller]:
@@ -131,7 +131,7 @@ async def run_target(target: str, s: MixSettings, workdir: Path) -> dict[str, An
             row = await _drive(upstream, s, callers)
         else:
             config = keys_config(callers, workdir / f"keys-{target}.toml")
-            argv = proxy_argv(upstream, target, config)
+            argv = proxy_argv(upstream, target, config, s.proxy_log_level)
             async with child(f"proxy-{target}", argv, workdir, s.start_timeout_s) as (_pid, url):
                 row = await _drive(url, s, callers)
         deferred = len(fake.deferred) if fake is not None else None
@@ -252,7 +252,9 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level)
     try:
         with tempfile.TemporaryDirectory(prefix="llmproxy-bench-mix-") as tmp:
-            rows = asyncio.run(run_all(settings, Path(tmp)))
+            workdir = settings.logs_dir or Path(tmp)
+            workdir.mkdir(parents=True, exist_ok=True)
+            rows = asyncio.run(run_all(settings, workdir))
     except ChildFailed as exc:
         raise SystemExit(f"llmproxy bench mix: {exc}") from None
     sys.stdout.write(format_table(rows, settings))

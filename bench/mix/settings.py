@@ -82,6 +82,14 @@ class MixSettings(LayeredSettings):
     request_timeout_s: float = Field(default=120.0, gt=0, description="Read timeout per request")
     json_out: Path | None = Field(default=None, description="Write the results as JSON here")
     log_level: str = Field(default="warning", description="Log level")
+    proxy_log_level: str = Field(
+        default="warning", description="The proxies' log level (info: a line per request)"
+    )
+    logs_dir: Path | None = Field(
+        default=None,
+        description="Keep the proxies' and llama-servers' logs here (default: a temporary "
+        "folder, removed at the end)",
+    )
 
     @field_validator("targets")
     @classmethod
