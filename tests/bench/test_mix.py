@@ -36,6 +36,7 @@ def test_cli_runs_direct_fifo_and_classes(tmp_path: Path) -> None:
         tmp_path,
         *("--editors", "1", "--agents", "2", "--slots", "2"),
         *("--keystrokes", "4", "--bursts", "1", "--agent-tokens", "40"),
+        *("--logs-dir", str(tmp_path / "logs"), "--proxy-log-level", "info"),
     )
     rows = {r["target"]: r for r in data["targets"]}
     assert list(rows) == ["direct", "fifo", "classes"], proc.stdout
@@ -48,6 +49,10 @@ def test_cli_runs_direct_fifo_and_classes(tmp_path: Path) -> None:
     goals = {g["goal"]: g for g in data["goals"]}
     assert goals["no errors through the proxy"]["pass"] is True
     assert "| classes |" in proc.stdout and "last p95 ms" in proc.stdout
+    for target in ("fifo", "classes"):  # kept, a line per request
+        lines = (tmp_path / "logs" / f"proxy-{target}.log").read_text().splitlines()
+        logged = [json.loads(line) for line in lines if line.startswith("{")]
+        assert {r.get("class") for r in logged} >= {"complete", "chat"}, target
 
 
 def test_callers_share_the_generations_fairly_with_classes(tmp_path: Path) -> None:
