@@ -111,16 +111,21 @@ async def server(
 
 
 async def baseline(client: Client, runs: int) -> float:
-    """The median of ``runs`` completions on the idle target: T."""
+    """The median of ``runs`` completions on the idle target: T. Each on a connection of
+    its own (llama-server may close a kept-alive one as the next request goes out)."""
     body = client.profile.encode(typed_text(0), client.settings.n_predict, "default", client.extra)
     times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        async with client.http.post(
-            client.url + client.profile.route, data=body, headers=client.headers
-        ) as r:
-            await r.read()
-        times.append(time.perf_counter() - start)
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        for _ in range(runs):
+            start = time.perf_counter()
+            async with http.post(
+                client.url + client.profile.route, data=body, headers=client.headers
+            ) as r:
+                await r.read()
+                if r.status != 200:
+                    raise SystemExit(f"llmproxy bench mix: {client.url} answered {r.status}")
+            times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
@@ -163,7 +168,8 @@ async def _drive(url: str, s: MixSettings, callers: list[Caller]) -> dict[str, A
     timeout = aiohttp.ClientTimeout(total=None, sock_read=s.request_timeout_s)
     try:
         t = await baseline(clients[0], s.baseline_runs) if clients else 0.0
-        async with aiohttp.ClientSession(timeout=timeout) as http:
+        connector = aiohttp.TCPConnector(force_close=True)  # see baseline()
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
             tasks: list[asyncio.Task[None]] = []
             for caller in callers:
                 for _ in range(caller.agents):
