@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -37,6 +36,7 @@ from llmproxy.bench.burst.run import run_target
 from llmproxy.bench.burst.settings import BurstSettings, ProfileName
 from llmproxy.bench.child import ChildFailed, child_server
 from llmproxy.bench.progress import Steps
+from llmproxy.bench.servers import ServerName, free_port, model_server
 from llmproxy.common.config import LayeredSettings, add_settings_arguments, settings_from_args
 from llmproxy.common.logs import configure_logging
 
@@ -48,9 +48,7 @@ class BackendsSettings(LayeredSettings):
 
     model_config = SettingsConfigDict(env_prefix="LLMPROXY_BACKENDS_", frozen=True, extra="forbid")
 
-    server: Literal["llama-server", "llama-cpp-python"] = Field(
-        "llama-server", description="Backend to start"
-    )
+    server: ServerName = Field("llama-server", description="Backend to start")
     llama_server: Path | None = Field(
         None,
         description="llama-server binary "
@@ -81,52 +79,6 @@ class BackendsSettings(LayeredSettings):
     threads: int = Field(os.cpu_count() or 2, ge=1, description="Backend CPU threads")
     json_out: Path | None = Field(None, description="Write the results as JSON here")
     log_level: str = Field("warning", description="Log level")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _default_llama_server() -> Path:
-    from_env = os.environ.get("LLMPROXY_LLAMA_SERVER")
-    if from_env:
-        return Path(from_env)
-    found = sorted((Path.home() / ".cache" / "llmproxy").glob("llama-server-*/llama-server"))
-    if not found:
-        raise SystemExit(
-            "llmproxy bench backends: no llama-server: "
-            "run `make interop` once, or pass --llama-server"
-        )
-    return found[-1]
-
-
-def llama_server_argv(
-    binary: Path, model: Path, port: int, parallel: int, threads: int, ctx_per_slot: int = 2048
-) -> list[str]:
-    """llama-server on 127.0.0.1:``port`` with ``parallel`` slots (also the interop suite's)."""
-    return [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)] + [
-        "-np", str(parallel), "-c", str(ctx_per_slot * parallel), "-t", str(threads),
-        "--no-webui",
-    ]  # fmt: skip
-
-
-def llama_cpp_python_argv(model: Path, port: int, threads: int) -> list[str]:
-    """llama-cpp-python's server on 127.0.0.1:``port`` (also the interop suite's)."""
-    return [sys.executable, "-m", "llama_cpp.server", "--model", str(model)] + [
-        "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048",
-        "--n_threads", str(threads),
-    ]  # fmt: skip
-
-
-def _backend_argv(
-    s: BackendsSettings, model: Path, port: int, parallel: int
-) -> tuple[list[str], str]:
-    if s.server == "llama-server":
-        binary = s.llama_server or _default_llama_server()
-        return llama_server_argv(binary, model, port, parallel, s.threads), "/health"
-    return llama_cpp_python_argv(model, port, s.threads), "/v1/models"
 
 
 def _burst_settings(s: BackendsSettings, mode: str) -> BurstSettings:
@@ -189,32 +141,22 @@ async def _main(s: BackendsSettings) -> list[dict[str, object]]:
     ):
         work = Path(tmp)
         for parallel in parallels:
-            port = _free_port()
-            argv, ready = _backend_argv(s, model, port, parallel)
-            backend = f"http://127.0.0.1:{port}"
-            proxy_port = _free_port()
-            proxy = f"http://127.0.0.1:{proxy_port}"
-            proxy_argv = [
-                sys.executable,
-                "-m",
-                "llmproxy.proxy",
-                "serve",
-                "--upstream",
-                backend,
-                "--port",
-                str(proxy_port),
-                "--log-level",
-                "warning",
-            ]
-            async with (
-                child_server(argv, work / f"backend-{parallel}.log", backend, ready),
-                child_server(proxy_argv, work / f"proxy-{parallel}.log", proxy, "/llmproxy/health"),
-            ):
-                for mode in s.modes:
-                    row = await _cell(s, mode, backend, proxy, steps)
-                    rows.append({"server": s.server, "parallel": parallel, **row})
-                    sys.stdout.write(_line(rows[-1]) + "\n")
-                    sys.stdout.flush()
+            log = work / f"backend-{parallel}.log"
+            async with model_server(
+                s.server, s.llama_server, model, parallel, s.threads, log
+            ) as backend:
+                proxy_port = free_port()
+                proxy = f"http://127.0.0.1:{proxy_port}"
+                proxy_argv = [sys.executable, "-m", "llmproxy.proxy", "serve"] + [
+                    "--upstream", backend, "--port", str(proxy_port), "--log-level", "warning",
+                ]  # fmt: skip
+                plog = work / f"proxy-{parallel}.log"
+                async with child_server(proxy_argv, plog, proxy, "/llmproxy/health"):
+                    for mode in s.modes:
+                        row = await _cell(s, mode, backend, proxy, steps)
+                        rows.append({"server": s.server, "parallel": parallel, **row})
+                        sys.stdout.write(_line(rows[-1]) + "\n")
+                        sys.stdout.flush()
     return rows
 
 

@@ -1,4 +1,11 @@
-"""The table and goals of ``llmproxy bench mix`` (run.py)."""
+"""The tables and goals of ``llmproxy bench mix`` (run.py).
+
+Editors beside agents: the editors' last completion of a burst (p50, p95) over T, the
+agents' tokens/s; goals: with ``classes`` the last p50 <= 1.2 x T and the agents' tokens/s
+>= 0.8 x ``fifo``'s. Callers (``--callers``): each caller's share of the generations; goal:
+with ``classes`` the caller with the fewest agents gets >= 0.8 of an equal share (40% of
+the generations for two callers).
+"""
 
 from __future__ import annotations
 
@@ -7,15 +14,46 @@ from typing import Any
 
 from llmproxy.bench.mix.settings import MixSettings
 
+Verdict = tuple[str, str, bool | None]
+
 
 def _ratio(ms: float, t_ms: float) -> float:
     return ms / t_ms if t_ms and not math.isnan(ms) else math.nan
 
 
+def _deferred(r: dict[str, Any]) -> str:
+    return "-" if r["deferred_at_server"] is None else str(r["deferred_at_server"])
+
+
+def _server(s: MixSettings) -> str:
+    if s.server == "fake":
+        return f"the fake llama-server, {s.slots} slots"
+    return f"llama-server -np {s.slots} -t {s.threads}"
+
+
 def format_table(rows: list[dict[str, Any]], s: MixSettings) -> str:
+    body = _callers_table(rows, s) if s.callers else _editors_table(rows, s)
+    failed = "".join(
+        f"\n{r['target']}: agents' failed requests: "
+        + ", ".join(f"{why} x{n}" for why, n in r["agent_failures"].items())
+        for r in rows
+        if r.get("agent_failures")
+    )
+    tail = (
+        failed
+        + "\n" * bool(failed)
+        + "".join(
+            f"\n{goal}: {value} ({'PASS' if ok else 'FAIL' if ok is False else 'n/a'})"
+            for goal, value, ok in goals(rows, s)
+        )
+    )
+    return body + tail + "\n"
+
+
+def _editors_table(rows: list[dict[str, Any]], s: MixSettings) -> str:
     head = (
-        f"bench mix: {s.editors} editors ({s.profile}), {s.agents} agents "
-        f"({s.agent_tokens}-token chat streams), {s.slots} slots, {s.bursts} bursts\n\n"
+        f"bench mix: {s.editors} editors ({s.profile}, {s.n_predict} tokens), {s.agents} agents "
+        f"({s.agent_tokens}-token chat streams), {_server(s)}, {s.bursts} bursts\n\n"
         "| target | T ms | editor last p50 ms | x T | last p95 ms | x T | agent tokens/s "
         "| errors (editors / agents) | deferred at the server |\n"
         "|---|---|---|---|---|---|---|---|---|\n"
@@ -24,27 +62,68 @@ def format_table(rows: list[dict[str, Any]], s: MixSettings) -> str:
         f"| {r['target']} | {r['T_ms']:.0f} | {r['last_p50_ms']:.0f} "
         f"| {_ratio(r['last_p50_ms'], r['T_ms']):.2f} | {r['last_p95_ms']:.0f} "
         f"| {_ratio(r['last_p95_ms'], r['T_ms']):.2f} | {r['agent_tokens_per_s']:.0f} "
-        f"| {r['editor_errors']} / {r['agent_errors']} | {r['deferred_at_server']} |\n"
+        f"| {r['editor_errors']} / {r['agent_errors']} | {_deferred(r)} |\n"
         for r in rows
     ]
-    verdicts = goals(rows)
-    tail = "".join(
-        f"\n{goal}: {value} ({'PASS' if ok else 'FAIL' if ok is False else 'n/a'})"
-        for goal, value, ok in verdicts
+    return head + "".join(lines)
+
+
+def _callers_table(rows: list[dict[str, Any]], s: MixSettings) -> str:
+    agents = ", ".join(f"{chr(ord('A') + i)} {n}" for i, n in enumerate(s.callers))
+    head = (
+        f"bench mix: callers' agents ({agents}; {s.agent_tokens}-token chat streams), "
+        f"{_server(s)}, {s.duration_s:g} s\n\n"
+        "| target | caller | agents | generations | share | tokens/s "
+        "| all agents' tokens/s | errors | deferred at the server |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
     )
-    return head + "".join(lines) + tail + "\n"
+    lines = [
+        f"| {r['target']} | {c['caller']} | {c['agents']} | {c['generations']} "
+        f"| {c['share']:.0%} | {c['tokens_per_s']:.0f} | {r['agent_tokens_per_s']:.0f} "
+        f"| {r['agent_errors']} | {_deferred(r)} |\n"
+        for r in rows
+        for c in r["callers"]
+    ]
+    return head + "".join(lines)
 
 
-def goals(rows: list[dict[str, Any]]) -> list[tuple[str, str, bool | None]]:
+def goals(rows: list[dict[str, Any]], s: MixSettings) -> list[Verdict]:
     by = {r["target"]: r for r in rows}
-    out: list[tuple[str, str, bool | None]] = []
-    if "classes" in by:
+    out: list[Verdict] = []
+    if s.callers:
+        out += _share_goals(by)
+    elif "classes" in by:
         c = by["classes"]
         ratio = _ratio(c["last_p50_ms"], c["T_ms"])
         out.append(("classes: editor last p50 <= 1.2 x T", f"{ratio:.2f} x T", ratio <= 1.2))
-        if "fifo" in by and by["fifo"]["agent_tokens_per_s"] > 0:
-            share = c["agent_tokens_per_s"] / by["fifo"]["agent_tokens_per_s"]
-            out.append(("classes: agent tokens/s >= 0.8 x fifo's", f"{share:.2f}", share >= 0.8))
-    errors = sum(r["editor_errors"] + r["agent_errors"] for r in rows if r["target"] != "direct")
+    if "classes" in by and "fifo" in by and by["fifo"]["agent_tokens_per_s"] > 0:
+        share = by["classes"]["agent_tokens_per_s"] / by["fifo"]["agent_tokens_per_s"]
+        out.append(("classes: agent tokens/s >= 0.8 x fifo's", f"{share:.2f}", share >= 0.8))
+    errors = sum(
+        r.get("editor_errors", 0) + r["agent_errors"] for r in rows if r["target"] != "direct"
+    )
     out.append(("no errors through the proxy", str(errors), errors == 0))
+    return out
+
+
+def _agents(n: int) -> str:
+    return f"{n} agent" if n == 1 else f"{n} agents"
+
+
+def _share_goals(by: dict[str, dict[str, Any]]) -> list[Verdict]:
+    out: list[Verdict] = []
+    for target in ("classes", "noreserve"):
+        if target not in by:
+            continue
+        callers = by[target]["callers"]
+        small = min(callers, key=lambda c: c["agents"])
+        floor = 0.8 / len(callers)
+        out.append(
+            (
+                f"{target}: caller {small['caller']} ({_agents(small['agents'])}) gets "
+                f">= {floor:.0%} of the generations",
+                f"{small['share']:.0%}",
+                small["share"] >= floor,
+            )
+        )
     return out

@@ -1,57 +1,88 @@
 """``llmproxy bench mix``: editors typing while agents send long chat answers, on one server.
 
-A fake llama-server (``--slots``) serves chat answers of ``--agent-tokens`` tokens and
-completions of ``--n-predict``, a token every ``--token-delay-ms``. ``--agents`` agents
-send chat streams back to back (``/v1/chat/completions``, each its own caller session)
-while ``--editors`` editors type ``--bursts`` bursts with ``bench burst``'s client profiles.
-Targets, one after another, each on a fresh fake: ``direct`` (the fake itself), ``fifo``
-(``llmproxy serve --classes off``: one FIFO queue) and ``classes`` (the proxy's defaults:
-completions before chats, a reserve of one slot for completions). The table (report.py)
-shows the editors' last completion of each burst over ``T`` (one completion on the idle
-target), and the agents' tokens per second over the bursts.
+The server (``--server``) is a fake llama-server (``--slots``, a token every
+``--token-delay-ms``) or a real llama-server (``-np --slots``, ``-t --threads``; every
+generation runs to its length, end tokens ignored). ``--agents`` agents send chat streams
+of ``--agent-tokens`` tokens back to back (``/v1/chat/completions``, each its own caller
+session) while ``--editors`` editors type ``--bursts`` bursts with ``bench burst``'s client
+profiles, completions of ``--n-predict`` tokens. Targets, one after another, each on a
+fresh server: ``direct`` (the server itself) and the proxy (``llmproxy serve``, a child
+process) with each target's arguments (settings.py ``PROXY_ARGS``): ``fifo``
+(``--classes off``: one FIFO queue), ``classes`` (the proxy's defaults: completions before
+chats, a reserve of one slot for completions), ``noreserve`` (classes, ``--reserve 0``).
+The table (report.py) shows the editors' last completion of each burst over ``T`` (the
+median completion on the idle target), and the agents' tokens per second over the bursts.
 
-Concurrency contract: one target at a time. The fake, the proxy (a child process) and the
-agents (one TaskGroup, cancelled once the editors' bursts end, closing their connections)
-are owned by ``run_target``; nothing outlives it.
+``--callers 8,1`` runs the fairness scenario instead: no editors; each caller has that
+many agents and a client key of its own (``[[keys]]`` in the proxy's config file, which
+the bench writes), for ``--duration-s``; the table shows each caller's share of the
+generations finished meanwhile (fair shares between callers come with classes on).
+
+Concurrency contract: one target at a time. The server (the fake in this process, or a
+child), the proxy (a child) and the agents (tasks cancelled once the editors' bursts or
+the duration end, closing their connections) are owned by ``run_target``; nothing
+outlives it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import secrets
+import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from llmproxy.backend.model_path import resolve_model
 from llmproxy.bench.burst.editor import Client, run_burst
 from llmproxy.bench.burst.profiles import PROFILES, typed_text
 from llmproxy.bench.burst.report import TargetResult
 from llmproxy.bench.burst.settings import BurstSettings
 from llmproxy.bench.child import ChildFailed, child
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
+from llmproxy.bench.mix.agents import Agents, Caller, agent
 from llmproxy.bench.mix.report import format_table, goals
-from llmproxy.bench.mix.settings import MixSettings, Target
+from llmproxy.bench.mix.settings import DIRECT, PROXY_ARGS, MixSettings
 from llmproxy.bench.progress import Steps
+from llmproxy.bench.servers import model_server
 from llmproxy.common.config import add_settings_arguments, settings_from_args
 from llmproxy.common.logs import configure_logging
 
-
-@dataclass
-class Agents:
-    tokens: int = 0
-    answers: int = 0
-    errors: int = 0
+#: llama-server: every generation runs to its length (no end token, no stop strings)
+FULL_LENGTH = {"ignore_eos": True, "stop": []}
 
 
-def proxy_argv(url: str, target: Target) -> list[str]:
+def proxy_argv(url: str, target: str, config: Path | None, log_level: str) -> list[str]:
     argv = [sys.executable, "-m", "llmproxy.proxy", "serve", "--port", "0", "--upstream", url]
-    return argv + (["--classes", "off"] if target == "fifo" else []) + ["--log-level", "warning"]
+    argv += ["--config", str(config)] if config is not None else []
+    return argv + list(PROXY_ARGS[target]) + ["--log-level", log_level]
+
+
+def callers_of(s: MixSettings) -> list[Caller]:
+    """The agents' callers: ``--callers``' (A, B, ...; a key each), else one without a key."""
+    if not s.callers:
+        return [Caller("agents", s.agents)]
+    return [
+        Caller(chr(ord("A") + i), n, f"bench-mix-{secrets.token_hex(8)}")
+        for i, n in enumerate(s.callers)
+    ]
+
+
+def keys_config(callers: list[Caller], path: Path) -> Path | None:
+    """The proxy's config file naming the callers' keys (None: no caller has one)."""
+    keyed = [c for c in callers if c.key is not None]
+    if not keyed:
+        return None
+    path.write_text("".join(f'[[keys]]\nname = "{c.name}"\nkey = "{c.key}"\n\n' for c in keyed))
+    return path
 
 
 def fake_for(s: MixSettings) -> FakeUpstream:
@@ -64,41 +95,56 @@ def fake_for(s: MixSettings) -> FakeUpstream:
     return FakeUpstream(slots=s.slots, script=script, abort_linger_s=0.01)
 
 
-async def agent(http: aiohttp.ClientSession, url: str, k: int, s: MixSettings, out: Agents) -> None:
-    """Chat streams back to back until cancelled; counts the tokens it reads."""
-    body = {
-        "model": "default",
-        "messages": [{"role": "user", "content": f"agent {k}: write a long answer"}],
-        "stream": True,
-        "max_tokens": s.agent_tokens,
-    }
-    headers = {"X-LLMProxy-Session": f"agent-{k}"}
-    while True:
-        async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
-            if r.status != 200:
-                out.errors += 1
+@contextlib.asynccontextmanager
+async def server(
+    s: MixSettings, target: str, workdir: Path
+) -> AsyncIterator[tuple[str, FakeUpstream | None]]:
+    """A fresh server for one target: (its URL, the fake or None)."""
+    if s.server == "fake":
+        async with fake_for(s) as fake:
+            yield fake.url, fake
+        return
+    model = resolve_model(s.model)
+    log = workdir / f"llama-server-{target}.log"
+    async with model_server("llama-server", s.llama_server, model, s.slots, s.threads, log) as url:
+        yield url, None
+
+
+async def baseline(client: Client, runs: int) -> float:
+    """The median of ``runs`` completions on the idle target: T. Each on a connection of
+    its own (llama-server may close a kept-alive one as the next request goes out)."""
+    body = client.profile.encode(typed_text(0), client.settings.n_predict, "default", client.extra)
+    times = []
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        for _ in range(runs):
+            start = time.perf_counter()
+            async with http.post(
+                client.url + client.profile.route, data=body, headers=client.headers
+            ) as r:
                 await r.read()
-                await asyncio.sleep(0.05)
-                continue
-            async for line in r.content:
-                if line.startswith(b"data: {"):
-                    out.tokens += 1
-            out.answers += 1
+                if r.status != 200:
+                    raise SystemExit(f"llmproxy bench mix: {client.url} answered {r.status}")
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
-async def baseline(client: Client) -> float:
-    """One completion on the idle target: T."""
-    body = client.profile.encode(typed_text(0), client.settings.n_predict, "default")
-    start = time.perf_counter()
-    async with client.http.post(
-        client.url + client.profile.route, data=body, headers=client.headers
-    ) as r:
-        await r.read()
-    return time.perf_counter() - start
+async def run_target(target: str, s: MixSettings, workdir: Path) -> dict[str, Any]:
+    callers = callers_of(s)
+    async with server(s, target, workdir) as (upstream, fake):
+        if target == DIRECT:
+            row = await _drive(upstream, s, callers)
+        else:
+            config = keys_config(callers, workdir / f"keys-{target}.toml")
+            argv = proxy_argv(upstream, target, config, s.proxy_log_level)
+            async with child(f"proxy-{target}", argv, workdir, s.start_timeout_s) as (_pid, url):
+                row = await _drive(url, s, callers)
+        deferred = len(fake.deferred) if fake is not None else None
+    return {"target": target, **row, "deferred_at_server": deferred}
 
 
-async def run_target(target: Target, s: MixSettings, workdir: Path) -> dict[str, Any]:
-    burst = BurstSettings(
+def burst_settings(s: MixSettings, extra: dict[str, Any]) -> BurstSettings:
+    return BurstSettings(
         profile=s.profile,
         keystrokes=s.keystrokes,
         interval_ms=s.interval_ms,
@@ -107,36 +153,33 @@ async def run_target(target: Target, s: MixSettings, workdir: Path) -> dict[str,
         n_predict=s.n_predict,
         model="default",
         request_timeout_s=s.request_timeout_s,
+        extra_body=json.dumps(extra) if extra else "",
     )
-    async with fake_for(s) as fake:
-        if target == "direct":
-            return await _drive(target, fake.url, s, burst, fake)
-        argv = proxy_argv(fake.url, target)
-        async with child(f"proxy-{target}", argv, workdir, s.start_timeout_s) as (_pid, url):
-            return await _drive(target, url, s, burst, fake)
 
 
-async def _drive(
-    target: Target, url: str, s: MixSettings, burst: BurstSettings, fake: FakeUpstream
-) -> dict[str, Any]:
-    clients = [Client(url, PROFILES[s.profile], burst, e) for e in range(s.editors)]
+async def _drive(url: str, s: MixSettings, callers: list[Caller]) -> dict[str, Any]:
+    """T on the idle target first (editors only), then the agents, then the scenario."""
+    extra: dict[str, Any] = dict(FULL_LENGTH) if s.server == "llama-server" else {}
+    burst = burst_settings(s, extra)
+    clients = (
+        [] if s.callers else [Client(url, PROFILES[s.profile], burst, e) for e in range(s.editors)]
+    )
     agents = Agents()
     timeout = aiohttp.ClientTimeout(total=None, sock_read=s.request_timeout_s)
     try:
-        t = await baseline(clients[0])
-        result = TargetResult(url, s.profile, t, time.perf_counter())
-        async with aiohttp.ClientSession(timeout=timeout) as http:
-            tasks = [asyncio.create_task(agent(http, url, k, s, agents)) for k in range(s.agents)]
+        t = await baseline(clients[0], s.baseline_runs) if clients else 0.0
+        connector = aiohttp.TCPConnector(force_close=True)  # see baseline()
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+            tasks: list[asyncio.Task[None]] = []
+            for caller in callers:
+                for _ in range(caller.agents):
+                    k = len(tasks)
+                    body = agent(http, url, k, caller, s.agent_tokens, extra, agents)
+                    tasks.append(asyncio.create_task(body))
             try:
-                if s.agents:  # the agents are at work (the reserve may hold one back)
-                    await fake.wait_for(lambda f: f.concurrent >= 1, 10)
-                start, before = time.perf_counter(), agents.tokens
-                for b in range(s.bursts):
-                    async with asyncio.TaskGroup() as editors:
-                        for c in clients:
-                            editors.create_task(run_burst(c, result, b))
-                    await asyncio.sleep(s.pause_ms / 1000)
-                elapsed, tokens = time.perf_counter() - start, agents.tokens - before
+                if s.callers:
+                    return await _callers(s, agents, callers)
+                return await _editors(clients, t, s, agents)
             finally:
                 for task in tasks:
                     task.cancel()
@@ -144,17 +187,60 @@ async def _drive(
     finally:
         for c in clients:
             await c.http.close()
+
+
+async def _editors(
+    clients: list[Client], t: float, s: MixSettings, agents: Agents
+) -> dict[str, Any]:
+    """The editors' bursts while the agents work."""
+    result = TargetResult(clients[0].url, s.profile, t, time.perf_counter())
+    if s.agents:  # the agents are at work (the reserve may hold one back)
+        await asyncio.wait_for(agents.working.wait(), s.request_timeout_s)
+    start, before = time.perf_counter(), agents.tokens
+    for b in range(s.bursts):
+        async with asyncio.TaskGroup() as editors:
+            for c in clients:
+                editors.create_task(run_burst(c, result, b))
+        await asyncio.sleep(s.pause_ms / 1000)
+    elapsed, tokens = time.perf_counter() - start, agents.tokens - before
     summary = result.summary()
     return {
-        "target": target,
         "T_ms": t * 1000,
         "last_p50_ms": summary["last_p50_ms"],
         "last_p95_ms": summary["last_p95_ms"],
         "editor_errors": summary["errors"],
         "agent_tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-        "agent_answers": agents.answers,
+        "agent_answers": sum(agents.answers.values()),
         "agent_errors": agents.errors,
-        "deferred_at_server": len(fake.deferred),
+        "agent_failures": agents.failures,
+    }
+
+
+async def _callers(s: MixSettings, agents: Agents, callers: list[Caller]) -> dict[str, Any]:
+    """The fairness scenario: what each caller got over ``duration_s`` of agents at work."""
+    await asyncio.wait_for(agents.working.wait(), s.request_timeout_s)
+    start = time.perf_counter()
+    tokens0, answers0, by0 = agents.snapshot()
+    await asyncio.sleep(s.duration_s)
+    elapsed = time.perf_counter() - start
+    tokens1, answers1, by1 = agents.snapshot()
+    answers = {c.name: answers1.get(c.name, 0) - answers0.get(c.name, 0) for c in callers}
+    total = sum(answers.values())
+    return {
+        "agent_tokens_per_s": (tokens1 - tokens0) / elapsed,
+        "agent_answers": total,
+        "agent_errors": agents.errors,
+        "agent_failures": agents.failures,
+        "callers": [
+            {
+                "caller": c.name,
+                "agents": c.agents,
+                "generations": answers[c.name],
+                "share": answers[c.name] / total if total else 0.0,
+                "tokens_per_s": (by1.get(c.name, 0) - by0.get(c.name, 0)) / elapsed,
+            }
+            for c in callers
+        ],
     }
 
 
@@ -172,11 +258,13 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level)
     try:
         with tempfile.TemporaryDirectory(prefix="llmproxy-bench-mix-") as tmp:
-            rows = asyncio.run(run_all(settings, Path(tmp)))
+            workdir = settings.logs_dir or Path(tmp)
+            workdir.mkdir(parents=True, exist_ok=True)
+            rows = asyncio.run(run_all(settings, workdir))
     except ChildFailed as exc:
         raise SystemExit(f"llmproxy bench mix: {exc}") from None
     sys.stdout.write(format_table(rows, settings))
-    verdicts = goals(rows)
+    verdicts = goals(rows, settings)
     if settings.json_out is not None:
         data = {
             "settings": settings.model_dump(mode="json"),
@@ -190,7 +278,8 @@ def run(args: argparse.Namespace) -> int:
 def register(bench_sub: argparse._SubParsersAction) -> None:
     parser = bench_sub.add_parser(
         "mix",
-        help="Editors typing while agents send long chat answers: direct, FIFO, classes",
+        help="Editors typing while agents send long chat answers (or callers' agents "
+        "sharing a server): direct, FIFO, classes",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

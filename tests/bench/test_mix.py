@@ -1,6 +1,6 @@
 """``llmproxy bench mix`` end to end on a tiny script: real proxies (``llmproxy serve``
 children) in front of a real loopback fake; every target's row, and the agents held off
-the reserved slot with classes on."""
+the reserved slot with classes on; the callers scenario with a client key per caller."""
 
 from __future__ import annotations
 
@@ -9,29 +9,75 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
+from pydantic import ValidationError
+
+from llmproxy.bench.mix.settings import MixSettings
 from llmproxy.common.children import child_preexec
 
 LLMPROXY = str(Path(sys.executable).with_name("llmproxy"))
 
 
-def test_cli_runs_direct_fifo_and_classes(tmp_path: Path) -> None:
+def _mix(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     out = tmp_path / "mix.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMPROXY_")}
-    argv = [LLMPROXY, "bench", "mix", "--editors", "1", "--agents", "2", "--slots", "2"]
-    argv += ["--keystrokes", "4", "--bursts", "1", "--agent-tokens", "40"]
-    argv += ["--json-out", str(out)]
+    argv = [LLMPROXY, "bench", "mix", *args, "--json-out", str(out)]
     proc = subprocess.run(
-        argv, capture_output=True, text=True, env=env, timeout=60, preexec_fn=child_preexec()
+        argv, capture_output=True, text=True, env=env, timeout=90, preexec_fn=child_preexec()
     )
     assert proc.returncode in (0, 1), proc.stderr  # 1: a goal failed (timing: not judged here)
-    data = json.loads(out.read_text())
+    return proc, json.loads(out.read_text())
+
+
+def test_cli_runs_direct_fifo_and_classes(tmp_path: Path) -> None:
+    proc, data = _mix(
+        tmp_path,
+        *("--editors", "1", "--agents", "2", "--slots", "2"),
+        *("--keystrokes", "4", "--bursts", "1", "--agent-tokens", "40"),
+        *("--logs-dir", str(tmp_path / "logs"), "--proxy-log-level", "info"),
+    )
     rows = {r["target"]: r for r in data["targets"]}
     assert list(rows) == ["direct", "fifo", "classes"], proc.stdout
     for name, row in rows.items():
         assert row["editor_errors"] == row["agent_errors"] == 0, name
         assert row["agent_answers"] >= 1 and row["T_ms"] > 0, name
+        assert row["last_p95_ms"] >= row["last_p50_ms"] > 0, name
     # through the proxy nothing waits inside the server; direct, the agents' chats fill it
     assert rows["fifo"]["deferred_at_server"] == rows["classes"]["deferred_at_server"] == 0
     goals = {g["goal"]: g for g in data["goals"]}
     assert goals["no errors through the proxy"]["pass"] is True
+    assert "| classes |" in proc.stdout and "last p95 ms" in proc.stdout
+    for target in ("fifo", "classes"):  # kept, a line per request
+        lines = (tmp_path / "logs" / f"proxy-{target}.log").read_text().splitlines()
+        logged = [json.loads(line) for line in lines if line.startswith("{")]
+        assert {r.get("class") for r in logged} >= {"complete", "chat"}, target
+
+
+def test_callers_share_the_generations_fairly_with_classes(tmp_path: Path) -> None:
+    """Caller A's 8 agents and B's 1, each with its key, on 2 slots: in one FIFO queue B
+    gets about one generation in nine; with fair shares far more."""
+    proc, data = _mix(
+        tmp_path,
+        *("--callers", "8,1", "--slots", "2", "--agent-tokens", "20"),
+        *("--duration-s", "3", "--targets", "fifo,classes"),
+    )
+    rows = {r["target"]: r for r in data["targets"]}
+    assert list(rows) == ["fifo", "classes"], proc.stdout
+    share = {}
+    for name, row in rows.items():
+        assert row["agent_errors"] == 0, name  # every key was accepted
+        callers = {c["caller"]: c for c in row["callers"]}
+        assert [(c, callers[c]["agents"]) for c in callers] == [("A", 8), ("B", 1)]
+        assert sum(c["generations"] for c in callers.values()) == row["agent_answers"] > 0
+        share[name] = callers["B"]["share"]
+    assert share["fifo"] < 0.25 and share["classes"] >= 0.4, share
+    assert "| classes | B | 1 |" in proc.stdout
+
+
+def test_unknown_target_and_a_lone_caller_are_refused() -> None:
+    with pytest.raises(ValidationError, match="unknown targets"):
+        MixSettings(targets=["direct", "nope"])
+    with pytest.raises(ValidationError, match="two or more callers"):
+        MixSettings(callers=[3])

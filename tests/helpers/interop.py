@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmproxy.backend.model_path import default_model_path
-from llmproxy.bench.backends import llama_cpp_python_argv as bench_llama_cpp_python_argv
-from llmproxy.bench.backends import llama_server_argv as bench_llama_server_argv
 from llmproxy.bench.child import child_server
+from llmproxy.bench.servers import llama_cpp_python_argv as bench_llama_cpp_python_argv
+from llmproxy.bench.servers import llama_server_argv as bench_llama_server_argv
 
 THREADS = os.cpu_count() or 2
 
