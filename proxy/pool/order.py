@@ -1,9 +1,12 @@
 """Which waiting request the scheduler (pool.py) serves next, and what it may take.
 
-- ``head``: among the waiters of the best request class (gating/classes.py; a class
-  counted one better for each ``class_max_wait_s`` its request waited), the first of the
-  caller whose fair share comes first (shares.py), passing over callers that hold their
-  key's ``max_inflight`` permits already. Ties: the earlier in the queue.
+- ``head``: each request class (gating/classes.py) offers its next waiter: the first of
+  the caller whose fair share comes first (shares.py; ties: the earlier in the queue),
+  passing over callers that hold their key's ``max_inflight`` permits already. The best
+  class's goes, a class counted one better for each ``class_max_wait_s`` its longest
+  waiter has waited: so no class starves, and aging never lets one caller's old requests
+  overtake another caller's turn within their class (ties between classes: the earlier
+  fair share, then the earlier in the queue).
 - ``within_reserve``: a request that is not a completion leaves ``reserve`` of the
   upstream's permits free (default 1 where it has 2 or more), or as many as it can while
   it still fits (a wide one on a small upstream, a reserve as large as the upstream).
@@ -40,21 +43,29 @@ class Order:
         capped = self.capped(members)
         if not classes:
             return next((e for e in queue if e.ticket.caller not in capped), None)
-        now = time.monotonic()
-        best: Entry | None = None
-        best_key = (len(RANK), 0.0)
-        for entry in queue:
+        offers: dict[str, tuple[float, int, Entry]] = {}  # class -> (tag, place, its waiter)
+        oldest: dict[str, float] = {}  # class -> its longest waiter's arrival
+        for place, entry in enumerate(queue):
             ticket = entry.ticket
             if ticket.caller in capped:
                 continue
-            rank = RANK[ticket.klass]
+            klass = ticket.klass
+            oldest[klass] = min(oldest.get(klass, entry.created), entry.created)
+            tag = self.shares.start(ticket.caller)
+            if klass not in offers or tag < offers[klass][0]:  # ties: the earlier in the queue
+                offers[klass] = (tag, place, entry)
+        if not offers:
+            return None
+        now = time.monotonic()
+
+        def rank(klass: str) -> int:
+            rank = RANK[klass]
             if rank:
-                waited = now - entry.created
-                rank = max(0, rank - int(waited // self.max_wait[ticket.klass]))
-            key = (rank, self.shares.start(ticket.caller))
-            if key < best_key:  # ties: the earlier in the queue
-                best, best_key = entry, key
-        return best
+                rank = max(0, rank - int((now - oldest[klass]) // self.max_wait[klass]))
+            return rank
+
+        best = min(offers, key=lambda k: (rank(k), *offers[k][:2]))
+        return offers[best][2]
 
     def capped(self, members: Sequence[Member]) -> set[str]:
         """Callers with ``max_inflight`` requests holding permits now."""

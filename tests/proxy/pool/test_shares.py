@@ -89,3 +89,18 @@ async def test_a_caller_at_its_max_inflight_waits_while_others_run(
     assert second.future.done()
     await finish(pool, second)
     await finish(pool, other)
+
+
+async def test_aging_never_puts_a_callers_old_requests_ahead_of_anothers_turn(
+    session: aiohttp.ClientSession,
+) -> None:
+    """Aging lifts a class, not a caller: A's chats that waited past ``class_max_wait_s``
+    still take turns with B's fresh one within their class."""
+    pool, _ = make_pool(session, [1])
+    running = submit(pool, "x", "x", caller="x")
+    agent = [submit(pool, f"a{i}", f"a{i}", caller="A", klass="chat") for i in range(4)]
+    for entry in agent:
+        entry.created -= 60.0  # long past the chat class's bound (10 s)
+    other = submit(pool, "b", "b", caller="B", klass="chat")
+    order = await served_order(pool, [*agent, other], running)
+    assert order[:2] == ["A", "B"], order
