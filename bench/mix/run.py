@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import secrets
 import statistics
 import sys
@@ -92,7 +93,8 @@ def fake_for(s: MixSettings) -> FakeUpstream:
         tokens = s.agent_tokens if "chat" in path else s.n_predict
         return Script(tokens=tokens, token_delay_s=delay)
 
-    return FakeUpstream(slots=s.slots, script=script, abort_linger_s=0.01)
+    # continues: a preempted chat's continuation goes on where it stopped, as a model's
+    return FakeUpstream(slots=s.slots, script=script, abort_linger_s=0.01, continues=True)
 
 
 @contextlib.asynccontextmanager
@@ -139,8 +141,30 @@ async def run_target(target: str, s: MixSettings, workdir: Path) -> dict[str, An
             argv = proxy_argv(upstream, target, config, s.proxy_log_level)
             async with child(f"proxy-{target}", argv, workdir, s.start_timeout_s) as (_pid, url):
                 row = await _drive(url, s, callers)
+                row.update(await preemptions(url, next((c.key for c in callers if c.key), None)))
         deferred = len(fake.deferred) if fake is not None else None
     return {"target": target, **row, "deferred_at_server": deferred}
+
+
+async def preemptions(url: str, key: str | None) -> dict[str, float]:
+    """The proxy's preemptions and the prompt tokens its resumes evaluated again (its
+    metrics, read with a caller's key where the proxy has keys)."""
+    names = {
+        "llmproxy_preemptions_total": "preemptions",
+        "llmproxy_resume_prompt_tokens_total": "resume_prompt_tokens",
+    }
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(url + "/llmproxy/metrics", headers=headers) as r,
+    ):
+        text = await r.text() if r.status == 200 else ""
+    out = dict.fromkeys(names.values(), math.nan)
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            out[names[name]] = float(value)
+    return out
 
 
 def burst_settings(s: MixSettings, extra: dict[str, Any]) -> BurstSettings:

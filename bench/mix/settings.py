@@ -15,21 +15,19 @@ from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from llmproxy.common.config import LayeredSettings
-from llmproxy.proxy.settings import ProxySettings
 
-#: ``classes``: request classes and the reserve, without preemption where the proxy has it
-CLASSES_ARGS: tuple[str, ...] = (
-    ("--preempt", "off") if "preempt" in ProxySettings.model_fields else ()
-)
+#: ``classes``: request classes and the reserve, without preemption
+CLASSES_ARGS: tuple[str, ...] = ("--preempt", "off")
 
 #: target -> the proxy's arguments (besides --upstream, --port and --config)
 PROXY_ARGS: dict[str, tuple[str, ...]] = {
     "fifo": ("--classes", "off"),
     "classes": CLASSES_ARGS,
     "noreserve": CLASSES_ARGS + ("--reserve", "0"),
+    "preempt": (),  # the defaults: classes, the reserve and preemption
 }
 DIRECT = "direct"
-TARGETS: tuple[str, ...] = (DIRECT, "fifo", "classes")
+TARGETS: tuple[str, ...] = (DIRECT, "fifo", "classes", "preempt")
 
 
 class MixSettings(LayeredSettings):

@@ -39,13 +39,13 @@ def test_cli_runs_direct_fifo_and_classes(tmp_path: Path) -> None:
         *("--logs-dir", str(tmp_path / "logs"), "--proxy-log-level", "info"),
     )
     rows = {r["target"]: r for r in data["targets"]}
-    assert list(rows) == ["direct", "fifo", "classes"], proc.stdout
+    assert list(rows) == ["direct", "fifo", "classes", "preempt"], proc.stdout
     for name, row in rows.items():
         assert row["editor_errors"] == row["agent_errors"] == 0, name
         assert row["agent_answers"] >= 1 and row["T_ms"] > 0, name
         assert row["last_p95_ms"] >= row["last_p50_ms"] > 0, name
     # through the proxy nothing waits inside the server; direct, the agents' chats fill it
-    assert rows["fifo"]["deferred_at_server"] == rows["classes"]["deferred_at_server"] == 0
+    assert {rows[t]["deferred_at_server"] for t in ("fifo", "classes", "preempt")} == {0}
     goals = {g["goal"]: g for g in data["goals"]}
     assert goals["no errors through the proxy"]["pass"] is True
     assert "| classes |" in proc.stdout and "last p95 ms" in proc.stdout
@@ -53,6 +53,22 @@ def test_cli_runs_direct_fifo_and_classes(tmp_path: Path) -> None:
         lines = (tmp_path / "logs" / f"proxy-{target}.log").read_text().splitlines()
         logged = [json.loads(line) for line in lines if line.startswith("{")]
         assert {r.get("class") for r in logged} >= {"complete", "chat"}, target
+
+
+def test_one_slot_preempt_target_counts_its_preemptions(tmp_path: Path) -> None:
+    """One slot, one agent: the preempt target stops the chat for keystrokes (counted from
+    the proxy's metrics), and every answer still comes whole; the others never preempt."""
+    proc, data = _mix(
+        tmp_path,
+        *("--editors", "1", "--agents", "1", "--slots", "1", "--targets", "fifo,classes,preempt"),
+        *("--keystrokes", "4", "--bursts", "2", "--agent-tokens", "200"),
+    )
+    rows = {r["target"]: r for r in data["targets"]}
+    assert rows["fifo"]["preemptions"] == rows["classes"]["preemptions"] == 0
+    assert rows["preempt"]["preemptions"] >= 1, proc.stdout
+    for name, row in rows.items():
+        assert row["editor_errors"] == row["agent_errors"] == 0, name
+    assert "| preemptions |" in proc.stdout
 
 
 def test_callers_share_the_generations_fairly_with_classes(tmp_path: Path) -> None:
