@@ -4,11 +4,14 @@ A completion at the head of the queue (pool.py) that found no room and has waite
 ``preempt_after_ms`` takes slots from generations that can be resumed exactly
 (upstream/resume.py): on an upstream among those it may run on where every permit held is
 a running chat or bulk request whose job offered to resume it (``Ticket.on_preempt``),
-the youngest such requests, as many as it needs permits. While a request it asked is
-still stopping, nothing more is asked: its permits come back to the queue, where the
-completion is served first (its class). Never with classes off, never of a completion,
-never of a request older than its class's ``class_max_wait_s`` (a resume keeps the age of
-its request: a chat preempted again and again ages like any waiter, so none starves).
+the youngest such requests, as many as it needs permits. The wait is the request's own:
+an editor's keystroke replaced by the next within ``preempt_after_ms`` never preempts,
+only the one the user then waits on does (the chat runs on while they type, and pauses
+for the suggestion they wait for). While a request it asked is still stopping, nothing
+more is asked: its permits come back to the queue, where the completion is served first
+(its class). Never with classes off, never of a completion, never of a request older than
+its class's ``class_max_wait_s`` (a resume keeps the age of its request: a chat preempted
+again and again ages like any waiter, so none starves).
 
 ``victims`` only chooses; the scheduler asks the chosen tickets' jobs to stop
 (``on_preempt``) and marks them ``preempted``. Event loop thread only.
