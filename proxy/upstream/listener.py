@@ -7,10 +7,11 @@ upstream side depends on these protocols only, never on proxy/reuse/.
 
 Concurrency contract: event loop thread only; nothing here blocks, starts a task or holds
 a permit. The job owns the calls: ``feed`` with each piece of the upstream's body as it
-arrives, ``end`` once (a later call is a no-op), ``leave`` once when its own client reads
-the generation no more. The recorder owns the callbacks it is given and calls them from
-the loop: ``on_orphaned`` when no reader is left (after its grace), ``on_superseded`` when
-a later keystroke continues the generation, ``on_joined`` with each new reader's twin key.
+arrives, ``end`` when it ended (the first call counts, later ones are no-ops), ``leave``
+once when its own client reads the generation no more. The recorder owns the callbacks it
+is given and calls them from the loop: ``on_orphaned`` when no reader is left (after its
+grace), ``on_superseded`` when a later keystroke continues the generation, ``on_joined``
+with each new reader's twin key.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class Listener(Protocol):
         """Bytes of the upstream's event stream, as they arrive."""
 
     def end(self, error: ProxyError | None = None) -> None:
-        """The generation ended, complete (``error`` None) or not; once."""
+        """The generation ended, complete (``error`` None) or not; the first call counts."""
 
     def leave(self) -> None:
         """One reader (the job's own client) reads it no more."""
