@@ -16,7 +16,7 @@ from llmproxy.proxy.http.middleware import proxy_middleware
 from llmproxy.proxy.http.passthrough import passthrough
 from llmproxy.proxy.http.trust import TRUST, Trust, cors_headers
 from llmproxy.proxy.pool.lifecycle import PoolRuntime, running_pool
-from llmproxy.proxy.pool.specs import UpstreamSpec, upstream_specs
+from llmproxy.proxy.pool.specs import upstream_specs
 from llmproxy.proxy.reuse.registry import Generations
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import (
@@ -31,6 +31,7 @@ from llmproxy.proxy.state import (
 from llmproxy.proxy.telemetry.metrics import Metrics
 from llmproxy.proxy.telemetry.request_log import RequestLog
 from llmproxy.proxy.upstream.embedded import BACKEND_KEY, embedded_backend
+from llmproxy.proxy.upstreams import UpstreamSpec
 
 log = structlog.get_logger("llmproxy.app")
 

@@ -43,7 +43,7 @@ def _type(cls: type[BaseSettings], name: str) -> str:
         "typing.",
         "pathlib.",
         "pydantic.types.",
-        "llmproxy.proxy.pool.specs.",
+        "llmproxy.proxy.upstreams.",
         "<class '",
         "'>",
     ):

@@ -2,8 +2,9 @@
 
 One row per route; every other module reads its sets from here (the gate's gated routes,
 the default supersede routes, the stream assembler's, type-through's, the prompt-cache
-router's and the fake upstream's), so a route is added or changed in one place. Ground:
-imports nothing of the proxy.
+router's and the fake upstream's), so a route is added or changed in one place, and
+``eligible`` says which bodies on them type-through may continue (read by the llamacpp
+adapter and by reuse/). Ground: imports nothing of the proxy. Pure functions.
 
 Columns:
 - ``family``: the session key's route part (``infill``, ``completion``, ``chat``,
@@ -25,7 +26,7 @@ Columns:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -74,3 +75,29 @@ def paths(**where: object) -> frozenset[str]:
 
 #: the default supersede routes, in the table's order (a setting's default)
 KEYSTROKE_ROUTES: tuple[str, ...] = tuple(r.path for r in TABLE if r.keystroke)
+
+_CONTINUABLE = paths(assembled=True)
+
+
+def _positive(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def eligible(route: str, body: Any) -> bool:
+    """Can a request with ``body`` on ``route`` be continued, or continue another (type-through,
+    reuse/match.py)? An ``assembled`` route, a body that asks for one plain text: no warm-up,
+    no per-token probabilities, no several completions, a string prompt."""
+    if route not in _CONTINUABLE or not isinstance(body, dict):
+        return False
+    for key in ("n_predict", "max_tokens"):
+        n = body.get(key)
+        if n == 0 and not isinstance(n, bool):
+            return False  # a warm-up: it wants no text
+    if _positive(body, "n_probs") or _positive(body, "n_cmpl") and body["n_cmpl"] > 1:
+        return False
+    if _positive(body, "n") and body["n"] > 1:
+        return False
+    if body.get("logprobs") not in (None, False, 0):
+        return False
+    return all(isinstance(body.get(k, ""), str) for k in ("prompt", "input_prefix"))

@@ -17,14 +17,14 @@ from llmproxy.common.config import LayeredSettings
 from llmproxy.common.loops import LoopChoice
 from llmproxy.common.net import check_origin, is_loopback
 from llmproxy.proxy.keys import KeySpec, client_keys
-from llmproxy.proxy.pool.specs import (
+from llmproxy.proxy.routes import KEYSTROKE_ROUTES
+from llmproxy.proxy.upstreams import (
     RoutePolicy,
     UpstreamSpec,
     coerce_spec,
+    configured,
     split_urls,
-    upstream_specs,
 )
-from llmproxy.proxy.routes import KEYSTROKE_ROUTES
 
 COMPLETION_ROUTES = KEYSTROKE_ROUTES
 SESSION_PARTS = ("peer", "user_agent", "authorization", "route_family", "model")
@@ -404,7 +404,7 @@ class ProxySettings(LayeredSettings):
             )
         if self.confirm_poll_max_s < self.confirm_poll_min_s:
             raise ValueError("confirm_poll_max_s must be >= confirm_poll_min_s")
-        for spec in upstream_specs(self):  # or ValueError: a name twice
+        for spec in configured(self.upstream, self.upstreams):  # or ValueError: a name twice
             key = spec.api_key or self.upstream_api_key
             if key is not None and URL(spec.url).user is not None:
                 raise ValueError(

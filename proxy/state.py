@@ -1,4 +1,5 @@
-"""The app's typed keys and the per-app state object (built in app.py's cleanup_ctx)."""
+"""The app's typed keys and the per-app state object (built in app.py's cleanup_ctx);
+the keys of what the process gives the app are app_keys.py's, re-exported here."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from llmproxy.common.server import StopRequest
+from llmproxy.proxy.app_keys import SETTINGS, STOP, UPSTREAM_URL
 from llmproxy.proxy.gating.registry import JobRegistry
 from llmproxy.proxy.pool.pool import Pool
 from llmproxy.proxy.reuse.registry import Generations
@@ -57,10 +59,7 @@ class ProxyState:
         return configured
 
 
-SETTINGS = web.AppKey("settings", ProxySettings)
-STOP = web.AppKey("stop", StopRequest)  # set by server.serve; absent when the app runs in tests
 METRICS = web.AppKey("metrics", Metrics)
-UPSTREAM_URL = web.AppKey("upstream_url", str)
 STATE = web.AppKey("state", ProxyState)
 REQUEST_LOG = web.AppKey("request_log", RequestLog)
 #: applies re-read settings (SIGHUP): the set of upstreams; set by the app's upstream context

@@ -58,7 +58,7 @@ async def gated(request: web.Request) -> web.StreamResponse:
             # answered from a generation: it supersedes the session's queued requests as
             # any newer request does, whatever the in-flight policy
             st.pool.supersede_queued(rec.session, twin_key(request.path, parsed))
-            resp = await reused(st, request, follow)
+            resp = await reused(rec, request, follow)
             if resp is not None:
                 return resp  # else the generation failed first: this request runs on its own
         first = isinstance(follow, Waited)

@@ -38,12 +38,13 @@ from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.pool.health import probing
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.pool import Pool
-from llmproxy.proxy.pool.specs import UpstreamSpec, settings_for
+from llmproxy.proxy.pool.specs import settings_for
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import Adapter
 from llmproxy.proxy.upstream.detect import create_adapter
 from llmproxy.proxy.upstream.session import open_session
 from llmproxy.proxy.upstream.watch import fit_gate, gate_capacity, watching
+from llmproxy.proxy.upstreams import UpstreamSpec
 
 log = structlog.get_logger("llmproxy.pool")
 

@@ -18,9 +18,9 @@ import aiohttp
 from llmproxy.proxy.gating.breaker import CircuitBreaker
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.pool.prefix import PrefixIndex
-from llmproxy.proxy.pool.specs import UpstreamSpec
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import Adapter
+from llmproxy.proxy.upstreams import UpstreamSpec
 
 #: prefill time per prompt character assumed before one is measured (a small model on CPUs)
 PREFILL_S_PER_CHAR = 0.0005

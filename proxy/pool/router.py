@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.prefix import BLOCK_CHARS
-from llmproxy.proxy.pool.specs import RoutePolicy
+from llmproxy.proxy.upstreams import RoutePolicy
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,7 @@ from aiohttp import web
 from llmproxy.proxy.errors import SUPERSEDED, ProxyError, Superseded
 from llmproxy.proxy.reuse.generation import Generation
 from llmproxy.proxy.reuse.registry import Follow
-from llmproxy.proxy.state import RECORD, ProxyState
+from llmproxy.proxy.telemetry.record import RequestRecord
 from llmproxy.proxy.upstream.assemble import CONTENT_TYPE, Assembler
 from llmproxy.proxy.upstream.error_event import cuts_after_error
 from llmproxy.proxy.upstream.responder import stream_error_bytes
@@ -68,14 +68,16 @@ def whole(generation: Generation, skip: int) -> tuple[int, bytes]:
     return status, json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-async def reused(st: ProxyState, request: web.Request, follow: Follow) -> web.StreamResponse | None:
-    """Answer a request that continues ``follow.generation`` (the gated handler's branch:
-    no permit, no queue); the generation is left once the answer is written or the client
-    left. None: the generation failed before the client was sent anything (see above)."""
-    rec = request[RECORD]
+async def reused(
+    rec: RequestRecord, request: web.Request, follow: Follow
+) -> web.StreamResponse | None:
+    """Answer ``request`` (its record ``rec``), which continues ``follow.generation`` (the
+    gated handler's branch: no permit, no queue); the generation is left once the answer is
+    written or the client left. None: the generation failed before the client was sent
+    anything (see above)."""
     generation = follow.generation
     try:
-        resp = await answer(request, follow)
+        resp = await answer(request, follow, rec)
     except asyncio.CancelledError:
         rec.client_gone = True
         raise
@@ -89,10 +91,13 @@ async def reused(st: ProxyState, request: web.Request, follow: Follow) -> web.St
     return resp
 
 
-async def answer(request: web.Request, follow: Follow) -> web.StreamResponse | None:
-    """Write the answer of the reader ``follow`` while its turn lasts; returns the response
-    (aiohttp's handler result), or None when the generation failed before anything was
-    written (``Superseded`` when this request is stale, or a newer reader joined first)."""
+async def answer(
+    request: web.Request, follow: Follow, rec: RequestRecord
+) -> web.StreamResponse | None:
+    """Write the answer of the reader ``follow`` (``request``, its record ``rec``) while its
+    turn lasts; returns the response (aiohttp's handler result), or None when the
+    generation failed before anything was written (``Superseded`` when this request is
+    stale, or a newer reader joined first)."""
     generation, skip, turn = follow.generation, follow.skip, follow.turn
     if not generation.stream:
         while not generation.done:
@@ -122,7 +127,7 @@ async def answer(request: web.Request, follow: Follow) -> web.StreamResponse | N
         await resp.prepare(request)
     if error is not None:
         if not ended:
-            request[RECORD].outcome = "superseded"
+            rec.outcome = "superseded"
         await resp.write(_error_event(error))
         if cuts_after_error(request.path):  # no terminator (see upstream/error_event.py)
             resp.force_close()

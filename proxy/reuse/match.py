@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmproxy.proxy.routes import ROUTES as ROUTES_TABLE
-from llmproxy.proxy.routes import paths
+from llmproxy.proxy.routes import eligible, paths
 
 ROUTES = paths(assembled=True)
 
@@ -41,28 +41,6 @@ _CURSOR_FIELDS = {
     "text": frozenset({"prompt"}),
 }
 _TEXT_FIELDS = {path: _CURSOR_FIELDS[str(ROUTES_TABLE[path].prompt)] for path in ROUTES}
-
-
-def _positive(body: dict[str, Any], key: str) -> bool:
-    value = body.get(key)
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-
-
-def eligible(route: str, body: Any) -> bool:
-    """Can a request with ``body`` on ``route`` be continued, or continue another?"""
-    if route not in ROUTES or not isinstance(body, dict):
-        return False
-    for key in ("n_predict", "max_tokens"):
-        n = body.get(key)
-        if n == 0 and not isinstance(n, bool):
-            return False  # a warm-up: it wants no text
-    if _positive(body, "n_probs") or _positive(body, "n_cmpl") and body["n_cmpl"] > 1:
-        return False
-    if _positive(body, "n") and body["n"] > 1:
-        return False
-    if body.get("logprobs") not in (None, False, 0):
-        return False
-    return all(isinstance(body.get(k, ""), str) for k in ("prompt", "input_prefix"))
 
 
 #: The most text one continuation may have typed (characters). Beyond it a request is no

@@ -28,7 +28,8 @@ from typing import Any
 
 from llmproxy.proxy.errors import SUPERSEDED, Superseded
 from llmproxy.proxy.reuse.generation import Generation
-from llmproxy.proxy.reuse.match import eligible, typed
+from llmproxy.proxy.reuse.match import typed
+from llmproxy.proxy.routes import eligible
 from llmproxy.proxy.twins import twin_key, twins
 from llmproxy.proxy.upstream.assemble import OAI_ROUTES
 

@@ -40,8 +40,8 @@ from llmproxy.backend.settings import stop_budget_s
 from llmproxy.common.children import child_preexec
 from llmproxy.common.config import EXIT_USAGE
 from llmproxy.common.server import StopRequest
+from llmproxy.proxy.app_keys import SETTINGS, STOP, UPSTREAM_URL
 from llmproxy.proxy.settings import ProxySettings
-from llmproxy.proxy.state import SETTINGS, STOP, UPSTREAM_URL
 
 log = structlog.get_logger("llmproxy.embedded")
 # The backend's own --shutdown-timeout-s: the proxy's connections are closed by then.

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 
 from llmproxy.proxy.errors import ProxyError
-from llmproxy.proxy.gating.routes import family
+from llmproxy.proxy.routes import ROUTES
 
 #: route families whose streams are cut after their error event (see the module docstring)
 CUT_FAMILIES = frozenset({"completion", "infill"})
@@ -28,7 +28,8 @@ CUT_FAMILIES = frozenset({"completion", "infill"})
 
 def cuts_after_error(path: str) -> bool:
     """Does a started stream of ``path`` that fails end without its terminator?"""
-    return family(path) in CUT_FAMILIES
+    route = ROUTES.get(path)
+    return route is not None and route.family in CUT_FAMILIES
 
 
 def stream_error_bytes(content_type: str, error: ProxyError, tail: bytes = b"") -> bytes | None:

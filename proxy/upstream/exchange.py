@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from aiohttp.client_exceptions import (
     ClientConnectionResetError,
@@ -35,15 +35,46 @@ from aiohttp.client_proto import ResponseHandler
 from aiohttp.http_parser import RawResponseMessage
 from aiohttp.http_writer import StreamWriter
 from aiohttp.streams import StreamReader
-from multidict import CIMultiDictProxy
-
-if TYPE_CHECKING:
-    from llmproxy.proxy.upstream.client import UpstreamClient
+from multidict import CIMultiDict, CIMultiDictProxy
 
 # Methods retried once on a new connection when a reused one was closed under them (aiohttp's list).
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 # Request bodies up to this size are all out once written (a transport's default high-water mark).
 _TLS_SURE_SENT = 64 * 1024
+
+
+class Connections(Protocol):
+    """What an exchange needs of its client (``UpstreamClient``, client.py): the request
+    head, the pool of idle connections, new connections. Called from the exchange's task."""
+
+    @property
+    def read_timeout_s(self) -> float: ...
+
+    @property
+    def tls(self) -> bool: ...
+
+    @property
+    def reuse_after_stream(self) -> bool:
+        """May a connection that carried an event stream be reused?"""
+        ...
+
+    def request_head(
+        self, method: str, target: str, headers: Mapping[str, str], body: bytes | None
+    ) -> tuple[str, CIMultiDict[str]]:
+        """The request line and headers of ``method target``."""
+        ...
+
+    def take_idle(self, now: float) -> ResponseHandler | None:
+        """The most recently used idle connection still fit for a request, or None."""
+        ...
+
+    def release(self, proto: ResponseHandler, now: float) -> None:
+        """``proto`` is idle again (the exchange read its response to the end)."""
+
+    async def connect(self, loop: asyncio.AbstractEventLoop) -> ResponseHandler:
+        """A new connection; a failure as aiohttp's connector reports it
+        (ClientConnectorError, ConnectionTimeoutError)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +92,8 @@ class UpstreamResponse:
 
 
 class Exchange:
-    """One request on one connection of an ``UpstreamClient`` (see ``UpstreamClient.exchange``).
+    """One request on one connection of a client's (``Connections``; see
+    ``UpstreamClient.exchange``).
 
     A plain async context manager rather than a generator-based one: it is on every
     relayed request's path."""
@@ -81,7 +113,7 @@ class Exchange:
 
     def __init__(
         self,
-        client: UpstreamClient,
+        client: Connections,
         method: str,
         target: str,
         headers: Mapping[str, str],

@@ -33,11 +33,11 @@ Concurrency contract:
   ``on_disconnect`` as for any client that left. Once the client is gone every write is a
   no-op, so a job that drains a generation never blocks on a dead reader. Errors go to the
   handler through ``Responder.fail``; the handler writes or answers them.
-- Type-through (``generations``): the job records its event stream in a ``Generation``
-  that later keystrokes of its session may be answered from (proxy/reuse/). While such
-  readers remain, its own client leaving stops nothing; the disconnect policy applies once
-  the last reader left (after the generation's grace). A stop ends the generation for
-  every reader.
+- Type-through (``generations``, a ``Recorder``: listener.py): the job records its event
+  stream in a ``Listener`` that later keystrokes of its session may be answered from
+  (proxy/reuse/, which the upstream side never imports). While such readers remain, its
+  own client leaving stops nothing; the disconnect policy applies once the last reader
+  left (after the generation's grace). A stop ends the generation for every reader.
 - Preemption (``resume``, given for a request that may be preempted; resume.py): once a
   resumable stream's first event came, its ticket offers ``on_preempt``; the scheduler's
   call stops it as any stop (cut, confirmed); the job then gives its permits back, waits
@@ -69,8 +69,6 @@ from llmproxy.proxy.errors import (
 from llmproxy.proxy.gating.breaker import CircuitBreaker
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.ticket import Ticket
-from llmproxy.proxy.reuse.generation import Generation
-from llmproxy.proxy.reuse.registry import Generations
 from llmproxy.proxy.telemetry.metrics import Metrics
 from llmproxy.proxy.telemetry.record import RequestRecord
 from llmproxy.proxy.upstream.adapters.base import Adapter
@@ -78,6 +76,7 @@ from llmproxy.proxy.upstream.assemble import Assembler
 from llmproxy.proxy.upstream.confirm import confirm_stop
 from llmproxy.proxy.upstream.forward import forward
 from llmproxy.proxy.upstream.health import report_health, stopped_error, upstream_failed
+from llmproxy.proxy.upstream.listener import Listener, Recorder
 from llmproxy.proxy.upstream.responder import Responder
 from llmproxy.proxy.upstream.resume import Framed, Transcript, continuation, resumable
 
@@ -123,7 +122,7 @@ class UpstreamJob:
         supersede_policy: str,
         disconnect_policy: str,
         unconfirmed_hold_s: float,
-        generations: Generations | None = None,
+        generations: Recorder | None = None,
         resume: Resume | None = None,
     ) -> None:
         self.gate, self.ticket, self.adapter = gate, ticket, adapter
@@ -132,7 +131,7 @@ class UpstreamJob:
         self.breaker, self.breaker_probe = breaker, breaker_probe
         self.supersede_policy, self.disconnect_policy = supersede_policy, disconnect_policy
         self.unconfirmed_hold_s = unconfirmed_hold_s
-        self.generation: Generation | None = None
+        self.generation: Listener | None = None
         self._left_generation = False
         self.slot = gate.take(ticket, on_supersede=self._superseded)  # or Superseded
         if generations is not None and record.session is not None:

@@ -12,9 +12,9 @@ from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.pool.entry import Entry
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.pool import Pool, Sizing
-from llmproxy.proxy.pool.specs import UpstreamSpec
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import Adapter
+from llmproxy.proxy.upstreams import UpstreamSpec
 
 _PROMPT = object()  # ``submit``'s default body: ``{"prompt": prompt}``
 

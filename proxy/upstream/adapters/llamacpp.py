@@ -36,7 +36,7 @@ from llmproxy.proxy.gating.routes import (
     RERANK_ROUTES,
     SLOT_ROUTES,
 )
-from llmproxy.proxy.reuse.match import eligible
+from llmproxy.proxy.routes import eligible
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import get_json, log
 from llmproxy.proxy.upstream.adapters.body import set_top_level

@@ -17,9 +17,9 @@ import pytest
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.pool import Entry, Pool, Sizing
-from llmproxy.proxy.pool.specs import UpstreamSpec
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import Adapter
+from llmproxy.proxy.upstreams import UpstreamSpec
 
 
 @pytest.fixture

@@ -22,11 +22,11 @@ from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.http.picture import picture
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.models import asked, serving
-from llmproxy.proxy.pool.specs import UpstreamSpec
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import RELOAD
 from llmproxy.proxy.status_cmd import render
 from llmproxy.proxy.upstream.adapters.base import Adapter
+from llmproxy.proxy.upstreams import UpstreamSpec
 from tests.helpers.llama_fakes import LoadingFake
 from tests.helpers.net import wait_until
 from tests.helpers.proxy import RunningProxy, request_events, run_proxy

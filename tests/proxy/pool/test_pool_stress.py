@@ -39,9 +39,9 @@ import structlog
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from llmproxy.proxy.pool.specs import UpstreamSpec
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import RELOAD
+from llmproxy.proxy.upstreams import UpstreamSpec
 from tests.helpers.net import wait_until
 from tests.helpers.proxy import request_events, run_proxy
 from tests.helpers.stress import Call, Departures, Fleet, output, post
