@@ -144,8 +144,9 @@ class Pool:
         type-through). The queue's bound refuses neither; ``max_queued`` refuses a
         ``first`` one as any other (it was never counted), never a failover (it was, when
         it was first admitted). ``since``: when the request first came: a preempted one's
-        resume, which keeps its age (order.py, preempt.py) and supersedes nothing, though a
-        newer request may supersede it. ``model``: the model it asks for (models.py
+        resume, which keeps its age (order.py, preempt.py), supersedes nothing (though a
+        newer request may supersede it) and, counted when it was first admitted, is never
+        refused by ``max_queued`` either. ``model``: the model it asks for (models.py
         ``asked``; None: any upstream)."""
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
@@ -163,7 +164,7 @@ class Pool:
         hashes = block_hashes(text)
         cap = self.shares.max_queued(caller)
         theirs = replaced is None or replaced.ticket.caller != caller
-        if cap is not None and theirs and exclude is None:
+        if cap is not None and theirs and exclude is None and since is None:
             waiting = sum(e.ticket.caller == caller for e in self.queue)
             runs = self._runs_now(
                 session,

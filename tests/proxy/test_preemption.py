@@ -270,3 +270,33 @@ async def test_a_preempted_request_whose_client_leaves_gives_its_place_up(
         assert (await answer)["content"] == text(4)
         await wait_until(lambda: px.state.pool.preemptions == 1 and px.member.gate.free == 1)
         assert len([g for g in fake.generations if g.path == path]) == 1
+
+
+async def test_a_resume_is_never_refused_by_its_callers_max_queued(
+    http: aiohttp.ClientSession,
+) -> None:
+    """The agent's key lets none of its requests wait (``max_queued`` 0): its chat, let in
+    because it ran at once, still resumes after a preemption."""
+    keys = [
+        {"name": "agent", "key": "k-agent", "max_queued": 0},
+        {"name": "editor", "key": "k-editor"},
+    ]
+    started = asyncio.Event()
+    async with (
+        FakeUpstream(slots=1, continues=True, script=script) as fake,
+        run_proxy(fake.url, preempt_after_ms=0, keys=keys) as px,
+    ):
+        path = "/v1/chat/completions"
+        auth = {"Authorization": "Bearer k-agent"}
+        long = asyncio.create_task(long_request(http, px, path, CHAT, started, **auth))
+        await started.wait()
+        async with http.post(
+            px.url + "/infill",
+            json={"input_prefix": "def f(", "input_suffix": "", "n_predict": 4},
+            headers={"Authorization": "Bearer k-editor"},
+        ) as r:
+            assert r.status == 200
+        status, raw = await long
+        assert status == 200 and streamed_text(path, raw) == text(TOKENS)
+        assert px.state.pool.preemptions == 1
+        assert len([g for g in fake.generations if g.path == path]) == 2
