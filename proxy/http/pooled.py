@@ -21,6 +21,7 @@ from aiohttp import web
 
 from llmproxy.proxy.errors import UpstreamConnectTimeout, UpstreamUnreachable
 from llmproxy.proxy.http.granted import Target, forward_granted
+from llmproxy.proxy.pool.entry import Entry
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.models import asked
 from llmproxy.proxy.state import RECORD, ProxyState
@@ -61,18 +62,22 @@ async def _once(
     model = asked(path, parsed, st.settings.default_model, st.pool.members)
     rec.model = model
     rec.model_listed = model is not None and any(model in m.models for m in st.pool.members)
-    entry = st.pool.submit(
-        rec.session or "",
-        supersedable=supersedable,
-        route=path,
-        parsed=parsed,
-        sizing=sizing,
-        exclude=exclude,
-        first=first,
-        klass=rec.request_class or "complete",
-        caller=rec.caller or request.remote or "",
-        model=model,
-    )
+
+    def enter(**where: Any) -> Entry:
+        """Into the scheduler's queue (``where``: failover, head, a resume's age)."""
+        return st.pool.submit(
+            rec.session or "",
+            supersedable=supersedable,
+            route=path,
+            parsed=parsed,
+            sizing=sizing,
+            klass=rec.request_class or "complete",
+            caller=rec.caller or request.remote or "",
+            model=model,
+            **where,
+        )
+
+    entry = enter(exclude=exclude, first=first)
     try:
         placement = await st.pool.acquire(entry, st.settings.queue_timeout_s)
     except asyncio.CancelledError:
@@ -87,18 +92,7 @@ async def _once(
 
     async def resume() -> Grant:
         """Permits again for the preempted request, ahead of its class's waiters."""
-        again = st.pool.submit(
-            rec.session or "",
-            supersedable=supersedable,
-            route=path,
-            parsed=parsed,
-            sizing=sizing,
-            first=True,
-            klass=rec.request_class or "complete",
-            caller=rec.caller or request.remote or "",
-            since=entry.created,
-            model=model,
-        )
+        again = enter(first=True, since=entry.created)
         p = await st.pool.acquire(again, st.settings.queue_timeout_s)
         rec.upstream_name, rec.permits = p.member.name, p.ticket.permits
         return Grant(p.member.gate, p.ticket, p.adapter, p.member.breaker, p.probe)
