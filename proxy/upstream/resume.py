@@ -160,6 +160,9 @@ def continuation(path: str, parsed: dict[str, Any], transcript: Transcript) -> d
     return body
 
 
+_MAX_EVENT = 64 * 1024  # bytes held back waiting for an event's end, at most
+
+
 class Framed:
     """The writer of a resumable stream (see the module's docstring). ``observe`` gets each
     piece of the upstream's stream before it is written: it passes whole events on, to
@@ -194,6 +197,11 @@ class Framed:
         self._ready = b""  # unless relayed (an answer assembled whole), nobody writes it
         for event in data[: end + 2].split(b"\n\n")[:-1] if end >= 0 else ():
             self._ready += self._event(event + b"\n\n")
+        if len(self._pending) > _MAX_EVENT:  # no event ends (other framing): pass it on as
+            # it came, and never preempt this stream (its text so far is unknown)
+            self._ready += self._pending
+            self._pending = b""
+            self.transcript.exact = False
 
     def _event(self, raw: bytes) -> bytes:
         """One whole event: recorded, and as it goes on to the client."""

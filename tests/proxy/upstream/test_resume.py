@@ -116,3 +116,12 @@ def test_the_continuation_carries_the_text_and_the_tokens_left() -> None:
     t2.event({"content": " world", "stop": False, "tokens": [5]})
     body = continuation("/completion", {"prompt": "Hello", "n_predict": 1}, t2)
     assert body == {"prompt": "Hello world", "n_predict": 0}
+
+
+def test_a_stream_without_event_ends_is_passed_on_and_never_preempted() -> None:
+    """Bounded: the relay holds back at most one event's worth waiting for its end."""
+    t = Transcript("/completion")
+    framed = Framed(Sink(), t)  # type: ignore[arg-type]
+    framed.observe(b"data: x\r\n" * 10_000)  # framed in a way the relay does not read
+    assert framed._pending == b"" and len(framed._ready) == 90_000
+    assert t.exact is False
