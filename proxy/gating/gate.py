@@ -198,6 +198,11 @@ class Gate:
         if self._slots.grow(capacity):
             self._advance()
 
+    def forget_affinity(self) -> None:
+        """The upstream lost its prompt caches (a router unloaded the model): grants stop
+        preferring a session's last slot until it is granted again."""
+        self._slots.forget_affinity()
+
     def close(self) -> None:
         """Shutdown: quarantine watchers stop watching."""
         self.closing.set()

@@ -38,6 +38,11 @@ class Slots:
         """Permits there are: the slots, less those quarantined."""
         return self.total - len(self.quarantined)
 
+    def forget_affinity(self) -> None:
+        """The upstream's prompt caches are gone (a router unloaded the model): no session's
+        last slot holds its prompt any more."""
+        self._affinity.clear()
+
     def take(self, session: str, permits: int, pinned: bool = True) -> tuple[int, ...]:
         """Take ``permits`` free slots (the caller checked there are that many), first slot
         first: for a request the server runs on the slot it names (``pinned``), the one

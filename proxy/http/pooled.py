@@ -88,6 +88,9 @@ async def _once(
     rec.queue_wait_s = time.monotonic() - entry.created
     rec.permits = placement.ticket.permits
     rec.upstream_name, rec.route_decision = m.name, placement.decision
+    if placement.adapter.cold():  # a router's model it does not run: loaded for this one
+        rec.model_loading = True
+        m.model_loads += 1
     target = Target(m.gate, m.breaker, placement.adapter)
 
     async def resume() -> Grant:

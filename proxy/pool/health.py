@@ -8,9 +8,11 @@ arrives, and others may answer ``/v1/models`` only between generations). Up puts
 rotation; anything else (an error status, a timeout, no connection) takes it out until a
 probe succeeds again. One that runs requests is judged by them (their failures open its
 breaker), never probed meanwhile: a busy server answers slowly, and a timeout would take a
-working upstream out. Each round ends with the pool's ``advance``, so queued requests go to
-an upstream that came back, or fail fast when none is left, and a breaker's cooldown that
-ended lets its probe request through.
+working upstream out. A llama-server router's ``/v1/models`` is read at every round, busy
+or not (the router answers it, not a model's child): its models' members follow what it
+says of each (``router_round``). Each round ends with the pool's ``advance``, so queued
+requests go to an upstream that came back, or fail fast when none is left, and a breaker's
+cooldown that ended lets its probe request through.
 
 Concurrency contract: one task (``probing``'s), owned by the pool's lifecycle, which
 cancels it at teardown; a probe round runs the upstreams' probes concurrently, each bounded
@@ -30,6 +32,8 @@ from yarl import URL
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.pool import Pool
 from llmproxy.proxy.upstream.adapters.base import PROBE_TIMEOUT, get_json
+from llmproxy.proxy.upstream.adapters.router import RouterModelAdapter, router_models
+from llmproxy.proxy.upstream.watch import fit_gate
 
 log = structlog.get_logger("llmproxy.pool")
 
@@ -61,8 +65,31 @@ async def _accepts(url: URL) -> bool:
     return True
 
 
+async def router_round(members: list[Member]) -> None:
+    """Read each router's ``/v1/models`` once and tell its models' members what it says
+    (upstream/adapters/router.py): a model unloaded since loses its prompt caches; one
+    loaded whose slot count is still unknown has its ``/props`` read now, and its gate grows."""
+    routers: dict[str, list[tuple[Member, RouterModelAdapter]]] = {}
+    for m in members:
+        if isinstance(m.adapter, RouterModelAdapter):
+            routers.setdefault(str(m.adapter.base_url), []).append((m, m.adapter))
+    for ms in routers.values():
+        listed = await router_models(ms[0][0].session, ms[0][1].base_url)
+        if listed is None:
+            continue
+        states = {model.name: model.status for model in listed}
+        for m, adapter in ms:
+            if adapter.noted(states.get(adapter.model, "unloaded")):
+                log.info("router unloaded a model: its prompt caches are gone", upstream=m.name)
+                m.model_unloaded()
+            if adapter.status == "loaded" and adapter.capacity_pending():
+                await adapter.refresh()
+                fit_gate(m.gate, m.settings, adapter)
+
+
 async def probe_round(pool: Pool) -> None:
     """Probe every upstream that runs nothing of ours once, then let the queue move."""
+    await router_round(pool.members)
     members = [m for m in pool.members if not m.gate.inflight]
     results = await asyncio.gather(*(probe(m) for m in members))
     for member, ok in zip(members, results, strict=True):

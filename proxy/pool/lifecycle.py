@@ -3,10 +3,13 @@
 One upstream is a pool of one: the embedded backend and a single ``--upstream`` run here
 exactly as several do. Each upstream is detected (detect.py, with its own settings and
 ClientSession), gets its gate sized by ``watch.gate_capacity`` and is watched for what
-detection could not learn yet (watch.py), each on its own.
+detection could not learn yet (watch.py), each on its own. A llama-server in router mode
+is a pool of its models: one member per model (``_router_members``; the entry's
+``models``, when stated, pick which), each with its own permits and slot state
+(upstream/adapters/router.py).
 
-``PoolRuntime.reload`` applies a new list of upstreams. A member is the server (its URL),
-not the config entry:
+``PoolRuntime.reload`` applies a new list of upstreams. A member is the server (its URL;
+on a router, its URL and model), not the config entry:
 
 - a server still listed keeps its member and its live slot state; a changed entry (name,
   weight, capacity, kind, key) updates it in place (``Member.update``; a new kind or key
@@ -41,6 +44,8 @@ from llmproxy.proxy.pool.pool import Pool
 from llmproxy.proxy.pool.specs import settings_for
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import Adapter
+from llmproxy.proxy.upstream.adapters.llamacpp import LlamaCppAdapter
+from llmproxy.proxy.upstream.adapters.router import RouterModel, RouterModelAdapter
 from llmproxy.proxy.upstream.detect import create_adapter
 from llmproxy.proxy.upstream.session import open_session
 from llmproxy.proxy.upstream.watch import fit_gate, gate_capacity, watching
@@ -58,11 +63,52 @@ async def _client(own: ProxySettings, url: str) -> tuple[aiohttp.ClientSession, 
         raise
 
 
-async def _member(settings: ProxySettings, spec: UpstreamSpec) -> Member:
+async def _members(settings: ProxySettings, spec: UpstreamSpec) -> list[Member]:
+    """The member(s) of one configured upstream: itself, or a router's models (one each)."""
     own = settings_for(settings, spec)
     session, adapter = await _client(own, spec.url)
+    if isinstance(adapter, LlamaCppAdapter) and adapter.router is not None:
+        adapter.close()
+        await session.close()
+        return await _router_members(own, spec, adapter.router)
     gate = Gate(gate_capacity(own, adapter), affinity_wait_s=own.affinity_wait_s)
-    return Member(spec, own, session, adapter, gate)
+    return [Member(spec, own, session, adapter, gate)]
+
+
+async def _router_members(
+    own: ProxySettings, spec: UpstreamSpec, models: list[RouterModel]
+) -> list[Member]:
+    """A router's models, each a member of its own (upstream/adapters/router.py); the
+    entry's ``models``, when stated, say which of them the pool serves."""
+    wanted = [m for m in models if spec.models is None or m.name in spec.models]
+    if not wanted:
+        log.warning("router lists none of the models asked for", upstream=spec.label)
+    members: list[Member] = []
+    try:
+        for model in wanted:
+            session, adapter = await _model_client(own, spec.url, model.name, model.status)
+            gate = Gate(gate_capacity(own, adapter), affinity_wait_s=own.affinity_wait_s)
+            members.append(Member(spec, own, session, adapter, gate, model=model.name))
+    except BaseException:
+        for m in members:
+            await m.close()
+        raise
+    return members
+
+
+async def _model_client(
+    own: ProxySettings, url: str, model: str, status: str
+) -> tuple[aiohttp.ClientSession, Adapter]:
+    session = open_session(own)
+    try:
+        adapter = RouterModelAdapter(url, session, own, model=model, status=status)
+        await adapter.learn()
+        if not adapter.pending():
+            adapter.known.set()
+        return session, adapter
+    except BaseException:
+        await session.close()
+        raise
 
 
 class PoolRuntime:
@@ -87,13 +133,13 @@ class PoolRuntime:
         """The members for ``specs``, detected concurrently; each is the runtime's (closed by
         ``close``) from the moment it exists, even if this call is cancelled meanwhile."""
 
-        async def one(spec: UpstreamSpec) -> Member:
-            m = await _member(self.settings, spec)
-            self._owned.add(m)
-            return m
+        async def one(spec: UpstreamSpec) -> list[Member]:
+            ms = await _members(self.settings, spec)
+            self._owned.update(ms)
+            return ms
 
         found = await asyncio.gather(*(one(s) for s in specs), return_exceptions=True)
-        members = [r for r in found if isinstance(r, Member)]
+        members = [m for r in found if isinstance(r, list) for m in r]
         for r in found:
             if isinstance(r, BaseException):
                 for m in members:
@@ -135,12 +181,14 @@ class PoolRuntime:
         pool = self.pool
         assert pool is not None
         # draining ones included: a server listed again while it drains is the same server
-        current = {m.spec.url: m for m in pool.members}
+        # (a router's models: each its own member, all of the same server)
+        current = pool.members
+        urls = {m.spec.url for m in current}
         wanted = {s.url: s for s in specs}
-        leaving = [m for url, m in current.items() if url not in wanted and not m.draining]
-        joining = [s for url, s in wanted.items() if url not in current]
-        back = [m for url, m in current.items() if url in wanted and m.draining]
-        changed = [(current[u], s) for u, s in wanted.items() if u in current]
+        leaving = [m for m in current if m.spec.url not in wanted and not m.draining]
+        joining = [s for url, s in wanted.items() if url not in urls]
+        back = [m for m in current if m.spec.url in wanted and m.draining]
+        changed = [(m, wanted[m.spec.url]) for m in current if m.spec.url in wanted]
         changed = [(m, s) for m, s in changed if m.spec != s]
         if not leaving and not joining and not changed and not back:
             log.info("reload: the upstreams are unchanged")
@@ -174,7 +222,11 @@ class PoolRuntime:
         own = settings_for(self.settings, spec)
         old = m.spec
         if (spec.kind, spec.api_key) != (old.kind, old.api_key):
-            session, adapter = await _client(own, spec.url)
+            if isinstance(m.adapter, RouterModelAdapter):
+                status = m.adapter.status
+                session, adapter = await _model_client(own, spec.url, m.adapter.model, status)
+            else:
+                session, adapter = await _client(own, spec.url)
             retired, m.session = m.session, session
             m.adapter.close()  # jobs running on it keep it; its connections close as they end
             m.adapter = adapter

@@ -34,8 +34,10 @@ class Member:
         session: aiohttp.ClientSession,
         adapter: Adapter,
         gate: Gate,
+        model: str | None = None,
     ) -> None:
-        self.spec, self.name = spec, spec.label
+        self.model = model  # a router's model (upstream/adapters/router.py): its own member
+        self.spec, self.name = spec, _label(spec, model)
         self.settings, self.session = settings, session
         self.adapter, self.gate = adapter, gate
         self.breaker = CircuitBreaker(settings.breaker_threshold, settings.breaker_cooldown_s)
@@ -44,6 +46,7 @@ class Member:
         self.draining = False
         self.prefill_s_per_char = PREFILL_S_PER_CHAR
         self.routed = 0  # requests granted here
+        self.model_loads = 0  # ... of which waited for a router to load the model
         self.prompt_chars = 0  # their prompts' characters ...
         self.cached_chars = 0  # ... of which the index said it held
 
@@ -53,15 +56,28 @@ class Member:
         return self.healthy and not self.draining and self.breaker.admissible
 
     @property
+    def key(self) -> tuple[str, str | None]:
+        """The server it is (its URL) and, on a router, the model: what a reload keeps."""
+        return self.spec.url, self.model
+
+    @property
     def models(self) -> tuple[str, ...]:
-        """The model names it lists: its entry's ``models``, else the ids its ``/v1/models``
-        reported at detection (models.py says how the pool routes by them)."""
+        """The model names it lists: a router's model, its own; else its entry's ``models``,
+        else the ids its ``/v1/models`` reported at detection (models.py says how the pool
+        routes by them)."""
+        if self.model is not None:
+            return (self.model,)
         return tuple(self.spec.models) if self.spec.models is not None else self.adapter.models
 
     @property
     def any_model(self) -> bool:
         """Does it serve any model name? A single-model server that states none (models.py)."""
-        return self.spec.models is None and len(self.adapter.models) <= 1
+        return self.model is None and self.spec.models is None and len(self.adapter.models) <= 1
+
+    def model_unloaded(self) -> None:
+        """The router unloaded this member's model: its prompt caches are gone."""
+        self.gate.forget_affinity()
+        self.index.clear()
 
     def fits(self, permits: int) -> bool:
         return permits <= self.gate.total
@@ -81,7 +97,7 @@ class Member:
         """A reload changed this server's entry (name, weight, capacity, models, ...): the member
         stays, with its live slot state; only more permits can be added while it serves
         (fewer need a restart: a permit granted now may name any slot it has)."""
-        self.spec, self.name, self.settings = spec, spec.label, settings
+        self.spec, self.name, self.settings = spec, _label(spec, self.model), settings
         self.breaker.threshold = settings.breaker_threshold
         self.breaker.cooldown_s = settings.breaker_cooldown_s
 
@@ -103,6 +119,8 @@ class Member:
             "kind": self.adapter.kind,
             "models": list(self.models),
             "models_from": "config" if self.spec.models is not None else "upstream",
+            "model_status": self.adapter.describe().get("model_status"),  # a router's model
+            "model_loads": self.model_loads,
             "any_model": self.any_model,
             "healthy": self.healthy,
             "draining": self.draining,
@@ -119,3 +137,7 @@ class Member:
     async def close(self) -> None:
         self.adapter.close()
         await self.session.close()
+
+
+def _label(spec: UpstreamSpec, model: str | None) -> str:
+    return spec.label if model is None else f"{spec.label}/{model}"

@@ -82,6 +82,10 @@ class PrefixIndex:
             n += 1
         return n
 
+    def clear(self) -> None:
+        """The upstream lost its prompt caches (a router unloaded the model)."""
+        self._blocks.clear()
+
     def add(self, hashes: list[bytes]) -> None:
         """``hashes`` were sent to this upstream: most recently used now."""
         for h in hashes:

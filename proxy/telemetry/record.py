@@ -54,6 +54,7 @@ class RequestRecord:
     preempted: int = 0  # times stopped for a completion and resumed (upstream/resume.py)
     resume_prompt_n: int | None = None  # prompt tokens its last continuation evaluated
     reused_tokens: int | None = None  # answered from a running generation (type-through)
+    model_loading: bool = False  # its model was not loaded when it was granted (a router's)
     upstream_name: str | None = None  # several upstreams: the one it was routed to ...
     route_decision: str | None = None  # ... and why (pool/router.py)
     failover: str | None = None  # the upstream it could not reach first
@@ -127,6 +128,8 @@ class RequestRecord:
             "confirm_wait_ms": ms(self.confirm_wait_s),
             "total_ms": ms(self.total_s),
         }
+        if self.model_loading:  # its first byte waited for the router to load the model
+            fields["model_load_ms"] = ms(self.upstream_ttfb_s)
         if self.assembled:
             fields["assembled"] = True
         if self.preempted:

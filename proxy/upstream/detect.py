@@ -1,6 +1,8 @@
 """Pick and initialise the upstream adapter: configured kind, or detected.
 
-Detection: ``GET /props`` answering JSON -> llamacpp (slot count from ``total_slots``);
+Detection: ``GET /props`` answering JSON -> llamacpp (slot count from ``total_slots``; a
+llama-server in router mode, ``"role": "router"``, has none of its own: its models and their
+state are read into ``router``, and the pool runs one member per model: router.py);
 ``GET /api/version`` answering -> ollama; otherwise openai. Detection retries until
 ``detect_timeout_s`` while the upstream is unreachable, and while ``/props`` answers 503
 (llama-server answers every API route so while it loads its model) or 502/504 (a gateway
@@ -32,6 +34,7 @@ from llmproxy.proxy.upstream.adapters.base import Adapter, get_json, log
 from llmproxy.proxy.upstream.adapters.llamacpp import LlamaCppAdapter
 from llmproxy.proxy.upstream.adapters.ollama import OllamaAdapter
 from llmproxy.proxy.upstream.adapters.openai import OpenAIAdapter
+from llmproxy.proxy.upstream.adapters.router import is_router, router_models
 
 KINDS: dict[str, type[Adapter]] = {
     "llamacpp": LlamaCppAdapter,
@@ -162,6 +165,10 @@ async def _build(
     props_pending: bool,
 ) -> Adapter:
     adapter = KINDS[kind](base, session, settings)
+    if isinstance(adapter, LlamaCppAdapter) and not props_pending and is_router(props):
+        adapter.router = await router_models(session, adapter.base_url) or []
+        adapter.models = tuple(m.name for m in adapter.router)
+        return adapter  # a pool of its models (pool/lifecycle.py), each probed on its own
     if isinstance(adapter, LlamaCppAdapter):
         if not props_pending:
             adapter.learn_props(props)

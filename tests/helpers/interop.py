@@ -7,7 +7,8 @@ FIM prefix/suffix/middle tokens, so that llama-server serves ``/infill`` with it
 is meaningless; the wire behaviour is what is tested). ``running`` starts a server as a
 child that dies with the test process, waits until it answers, and stops it at the end
 (``llmproxy.bench.child.child_server``); its output goes to a log file the tests read.
-``LlamaServer`` is the type of the ``llama_server`` fixture (tests/interop/conftest.py).
+``LlamaServer`` is the type of the ``llama_server`` fixture (tests/interop/conftest.py), and
+of ``llama_router``'s (llama-server in router mode, ``llama_router_argv``).
 """
 
 from __future__ import annotations
@@ -116,6 +117,17 @@ def llama_server_argv(
     binary: Path, model: Path, port: int, parallel: int, ctx_per_slot: int = 2048
 ) -> list[str]:
     return bench_llama_server_argv(binary, model, port, parallel, THREADS, ctx_per_slot)
+
+
+def llama_router_argv(
+    binary: Path, models_dir: Path, port: int, parallel: int, models_max: int
+) -> list[str]:
+    """llama-server in router mode: each ``NAME.gguf`` of ``models_dir`` a model, loaded on
+    demand as a child with ``parallel`` slots and one thread (two children share the CPUs)."""
+    return [str(binary), "--models-dir", str(models_dir), "--models-max", str(models_max)] + [
+        "-np", str(parallel), "-c", str(2048 * parallel), "-t", "1",
+        "--host", "127.0.0.1", "--port", str(port), "--no-webui",
+    ]  # fmt: skip
 
 
 def llama_cpp_python_argv(model: Path, port: int) -> list[str]:

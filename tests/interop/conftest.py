@@ -20,6 +20,7 @@ from tests.helpers.interop import (
     fim_model,
     free_port,
     llama_cpp_python_argv,
+    llama_router_argv,
     llama_server_argv,
     llama_server_binary,
     running,
@@ -62,6 +63,25 @@ def llama_server(llama_bin: Path, tmp_path: Path) -> LlamaServer:
             llama_bin, model or default_model_path(), port, parallel, ctx_per_slot
         ) + list(extra)
         return running(argv, tmp_path / f"llama-server-{port}.log", "/health", port)
+
+    return start
+
+
+@pytest.fixture
+def llama_router(llama_bin: Path, tmp_path: Path) -> LlamaServer:
+    """``async with llama_router(models=("fim", "chat"), parallel=1, models_max=2) as srv``:
+    llama-server in router mode, each model the default GGUF under its own name."""
+
+    def start(
+        models: tuple[str, ...] = ("fim", "chat"), parallel: int = 1, models_max: int = 2
+    ) -> AbstractAsyncContextManager[Server]:
+        port = free_port()
+        folder = tmp_path / f"models-{port}"
+        folder.mkdir()
+        for name in models:
+            (folder / f"{name}.gguf").symlink_to(default_model_path())
+        argv = llama_router_argv(llama_bin, folder, port, parallel, models_max)
+        return running(argv, tmp_path / f"llama-router-{port}.log", "/health", port)
 
     return start
 

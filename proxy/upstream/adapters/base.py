@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, TypedDict
+from typing import Any, ClassVar, NotRequired, TypedDict
 
 import aiohttp
 import structlog
@@ -65,6 +65,8 @@ class AdapterInfo(TypedDict):
     slots: int | None
     can_confirm: bool
     detected: bool
+    model: NotRequired[str]  # a router's model (router.py) ...
+    model_status: NotRequired[str]  # ... and whether the router runs it
 
 
 class Adapter:
@@ -101,6 +103,11 @@ class Adapter:
         self.piece_gap_s: float | None = None  # recent streams' gap between pieces (about a token)
         #: the model ids its ``/v1/models`` reported at detection (detect.py; empty: none)
         self.models: tuple[str, ...] = ()
+
+    def probe_url(self, name: str) -> URL:
+        """The URL of the upstream's own ``name`` endpoint (``slots``, ``props``) for the
+        proxy's probes; a router's model asks with its name (router.py)."""
+        return self.base_url / name
 
     async def learn_models(self) -> None:
         """Read the model ids ``GET /v1/models`` lists (OpenAI's shape, which llama-server,
@@ -140,6 +147,11 @@ class Adapter:
 
     async def settle(self, gate: Gate, ticket: Ticket) -> None:
         """Called before a gated request is sent (see llamacpp's)."""
+
+    def cold(self) -> bool:
+        """Will the upstream load its model before it answers (router.py: a router's model
+        it does not run now)? A request granted then waits for the load."""
+        return False
 
     def pending(self) -> bool:
         """Is something about the upstream still to be learnt by probing again (see watch.py)?"""

@@ -24,7 +24,7 @@ generations still never exceeds the permits; only that other request waits in th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -42,6 +42,9 @@ from llmproxy.proxy.upstream.adapters.base import get_json, log
 from llmproxy.proxy.upstream.adapters.body import set_top_level
 from llmproxy.proxy.upstream.adapters.slots import SlotPollingAdapter
 from llmproxy.proxy.upstream.assemble import assembles
+
+if TYPE_CHECKING:
+    from llmproxy.proxy.upstream.adapters.router import RouterModel
 
 
 def _json_int(body: dict[str, Any], key: str, default: int) -> int:
@@ -91,6 +94,8 @@ class LlamaCppAdapter(SlotPollingAdapter):
         self.own: bool | None = None  # llmproxy's own backend? (None: /props not read yet)
         self.streams_for_reuse = False
         self.client.reuse_after_stream = False
+        #: a llama-server in router mode: its models (router.py), run as members of their own
+        self.router: list[RouterModel] | None = None
 
     def learn_props(self, props: Any) -> None:
         """What /props tells: the slot count, and whether this is llmproxy's own backend.
@@ -185,7 +190,7 @@ class LlamaCppAdapter(SlotPollingAdapter):
         loop, between decode steps), no connection, a 5xx (503 while loading). 404 and 501
         (``--no-slots``) and 401/403 (a key the proxy lacks) are final."""
         try:
-            status, data = await get_json(self.session, self.base_url / "slots")
+            status, data = await get_json(self.session, self.probe_url("slots"))
         except (aiohttp.ClientError, TimeoutError):
             status, data = None, None
         was_pending = self.slots_pending
@@ -214,7 +219,7 @@ class LlamaCppAdapter(SlotPollingAdapter):
     async def refresh(self) -> None:
         if self.props_pending:
             try:
-                status, props = await get_json(self.session, self.base_url / "props")
+                status, props = await get_json(self.session, self.probe_url("props"))
             except (aiohttp.ClientError, TimeoutError):
                 status, props = None, None
             if status == 200 and isinstance(props, dict):

@@ -43,19 +43,24 @@ class SlotPollingAdapter(Adapter):
     """An adapter whose backend lists its slots' state at ``GET /slots`` (llama-server's
     shape): slot i of the gate is slot i there."""
 
+    def gone(self, status: int, body: Any) -> bool:
+        """Does a /slots answer other than 200 say that nothing runs (router.py: a model the
+        router does not run now)?"""
+        return False
+
     async def _busy_map(self) -> dict[int, bool] | Literal["down", "unknown"]:
         """Slot id -> busy, from one GET /slots; else 'down' (connection refused: nothing
         can run) or 'unknown' (any other failure: a name that does not resolve, no file
         descriptors, a timeout say nothing about what runs there)."""
         try:
-            status, data = await get_json(self.session, self.base_url / "slots")
+            status, data = await get_json(self.session, self.probe_url("slots"))
         except aiohttp.ClientConnectorError as exc:  # refused: nothing listens, nothing runs
             # anything else (a name that does not resolve, EMFILE) says nothing
             return "down" if isinstance(exc.os_error, ConnectionRefusedError) else "unknown"
         except (aiohttp.ClientError, TimeoutError):
             return "unknown"
         if status != 200:
-            return "unknown"
+            return "down" if self.gone(status, data) else "unknown"
         return {
             entry["id"]: slot_busy(entry)
             for entry in (data if isinstance(data, list) else ())
