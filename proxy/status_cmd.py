@@ -77,6 +77,8 @@ def render(picture: dict[str, Any], url: str) -> str:
         permits = up["permits"]
         health = "" if up["healthy"] else ", out of rotation"
         models = f"models {' '.join(up['models'])}, " if up.get("models") else ""
+        if up.get("model_status"):  # a router's model: loaded, loading or unloaded
+            models = f"model {up['models'][0]} {up['model_status']}, "
         out += ["", f"upstream {up['name']} ({up['kind']}, {models}"
                 f"{permits['free']}/{permits['total']} permits free{health})"]  # fmt: skip
         rows = [["slot", "state", "session", "class", "route", "for", "tokens"]]

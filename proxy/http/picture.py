@@ -29,6 +29,7 @@ def picture(st: ProxyState, since: int = 0) -> dict[str, Any]:
     upstreams = [
         _upstream(m.name, m.adapter.kind, m.gate, st.generations, now, healthy=m.in_rotation)
         | {"models": [] if m.any_model else list(m.models)}  # only these (pool/models.py)
+        | {"model_status": m.adapter.describe().get("model_status")}  # a router's model
         for m in st.pool.members
     ]
     places: list[tuple[str, Any]] = st.pool.queue.places()

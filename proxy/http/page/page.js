@@ -103,9 +103,28 @@ function drawCounters(c) {
   $("c-requests").textContent = c.requests;
 }
 
+// Slots grouped by model: an upstream's group is the models it serves (a router's model
+// alone, with what the router says of it); one that takes any name is under "any model".
 function drawUpstreams(ups) {
   const box = $("upstreams");
   box.replaceChildren();
+  const groups = new Map();
+  for (const u of ups) {
+    const key = u.models.length ? u.models.join(", ") : "";
+    if (!groups.has(key)) groups.set(key, []);
+    groups.get(key).push(u);
+  }
+  for (const [key, members] of groups) {
+    const status = members.map(u => u.model_status).find(Boolean);
+    const title = key ? `model ${key}` : "any model";
+    const group = el("div", { class: "model", "data-model": key },
+      el("h2", { class: "group" }, title, status ? el("span", { class: "kind" }, ` · ${status}`) : ""));
+    drawMembers(group, members);
+    box.append(group);
+  }
+}
+
+function drawMembers(box, ups) {
   for (const u of ups) {
     const tiles = el("div", { class: "tiles" });
     for (const s of u.slots) {

@@ -136,3 +136,38 @@ async def test_the_page_asks_for_the_key_once(http: aiohttp.ClientSession) -> No
         await tab.until("document.getElementById('conn').dataset.state === 'live'")
         assert await tab.eval("document.getElementById('keyform').hidden") is True
         assert await tab.eval("location.href") == px.url + "/llmproxy/"  # no key in the URL
+
+
+async def test_the_page_groups_slots_by_model(http: aiohttp.ClientSession) -> None:
+    """Two upstreams, each serving its own model: each model's slots under its own heading,
+    a chat running on the chat model's slot and none on the completion model's."""
+    chromium_path()
+    hold = asyncio.Event()
+    chat_script = lambda _p, _b: Script(tokens=4, hold=hold)  # noqa: E731
+    async with (
+        FakeUpstream(slots=2) as fim,
+        FakeUpstream(slots=1, script=chat_script) as chat,
+        run_proxy(
+            None,
+            upstreams=[
+                {"url": fim.url, "name": "coder", "models": ["fim"]},
+                {"url": chat.url, "name": "talker", "models": ["chat"]},
+            ],
+            log_flush_s=0,
+        ) as px,
+        chromium(http) as tab,
+    ):
+        await tab.goto(px.url + "/llmproxy/")
+        await tab.until("document.getElementById('conn').dataset.state === 'live'")
+        await tab.until(f"{count('.model')} === 2")
+        assert await tab.eval(f"{count('.model[data-model=fim] .tile')}") == 2
+        assert await tab.eval(f"{count('.model[data-model=chat] .tile')}") == 1
+        heading = await tab.eval("document.querySelector('.model[data-model=chat] h2').innerText")
+        assert heading.startswith("model chat")
+        body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+        running = asyncio.create_task(http.post(px.url + "/v1/chat/completions", json=body))
+        await tab.until(f"{count('.model[data-model=chat] .tile[data-state=generating]')} === 1")
+        assert await tab.eval(f"{count('.model[data-model=fim] .tile[data-state=idle]')}") == 2
+        hold.set()
+        async with await running as r:
+            assert r.status == 200
