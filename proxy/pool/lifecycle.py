@@ -148,9 +148,33 @@ class PoolRuntime:
         return members
 
     async def _watch(self, m: Member) -> None:
+        m.on_router = self._router_found
         stack = self._stacks[m] = contextlib.AsyncExitStack()
         await stack.enter_async_context(watching(m))
         log.info("upstream", upstream=m.name, healthy=m.healthy, **m.adapter.describe())
+
+    def _router_found(self, m: Member) -> None:
+        """Re-detection found a router where no server answered at start: its models join
+        as members (``_router_members``) and ``m`` leaves (never in rotation meanwhile)."""
+        self._spawn(self._expand(m), f"llmproxy-router-{m.name}")
+
+    async def _expand(self, m: Member) -> None:
+        assert self.pool is not None
+        assert isinstance(m.adapter, LlamaCppAdapter) and m.adapter.router is not None
+        if m.draining:
+            return  # a reload took it out meanwhile
+        try:
+            added = await _router_members(m.settings, m.spec, m.adapter.router)
+        except Exception:  # our own bug, or the router went away meanwhile: say so
+            log.exception("a router's models could not join", upstream=m.name)
+            return
+        self._owned.update(added)
+        for a in added:
+            await self._watch(a)
+            self.pool.add(a)
+        m.draining = True
+        self._drains[m] = self._spawn(self._drain(m), f"llmproxy-drain-{m.name}")
+        log.info("upstream is a llama-server router", upstream=m.name, models=len(added))
 
     # -- reload -----------------------------------------------------------------------
     def reload(self, specs: list[UpstreamSpec]) -> None:
@@ -187,7 +211,7 @@ class PoolRuntime:
         wanted = {s.url: s for s in specs}
         leaving = [m for m in current if m.spec.url not in wanted and not m.draining]
         joining = [s for url, s in wanted.items() if url not in urls]
-        back = [m for m in current if m.spec.url in wanted and m.draining]
+        back = [m for m in current if m.spec.url in wanted and m.draining and not m.router]
         changed = [(m, wanted[m.spec.url]) for m in current if m.spec.url in wanted]
         changed = [(m, s) for m, s in changed if m.spec != s]
         if not leaving and not joining and not changed and not back:

@@ -13,6 +13,8 @@ teardown, after its gate is idle) closes both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import aiohttp
 
 from llmproxy.proxy.gating.breaker import CircuitBreaker
@@ -20,6 +22,7 @@ from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.pool.prefix import PrefixIndex
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import Adapter
+from llmproxy.proxy.upstream.adapters.llamacpp import LlamaCppAdapter
 from llmproxy.proxy.upstreams import UpstreamSpec
 
 #: prefill time per prompt character assumed before one is measured (a small model on CPUs)
@@ -47,13 +50,22 @@ class Member:
         self.prefill_s_per_char = PREFILL_S_PER_CHAR
         self.routed = 0  # requests granted here
         self.model_loads = 0  # ... of which waited for a router to load the model
+        #: the pool's lifecycle, told when re-detection finds a router here (``learnt``)
+        self.on_router: Callable[[Member], None] | None = None
         self.prompt_chars = 0  # their prompts' characters ...
         self.cached_chars = 0  # ... of which the index said it held
 
     @property
     def in_rotation(self) -> bool:
-        """May it be granted requests now? Healthy, breaker not open, not leaving."""
-        return self.healthy and not self.draining and self.breaker.admissible
+        """May it be granted requests now? Healthy, breaker not open, not leaving, and no
+        router found late (its models' members take its place: ``learnt``)."""
+        return self.healthy and not self.draining and self.breaker.admissible and not self.router
+
+    @property
+    def router(self) -> bool:
+        """Is it a llama-server router as a whole (upstream/adapters/router.py)? Only until
+        its models' members replace it (pool/lifecycle.py)."""
+        return isinstance(self.adapter, LlamaCppAdapter) and self.adapter.router is not None
 
     @property
     def key(self) -> tuple[str, str | None]:
@@ -90,7 +102,9 @@ class Member:
         """Re-detection (upstream/watch.py) found the upstream answering: in rotation (the
         health probe agrees from its next round), and the queue may move."""
         self.healthy = True
-        if self.gate.on_advance is not None:
+        if self.router and self.on_router is not None:
+            self.on_router(self)  # a router: its models join as members, and it leaves
+        elif self.gate.on_advance is not None:
             self.gate.on_advance()
 
     def update(self, spec: UpstreamSpec, settings: ProxySettings) -> None:
