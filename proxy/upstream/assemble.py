@@ -1,9 +1,10 @@
-"""A non-streaming answer rendered from the upstream's stream (llama-server's completion routes).
+"""A non-streaming answer rendered from the upstream's stream (llama-server's completion and
+chat routes).
 
 llama-server notices a dropped client of a streaming request at its next token, but a
 dropped client of a non-streaming one only when another completion request arrives: a
 cancelled non-streaming generation would run to its end while the proxy holds its permit.
-So on its completion routes the proxy asks for a stream (``stream: true``) and answers a
+So on its completion and chat routes the proxy asks for a stream (``stream: true``) and answers a
 client that did not ask for one with the JSON body llama-server would have sent for the
 same request, assembled from the stream's events:
 
@@ -13,6 +14,12 @@ same request, assembled from the stream's events:
   ``response_fields`` is honoured because llama-server applies it to that final event
   itself (flat keys such as ``"timings/prompt_n"``). Several completions (``n_cmpl``) give
   a JSON array in ``index`` order, one object for one.
+- chat routes (``/v1/chat/completions``, ``/chat/completions``; not with tools or
+  log-probabilities): the ``chat.completion`` body from the chunks' ``delta`` content and
+  ``reasoning_content``, the final chunk's ``finish_reason``, and ``usage`` and ``timings``
+  from the chunk that carries them (the stream is asked for ``include_usage``). A
+  continuation after a preemption repeats its prefill first: it is taken out
+  (``expect_echo``).
 - ``/v1/completions``: the final chunk (``finish_reason`` set) is the body with an empty
   ``choices[0].text``; several completions are merged into the first one's ``choices``. A
   stream that ends with ``[DONE]`` but gave no ``finish_reason`` (some OpenAI-compatible
@@ -37,7 +44,11 @@ from llmproxy.proxy.routes import paths
 
 NATIVE_ROUTES = paths(assembled=True, answer="native")
 OAI_ROUTES = paths(assembled=True, answer="oai")
-ROUTES = NATIVE_ROUTES | OAI_ROUTES
+CHAT_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions"})
+ROUTES = NATIVE_ROUTES | OAI_ROUTES | CHAT_ROUTES
+#: chat requests whose streamed answer carries more than text (tool calls' pieces), or
+#: per-token data: sent as the client asked
+_CHAT_APART = ("tools", "functions", "logprobs", "top_logprobs")
 CONTENT_TYPE = "application/json; charset=utf-8"  # llama-server's for a JSON body
 
 
@@ -60,6 +71,8 @@ def assembles(path: str, body: Any) -> bool:
         return False
     if path in OAI_ROUTES and body.get("logprobs") not in (None, False, 0):
         return False
+    if path in CHAT_ROUTES and any(body.get(k) not in (None, False, 0, []) for k in _CHAT_APART):
+        return False
     several = _number(body, "n_cmpl") > 1 or _number(body, "n") > 1
     return not (several and body.get("response_fields"))
 
@@ -81,10 +94,18 @@ class Assembler:
         "_done",
         "_last_index",
         "error",
+        "chat",
+        "_reasoning",
+        "_extra",
+        "_echo",
     )
 
     def __init__(self, path: str) -> None:
         self.oai = path in OAI_ROUTES
+        self.chat = path in CHAT_ROUTES
+        self._reasoning: dict[int, list[str]] = {}  # chat: reasoning_content pieces
+        self._extra: dict[str, Any] = {}  # chat: usage and timings, from whichever chunk
+        self._echo = ""  # chat: the prefill a continuation repeats first, still to drop
         self._pending = b""  # an unfinished line
         self._data: list[bytes] = []  # the ``data:`` lines of an event not ended yet
         self._texts: dict[int, list[str]] = {}
@@ -97,9 +118,13 @@ class Assembler:
     def text(self, index: int = 0) -> str:
         return "".join(self._texts.get(index, ()))
 
+    def expect_echo(self, text: str) -> None:
+        """The chat continuation about to start repeats ``text`` (its prefill) first."""
+        self._echo = text
+
     @property
     def complete(self) -> bool:
-        done = self.oai and self._done and bool(self._lasts)
+        done = (self.oai or self.chat) and self._done and bool(self._lasts)
         return bool(self._finals) or done or self.error is not None
 
     def feed(self, data: bytes) -> None:
@@ -133,6 +158,8 @@ class Assembler:
             raise UpstreamFailed("upstream sent a stream event that is not a JSON object")
         if isinstance(obj.get("error"), dict):
             self.error = obj["error"]
+        elif self.chat:
+            self._chat_event(obj)
         elif self.oai:
             self._oai_event(obj)
         else:
@@ -167,6 +194,30 @@ class Assembler:
         if choice.get("finish_reason") is not None:
             self._finals.append((index, obj))
 
+    def _chat_event(self, obj: dict[str, Any]) -> None:
+        for key in ("usage", "timings"):
+            if isinstance(obj.get(key), dict):
+                self._extra[key] = obj[key]
+        choices = obj.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices else None
+        if not isinstance(choice, dict):
+            return  # the usage chunk (``include_usage``): no choice
+        index = choice.get("index", 0)
+        index = index if isinstance(index, int) else 0
+        delta = choice.get("delta")
+        delta = delta if isinstance(delta, dict) else {}
+        piece = delta.get("content")
+        if isinstance(piece, str) and piece:
+            if self._echo:
+                piece, self._echo = strip_echo(piece, self._echo)
+            self._texts.setdefault(index, []).append(piece)
+        thought = delta.get("reasoning_content")
+        if isinstance(thought, str) and thought:
+            self._reasoning.setdefault(index, []).append(thought)
+        self._lasts[index] = obj
+        if choice.get("finish_reason") is not None:
+            self._finals.append((index, obj))
+
     def render(self) -> tuple[int, bytes]:
         """(status, body) of the non-streaming answer; UpstreamFailed if the stream ended
         with neither a final event nor an error."""
@@ -179,11 +230,13 @@ class Assembler:
             status = code if isinstance(code, int) and 400 <= code <= 599 else 500
             return status, _dumps({"error": self.error})
         finals = self._finals
-        if not finals and self.oai and self._done:
+        if not finals and (self.oai or self.chat) and self._done:
             finals = list(self._lasts.items())
         if not finals:
             raise UpstreamFailed("upstream stream ended before its final event")
         finals = sorted(finals, key=lambda item: item[0])
+        if self.chat:
+            return 200, _dumps(self._chat_body(finals))
         if self.oai:
             return 200, _dumps(self._oai_body(finals))
         bodies = [self._native_body(index, obj) for index, obj in finals]
@@ -208,6 +261,39 @@ class Assembler:
         body = finals[0][1]
         body["choices"] = choices
         return body
+
+    def _chat_body(self, finals: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+        """llama-server's ``chat.completion`` body, its keys in its order."""
+        choices = []
+        for index, obj in finals:
+            message: dict[str, Any] = {"role": "assistant", "content": self.text(index)}
+            if index in self._reasoning:
+                message["reasoning_content"] = "".join(self._reasoning[index])
+            reason = obj["choices"][0].get("finish_reason")
+            choices.append({"finish_reason": reason, "index": index, "message": message})
+        first = finals[0][1]
+        body: dict[str, Any] = {"choices": choices}
+        for key in ("created", "model", "system_fingerprint"):
+            if key in first:
+                body[key] = first[key]
+        body["object"] = "chat.completion"
+        if "usage" in self._extra:
+            body["usage"] = self._extra["usage"]
+        if "id" in first:
+            body["id"] = first["id"]
+        if "timings" in self._extra:
+            body["timings"] = self._extra["timings"]
+        return body
+
+
+def strip_echo(content: str, echo: str) -> tuple[str, str]:
+    """A chat continuation's content piece with the prefill it repeats (``echo``) taken out:
+    (the piece left, the echo still to come)."""
+    if content.startswith(echo):
+        return content[len(echo) :], ""
+    if echo.startswith(content):
+        return "", echo[len(content) :]
+    return content, ""  # no echo after all
 
 
 def _dumps(obj: Any) -> bytes:

@@ -334,6 +334,8 @@ class UpstreamJob:
             self._framed.expect_echo(t.text)
         if self._assembler is not None:
             self._assembler.cut()
+            if t.chat:
+                self._assembler.expect_echo(t.text)
         rec.preempted += 1
         task = asyncio.current_task()
         assert task is not None

@@ -31,6 +31,7 @@ from typing import Any
 from multidict import CIMultiDict
 
 from llmproxy.proxy.routes import paths
+from llmproxy.proxy.upstream.assemble import strip_echo
 from llmproxy.proxy.upstream.responder import Responder
 
 TEXT_ROUTES = paths(prompt="text", answer="native") | paths(prompt="text", answer="oai")
@@ -219,12 +220,7 @@ class Framed:
             delta = _delta(obj)
             content = delta.get("content")
             if isinstance(content, str) and content:
-                if content.startswith(self._echo):
-                    delta["content"], self._echo = content[len(self._echo) :], ""
-                elif self._echo.startswith(content):
-                    delta["content"], self._echo = "", self._echo[len(content) :]
-                else:  # no echo after all
-                    self._echo = ""
+                delta["content"], self._echo = strip_echo(content, self._echo)
                 if delta["content"] != content:
                     raw = b"data: " + _dumps(obj) + b"\n\n"
         self.transcript.event(obj)

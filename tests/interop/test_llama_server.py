@@ -74,6 +74,14 @@ CASES: list[tuple[str, dict[str, Any]]] = [
         "/completion",
         {"prompt": "word " * 3000, "n_predict": 4},
     ),  # over the slot's context: an error
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 24, "seed": 3},
+    ),
+    (
+        "/chat/completions",
+        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "seed": 5},
+    ),
 ]
 VARYING = {"timings", "created", "id"}
 
@@ -124,6 +132,8 @@ async def test_non_streaming_answer_through_the_proxy_matches_llama_server(
             assert (
                 b'"content":"' in proxied or b'"text":"' in proxied
             )  # compact, as llama.vim matches it
+            if isinstance(json.loads(direct), dict):  # in its key order
+                assert list(json.loads(proxied)) == list(json.loads(direct))
             assert b'": ' not in proxied.replace(b'\\"', b"")
 
 

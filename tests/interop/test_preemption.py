@@ -66,11 +66,12 @@ def offered(px: RunningProxy) -> bool:
     ("path", "body"),
     [
         ("/v1/chat/completions", {**CHAT, "stream": True}),
+        ("/v1/chat/completions", CHAT),
         ("/completion", {**TEXT, "stream": True}),
         ("/completion", TEXT),
         ("/v1/completions", {**TEXT, "max_tokens": 96, "stream": True}),
     ],
-    ids=["chat-stream", "completion-stream", "completion", "v1-completions-stream"],
+    ids=["chat-stream", "chat", "completion-stream", "completion", "v1-completions-stream"],
 )
 async def test_a_preempted_greedy_generation_resumes_to_the_same_text(
     llama_server: LlamaServer, path: str, body: dict[str, Any]

@@ -99,6 +99,7 @@ def offered(px: RunningProxy) -> bool:
     ("path", "stream"),
     [
         ("/v1/chat/completions", True),
+        ("/v1/chat/completions", False),  # sent as a stream, answered whole (assemble.py)
         ("/completion", True),
         ("/completion", False),
         ("/v1/completions", True),
@@ -109,7 +110,7 @@ async def test_a_preempted_generation_resumes_into_one_answer(
     http: aiohttp.ClientSession, path: str, stream: bool
 ) -> None:
     if "chat" in path:
-        body: dict[str, Any] = dict(CHAT)
+        body: dict[str, Any] = {**CHAT, "stream": stream}
     else:
         body = {
             "prompt": "Once upon a time\n",
@@ -152,12 +153,10 @@ async def test_a_preempted_generation_resumes_into_one_answer(
         ("llamacpp", {**CHAT, "response_format": {"type": "json_object"}}, {}),  # grammar
         ("llamacpp", CHAT, {"preempt": "off"}),
         ("llamacpp", CHAT, {"classes": "off"}),
-        # answered whole by the server: the text so far is not seen
-        ("llamacpp", {**CHAT, "stream": False}, {}),
         # older than its class's aging bound: it counts as a completion, none starves
         ("llamacpp", CHAT, {"class_max_wait_s": "chat=0.001"}),
     ],
-    ids=["openai-chat", "tools", "json", "preempt-off", "classes-off", "whole-chat", "aged"],
+    ids=["openai-chat", "tools", "json", "preempt-off", "classes-off", "aged"],
 )
 async def test_a_generation_without_exact_continuation_is_never_preempted(
     http: aiohttp.ClientSession, kind: Kind, body: dict[str, Any], settings: dict[str, Any]

@@ -41,7 +41,7 @@ from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import get_json, log
 from llmproxy.proxy.upstream.adapters.body import set_top_level
 from llmproxy.proxy.upstream.adapters.slots import SlotPollingAdapter
-from llmproxy.proxy.upstream.assemble import assembles
+from llmproxy.proxy.upstream.assemble import CHAT_ROUTES, assembles
 
 if TYPE_CHECKING:
     from llmproxy.proxy.upstream.adapters.router import RouterModel
@@ -135,6 +135,9 @@ class LlamaCppAdapter(SlotPollingAdapter):
             raw = set_top_level(raw, "id_slot", slot, present="id_slot" in parsed)
             if self.assembles(path, parsed):
                 raw = set_top_level(raw, "stream", True, present="stream" in parsed)
+                if path in CHAT_ROUTES:  # the usage the whole answer has comes last
+                    usage = {"include_usage": True}
+                    raw = set_top_level(raw, "stream_options", usage, present=None)
         return raw
 
     def permits(self, path: str, parsed: Any, capacity: int) -> int:

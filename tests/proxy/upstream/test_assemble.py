@@ -189,7 +189,11 @@ def test_a_stream_without_its_final_event_is_an_upstream_failure() -> None:
         ("/completion", {"prompt": "x", "return_tokens": True}, False),
         ("/v1/completions", {"prompt": "x", "logprobs": 2}, False),
         ("/completion", {"prompt": "x", "n_cmpl": 2, "response_fields": ["content"]}, False),
-        ("/v1/chat/completions", {"messages": []}, False),
+        ("/v1/chat/completions", {"messages": []}, True),
+        ("/chat/completions", {"messages": [], "stream": False}, True),
+        ("/v1/chat/completions", {"messages": [], "stream": True}, False),
+        ("/v1/chat/completions", {"messages": [], "tools": [{"type": "function"}]}, False),
+        ("/v1/chat/completions", {"messages": [], "logprobs": True}, False),
         ("/completion", ["not", "an", "object"], False),
     ],
 )
