@@ -198,6 +198,7 @@ def beside_row(direct: Side, through: Side) -> dict[str, object]:
     d_beside, p_beside = _median_ms(direct.beside_s), _median_ms(through.beside_s)
     p_x = p_beside / idle
     return {
+        "scenario": "completion beside chat",
         "idle_ms": idle,
         "proxied_idle_ms": _median_ms(through.idle_s),
         "direct_beside_ms": d_beside,
