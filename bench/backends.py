@@ -12,6 +12,9 @@ Requests: llama-server gets Continue's ``POST /completion`` (``stream`` set per 
 llama-cpp-python's server, llm-ls's ``POST /v1/completions``. Both abandon the previous
 request on every keystroke by closing its connection.
 
+``--server llama-server-router``: llama-server in router mode, its requests naming model
+``fim``, and a second scenario, a completion beside a streaming chat (backends_router.py).
+
 Concurrency contract: one backend and one proxy at a time, both children of this process
 with a parent-death signal; each is stopped (SIGTERM, then SIGKILL) before the next starts.
 """
@@ -27,10 +30,12 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
+import aiohttp
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from llmproxy.backend.model_path import resolve_model
+from llmproxy.bench import backends_router as router
 from llmproxy.bench.burst.report import TargetResult
 from llmproxy.bench.burst.run import run_target
 from llmproxy.bench.burst.settings import BurstSettings, ProfileName
@@ -76,7 +81,17 @@ class BackendsSettings(LayeredSettings):
         description="Pause between bursts: longer than any generation, "
         "so none bleeds into the next",
     )
-    threads: int = Field(os.cpu_count() or 2, ge=1, description="Backend CPU threads")
+    threads: int = Field(
+        os.cpu_count() or 2,
+        ge=1,
+        description="Backend CPU threads (the router: split between its two model children)",
+    )
+    beside_reps: int = Field(
+        5, ge=1, description="llama-server-router: completion-beside-chat repetitions (median)"
+    )
+    chat_tokens: int = Field(
+        400, ge=1, description="llama-server-router: tokens of the streaming chat beside"
+    )
     json_out: Path | None = Field(None, description="Write the results as JSON here")
     log_level: str = Field("warning", description="Log level")
 
@@ -87,6 +102,8 @@ def _burst_settings(s: BackendsSettings, mode: str) -> BurstSettings:
     extra: dict[str, object]
     if s.server == "llama-server":
         profile, extra = "continue", {"stream": stream, "ignore_eos": True, "stop": []}
+    elif s.server == "llama-server-router":
+        profile, extra = "continue", {"stream": stream, **router.burst_extra()}
     else:
         profile, extra = "llm-ls", {"stream": stream, "logit_bias": SMOLLM2_END_TOKENS}
     # No /slots polling: it would keep llama-server from noticing a dropped non-streaming client
@@ -102,6 +119,8 @@ def _burst_settings(s: BackendsSettings, mode: str) -> BurstSettings:
         poll_slots=False,
         gap_ms=s.gap_s * 1000,
         log_level=s.log_level,
+        # not asked of /v1/models: the router lists "chat" first
+        model=router.FIM if s.server == "llama-server-router" else "",
     )
 
 
@@ -116,6 +135,7 @@ async def _cell(
     direct_p50: float = ds["last_p50_ms"]
     proxied_p50: float = ps["last_p50_ms"]
     proxied_errors: int = ps["errors"] + ps["failed_bursts"]
+    goal = router.GOAL_BURST_X_T if s.server == "llama-server-router" else 1.05
     return {
         "mode": mode,
         "T_ms": t_ms,
@@ -125,26 +145,32 @@ async def _cell(
         "proxied_x_T": proxied_p50 / t_ms,
         "direct_errors": ds["errors"] + ds["failed_bursts"],
         "proxied_errors": proxied_errors,
-        "goal": (proxied_p50 / t_ms <= 1.05 and proxied_p50 <= direct_p50 and proxied_errors == 0),
+        "goal": (proxied_p50 / t_ms <= goal and proxied_p50 <= direct_p50 and proxied_errors == 0),
     }
 
 
 async def _main(s: BackendsSettings) -> list[dict[str, object]]:
     model = resolve_model(s.model)
     rows: list[dict[str, object]] = []
-    parallels = s.parallel if s.server == "llama-server" else [1]
+    on_router = s.server == "llama-server-router"
+    parallels = s.parallel if s.server != "llama-cpp-python" else [1]
+    threads = max(1, s.threads // 2) if on_router else s.threads
     # per cell: both targets' baseline and bursts (bench/progress.py, on stderr)
     per_cell = 2 * (1 + _burst_settings(s, s.modes[0]).bursts) if s.modes else 0
+    per_np = len(s.modes) * per_cell + (s.beside_reps if on_router else 0)
     with (
         tempfile.TemporaryDirectory(prefix="llmproxy-bench-") as tmp,
-        Steps(len(parallels) * len(s.modes) * per_cell, "bench backends") as steps,
+        Steps(len(parallels) * per_np, "bench backends") as steps,
     ):
         work = Path(tmp)
         for parallel in parallels:
             log = work / f"backend-{parallel}.log"
             async with model_server(
-                s.server, s.llama_server, model, parallel, s.threads, log
+                s.server, s.llama_server, model, parallel, threads, log
             ) as backend:
+                if on_router:  # T without the model's start
+                    async with aiohttp.ClientSession() as http:
+                        await router.load(http, backend, router.FIM)
                 proxy_port = free_port()
                 proxy = f"http://127.0.0.1:{proxy_port}"
                 proxy_argv = [sys.executable, "-m", "llmproxy.proxy", "serve"] + [
@@ -157,6 +183,14 @@ async def _main(s: BackendsSettings) -> list[dict[str, object]]:
                         rows.append({"server": s.server, "parallel": parallel, **row})
                         sys.stdout.write(_line(rows[-1]) + "\n")
                         sys.stdout.flush()
+                    if on_router:
+                        beside = await router.beside_cell(
+                            backend, proxy, s.beside_reps, s.chat_tokens, steps
+                        )
+                        rows.append({"server": s.server, "parallel": parallel, **beside})
+    if on_router:
+        lines = [router.BESIDE_HEADER, *(router.beside_line(r) for r in rows if "idle_ms" in r)]
+        sys.stdout.write("\n".join([*lines, "", router.GOALS]) + "\n")
     return rows
 
 

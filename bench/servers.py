@@ -5,8 +5,15 @@ answers 200 once it is ready (also the interop suite's, through ``tests/helpers/
 ``model_server`` runs one as a child (``child.child_server``) until its block ends and
 yields its base URL. ``default_llama_server`` finds the binary `make interop` built.
 
+``llama-server-router`` is llama-server in router mode (``--models-dir``): it serves every
+``NAME.gguf`` of a directory as model ``NAME``, starting a llama-server child per model on
+its first request (at most ``--models-max`` at once) and passing ``-np``/``-c``/``-t`` on to
+each. ``model_server`` gives it a directory of its own beside ``log`` with two links to the
+GGUF, models ``fim`` and ``chat`` (``ROUTER_MODELS``); every generation request must name one.
+
 Concurrency contract: ``model_server`` owns its child; it is stopped (SIGTERM, then
-SIGKILL) when the block ends, and dies with this process.
+SIGKILL) when the block ends, and dies with this process. The router owns its model
+children: it stops them when it is stopped with SIGTERM.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from typing import Literal
 
 from llmproxy.bench.child import child_server
 
-ServerName = Literal["llama-server", "llama-cpp-python"]
+ServerName = Literal["llama-server", "llama-server-router", "llama-cpp-python"]
+ROUTER_MODELS = ("fim", "chat")
 
 
 def free_port() -> int:
@@ -54,6 +62,29 @@ def llama_server_argv(
     ]  # fmt: skip
 
 
+def llama_server_router_argv(
+    binary: Path, models_dir: Path, port: int, parallel: int, threads: int, ctx_per_slot: int = 2048
+) -> list[str]:
+    """llama-server in router mode on 127.0.0.1:``port``, serving ``models_dir``'s GGUFs, both
+    of ``ROUTER_MODELS`` loaded at once; each model's child gets ``parallel`` slots and
+    ``threads`` threads."""
+    return [str(binary), "--models-dir", str(models_dir)] + [
+        "--models-max", str(len(ROUTER_MODELS)), "-np", str(parallel),
+        "-c", str(ctx_per_slot * parallel), "-t", str(threads),
+        "--host", "127.0.0.1", "--port", str(port), "--no-webui",
+    ]  # fmt: skip
+
+
+def router_models_dir(model: Path, dest: Path) -> Path:
+    """``dest`` with a link ``NAME.gguf`` to ``model`` per name of ``ROUTER_MODELS``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ROUTER_MODELS:
+        link = dest / f"{name}.gguf"
+        if not link.is_symlink():
+            link.symlink_to(model.resolve())
+    return dest
+
+
 def llama_cpp_python_argv(model: Path, port: int, threads: int) -> list[str]:
     """llama-cpp-python's server on 127.0.0.1:``port`` (also the interop suite's)."""
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(model)] + [
@@ -66,10 +97,13 @@ def backend_argv(
     server: ServerName, binary: Path | None, model: Path, port: int, parallel: int, threads: int
 ) -> tuple[list[str], str]:
     """(command line, ready path) of ``server``; ``binary``: llama-server's (None: the
-    default one)."""
+    default one); ``model``: the router's models directory for ``llama-server-router``."""
     if server == "llama-server":
         exe = binary or default_llama_server()
         return llama_server_argv(exe, model, port, parallel, threads), "/health"
+    if server == "llama-server-router":
+        exe = binary or default_llama_server()
+        return llama_server_router_argv(exe, model, port, parallel, threads), "/health"
     return llama_cpp_python_argv(model, port, threads), "/v1/models"
 
 
@@ -82,8 +116,11 @@ async def model_server(
     threads: int,
     log: Path,
 ) -> AsyncIterator[str]:
-    """Run ``server`` until the block ends; yields its base URL once it is ready."""
+    """Run ``server`` until the block ends; yields its base URL once it is ready (the
+    router's: once it answers; its models load on their first request)."""
     port = free_port()
+    if server == "llama-server-router":
+        model = router_models_dir(model, log.with_suffix(".models"))
     argv, ready = backend_argv(server, binary, model, port, parallel, threads)
     url = f"http://127.0.0.1:{port}"
     async with child_server(argv, log, url, ready):
