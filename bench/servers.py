@@ -63,13 +63,19 @@ def llama_server_argv(
 
 
 def llama_server_router_argv(
-    binary: Path, models_dir: Path, port: int, parallel: int, threads: int, ctx_per_slot: int = 2048
+    binary: Path,
+    models_dir: Path,
+    port: int,
+    parallel: int,
+    threads: int,
+    ctx_per_slot: int = 2048,
+    models_max: int = len(ROUTER_MODELS),
 ) -> list[str]:
-    """llama-server in router mode on 127.0.0.1:``port``, serving ``models_dir``'s GGUFs, both
-    of ``ROUTER_MODELS`` loaded at once; each model's child gets ``parallel`` slots and
-    ``threads`` threads."""
+    """llama-server in router mode on 127.0.0.1:``port``, serving ``models_dir``'s GGUFs, at
+    most ``models_max`` loaded at once (default: both of ``ROUTER_MODELS``); each model's
+    child gets ``parallel`` slots and ``threads`` threads (also the interop suite's)."""
     return [str(binary), "--models-dir", str(models_dir)] + [
-        "--models-max", str(len(ROUTER_MODELS)), "-np", str(parallel),
+        "--models-max", str(models_max), "-np", str(parallel),
         "-c", str(ctx_per_slot * parallel), "-t", str(threads),
         "--host", "127.0.0.1", "--port", str(port), "--no-webui",
     ]  # fmt: skip

@@ -26,6 +26,9 @@ from llmproxy.backend.model_path import default_model_path
 from llmproxy.bench.child import child_server
 from llmproxy.bench.servers import llama_cpp_python_argv as bench_llama_cpp_python_argv
 from llmproxy.bench.servers import llama_server_argv as bench_llama_server_argv
+from llmproxy.bench.servers import (
+    llama_server_router_argv as bench_llama_server_router_argv,
+)
 
 THREADS = os.cpu_count() or 2
 
@@ -124,10 +127,9 @@ def llama_router_argv(
 ) -> list[str]:
     """llama-server in router mode: each ``NAME.gguf`` of ``models_dir`` a model, loaded on
     demand as a child with ``parallel`` slots and one thread (two children share the CPUs)."""
-    return [str(binary), "--models-dir", str(models_dir), "--models-max", str(models_max)] + [
-        "-np", str(parallel), "-c", str(2048 * parallel), "-t", "1",
-        "--host", "127.0.0.1", "--port", str(port), "--no-webui",
-    ]  # fmt: skip
+    return bench_llama_server_router_argv(
+        binary, models_dir, port, parallel, 1, models_max=models_max
+    )
 
 
 def llama_cpp_python_argv(model: Path, port: int) -> list[str]:
