@@ -26,7 +26,10 @@ matches, as measured against llama-server b11434:
 The fake's own choices (not measured): a child that fails before the head of its answer
 (its model unloaded meanwhile, say) gives a 500 ``server_error``; one that fails after it
 cuts the client's connection. A request whose model's load ends without a child (the
-model unloaded while loading) gets a 500 too.
+model unloaded while loading) gets a 500 too. A POST body that is no JSON object names no
+model (400). A whole answer (a GET, a POST without ``"stream": true``) is read whole from
+the child, then sent in one piece. ``received`` and ``abandoned`` record the requests and
+those whose client left before their answer.
 
 Concurrency contract: the app runs with ``handler_cancellation=True``, so a client
 disconnect cancels the handler and, with it, a streamed relay (its child connection
