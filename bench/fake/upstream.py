@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -73,6 +72,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from llmproxy.bench.fake.generation import Generation
+from llmproxy.bench.fake.loopback import Loopback
 from llmproxy.bench.fake.script import Kind, Received, Script
 from llmproxy.bench.fake.shapes import error_body, info_routes, json_response, shape_for
 from llmproxy.bench.fake.slots import Slot, SlotTable
@@ -117,42 +117,20 @@ class FakeUpstream:
         self.prompt_chars_evaluated = 0  # prompt-cache model: totals over all generations
         self.prompt_chars_cached = 0
         self.table = SlotTable(slots)
-        self._runner: web.AppRunner | None = None
-        self._listener: socket.socket | None = None
+        self._server: Loopback | None = None
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._dispatch)
-        self._runner = web.AppRunner(
-            app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5
-        )
-        await self._runner.setup()
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        # SO_REUSEADDR (as aiohttp's own sites): a new fake may take this port at once
-        self._listener = socket.create_server((self._host, self._port), family=family)
-        site = web.SockSite(self._runner, self._listener)
-        await site.start()
-        port = self._listener.getsockname()[1]
-        self.url = f"http://{self._host}:{port}"
+        self._server = Loopback(self._dispatch, self._host, self._port)
+        self.url = await self._server.start()
 
     async def stop(self) -> None:
         """Stop as a killed server does: from now on the port refuses connections, and every
         connection accepted before is closed, a request on it unanswered."""
         await self.table.stop()
-        if self._runner is not None:
-            await self._stop_accepting()
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def _stop_accepting(self) -> None:
-        """No more accepts, and those already made handed to the server (asyncio's loop on
-        Python 3.11 leaves a connection it accepted just before its listener closed open
-        and unread: the client's request would wait forever, the socket leak)."""
-        loop = asyncio.get_running_loop()
-        if self._listener is not None and isinstance(loop, asyncio.SelectorEventLoop):
-            loop.remove_reader(self._listener.fileno())
-            await asyncio.sleep(0)  # each accept in flight gets its transport, in order
+        if self._server is not None:
+            await self._server.close()
+            self._server = None
 
     async def __aenter__(self) -> FakeUpstream:
         await self.start()
