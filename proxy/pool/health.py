@@ -82,7 +82,7 @@ async def router_round(members: list[Member]) -> None:
             if adapter.noted(states.get(adapter.model, "unloaded")):
                 log.info("router unloaded a model: its prompt caches are gone", upstream=m.name)
                 m.model_unloaded()
-            if adapter.status == "loaded" and adapter.capacity_pending():
+            if adapter.pending():  # loaded, its slot count or /slots still to learn
                 await adapter.refresh()
                 fit_gate(m.gate, m.settings, adapter)
 

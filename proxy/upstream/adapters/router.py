@@ -15,8 +15,8 @@ affinity, quarantine and stop confirmation, exactly as a plain llama-server has:
   refuses a request without one);
 - a model not loaded at detection has no slot count yet: its gate has one permit (watch.py's
   rule for a capacity still to learn). The first request makes the router load it and waits
-  for the load in the upstream (its record says so: ``model_loading``); the upstream's
-  watcher reads the model's ``/props`` once it is loaded and the gate grows to its slots;
+  for the load in the upstream (its record says so: ``model_loading``); the first health
+  round that finds it loaded reads its ``/props`` and the gate grows to its slots;
 - ``status`` follows the router's ``/v1/models`` (``unloaded``, ``loading``, ``loaded``),
   read at detection and at every health round (pool/health.py). A model the router unloaded
   keeps its slot count (the same preset loads it again) but loses its prompt caches: the
@@ -136,6 +136,12 @@ class RouterModelAdapter(LlamaCppAdapter):
             self.slots_pending = False
         else:
             self.can_confirm = True  # not loaded: its /slots says "nothing runs" (``gone``)
+
+    def pending(self) -> bool:
+        """Something to learn by probing, while the model is loaded (watch.py); a model the
+        router does not run is looked at only in the health rounds' ``/v1/models`` (a
+        router may list hundreds of models: no poll each)."""
+        return self.status == "loaded" and super().pending()
 
     async def refresh(self) -> None:
         if self.props_pending:
