@@ -32,7 +32,8 @@ from yarl import URL
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.pool import Pool
 from llmproxy.proxy.upstream.adapters.base import PROBE_TIMEOUT, get_json
-from llmproxy.proxy.upstream.adapters.router import RouterModelAdapter, router_models
+from llmproxy.proxy.upstream.adapters.listing import router_models
+from llmproxy.proxy.upstream.adapters.router import RouterModelAdapter
 from llmproxy.proxy.upstream.watch import fit_gate
 
 log = structlog.get_logger("llmproxy.pool")

@@ -44,8 +44,9 @@ from llmproxy.proxy.pool.pool import Pool
 from llmproxy.proxy.pool.specs import settings_for
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import Adapter
+from llmproxy.proxy.upstream.adapters.listing import RouterModel
 from llmproxy.proxy.upstream.adapters.llamacpp import LlamaCppAdapter
-from llmproxy.proxy.upstream.adapters.router import RouterModel, RouterModelAdapter
+from llmproxy.proxy.upstream.adapters.router import RouterModelAdapter
 from llmproxy.proxy.upstream.detect import create_adapter
 from llmproxy.proxy.upstream.session import open_session
 from llmproxy.proxy.upstream.watch import fit_gate, gate_capacity, watching

@@ -31,10 +31,10 @@ import aiohttp
 from llmproxy.common.redact import strip_userinfo
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import Adapter, get_json, log
+from llmproxy.proxy.upstream.adapters.listing import is_router, router_models
 from llmproxy.proxy.upstream.adapters.llamacpp import LlamaCppAdapter
 from llmproxy.proxy.upstream.adapters.ollama import OllamaAdapter
 from llmproxy.proxy.upstream.adapters.openai import OpenAIAdapter
-from llmproxy.proxy.upstream.adapters.router import is_router, router_models
 
 KINDS: dict[str, type[Adapter]] = {
     "llamacpp": LlamaCppAdapter,

@@ -24,7 +24,7 @@ generations still never exceeds the permits; only that other request waits in th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
@@ -40,11 +40,9 @@ from llmproxy.proxy.routes import eligible
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import get_json, log
 from llmproxy.proxy.upstream.adapters.body import set_top_level
+from llmproxy.proxy.upstream.adapters.listing import RouterModel
 from llmproxy.proxy.upstream.adapters.slots import SlotPollingAdapter
 from llmproxy.proxy.upstream.assemble import CHAT_ROUTES, assembles
-
-if TYPE_CHECKING:
-    from llmproxy.proxy.upstream.adapters.router import RouterModel
 
 
 def _json_int(body: dict[str, Any], key: str, default: int) -> int:

@@ -1,0 +1,47 @@
+"""A llama-server router's own answers: its ``/props`` (``"role": "router"``) and its models
+with their state, from ``/v1/models`` (router.py runs each model as a member)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from yarl import URL
+
+from llmproxy.proxy.upstream.adapters.base import get_json
+
+#: what the router's ``/v1/models`` says of a model's child server
+STATUSES = ("unloaded", "loading", "loaded")
+
+
+def is_router(props: Any) -> bool:
+    """Does a ``/props`` answer come from llama-server in router mode?"""
+    return isinstance(props, dict) and props.get("role") == "router"
+
+
+@dataclass(frozen=True, slots=True)
+class RouterModel:
+    name: str
+    status: str  # one of STATUSES ("unloaded" for one the router did not say)
+
+
+async def router_models(session: aiohttp.ClientSession, base: URL) -> list[RouterModel] | None:
+    """The router's models and their state, from ``GET /v1/models``; None when it does not
+    answer that way."""
+    try:
+        status, body = await get_json(session, base / "v1" / "models")
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return None
+    data = body.get("data") if status == 200 and isinstance(body, dict) else None
+    if not isinstance(data, list):
+        return None
+    found: dict[str, RouterModel] = {}
+    for d in data:
+        name = d.get("id") if isinstance(d, dict) else None
+        if not isinstance(name, str) or not name or name in found:
+            continue
+        state = d.get("status")
+        value = state.get("value") if isinstance(state, dict) else None
+        found[name] = RouterModel(name, value if value in STATUSES else "unloaded")
+    return list(found.values())
