@@ -84,6 +84,15 @@ async def _router_members(
     wanted = [m for m in models if spec.models is None or m.name in spec.models]
     if not wanted:
         log.warning("router lists none of the models asked for", upstream=spec.label)
+    missing = [c for c in ("complete", "chat") if c not in own.default_model]
+    if wanted and missing:
+        log.warning(
+            "a router serves only requests that name a model: those that name none go to "
+            "its first model; set default_model",
+            upstream=spec.label,
+            first=wanted[0].name,
+            classes=missing,
+        )
     members: list[Member] = []
     try:
         for model in wanted:

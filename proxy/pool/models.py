@@ -4,7 +4,8 @@
 The model a request asks for (``asked``): the ``model`` field of its JSON body; without one,
 ``default_model`` of its route's class (gating/classes.py ``route_class``: ``/infill`` is
 ``complete``, ``/v1/chat/completions`` ``chat``); without that, the first model an upstream
-states (its ``models``, in the pool's order: the config's, an upstream a reload adds after);
+states (its ``models``, or a router's model: upstream/adapters/router.py, in the pool's
+order: the config's, a router's in its listing's, an upstream a reload adds after);
 with none stated, no model: any upstream serves the request, as one upstream always did.
 
 An upstream's models (``Member.models``): the ``models`` its entry states, else the ids its
@@ -50,7 +51,12 @@ def asked(
     default = defaults.get(route_class(route))
     if default:
         return default
-    return next((m.spec.models[0] for m in members if m.spec.models and not m.draining), None)
+    return next((m.models[0] for m in members if _states(m) and not m.draining), None)
+
+
+def _states(m: Member) -> bool:
+    """Does ``m`` state its models: its entry lists them, or it is a router's model?"""
+    return bool(m.spec.models) or m.model is not None
 
 
 def serving(members: Sequence[Member], name: str | None) -> list[Member]:

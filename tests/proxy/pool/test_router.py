@@ -223,3 +223,15 @@ async def test_a_router_that_comes_up_after_the_proxy_becomes_its_models(
             assert (await complete(http, px, "k0"))[0] == 200
             await wait_until(lambda: len(pool.members) == 2, 10, what="the whole router gone")
             assert not any(m.router for m in pool.members)
+
+
+async def test_without_default_model_a_request_naming_none_goes_to_the_first_model(
+    http: aiohttp.ClientSession,
+) -> None:
+    with structlog.testing.capture_logs() as logs:
+        async with FakeRouter(["chat", "fim"]) as router, run_proxy(router.url) as px:
+            for i in range(3):
+                assert (await complete(http, px, f"k{i}", prompt=f"p{i}"))[0] == 200
+            assert router.loads == {"chat": 1, "fim": 0}
+    (warning,) = [e for e in logs if "set default_model" in e["event"]]
+    assert warning["first"] == "chat" and warning["classes"] == ["complete", "chat"]
