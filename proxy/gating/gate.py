@@ -24,10 +24,10 @@ places a request on to ``grant`` at once. Pure asyncio logic, no sockets. Contra
 - ``supersede_inflight`` asks the session's requests holding permits here to stop (the
   job decides by policy); a granted one not taken yet is refused at ``take``.
 - A slot whose stop could not be confirmed in time may still run its request: the job
-  ``quarantine``s it instead of releasing it. It is then in no one's hands and out of the
-  grants, and ``capacity`` counts it down, until the job sees it idle and calls
-  ``unquarantine`` (slot ids stay 0..``total`` - 1). ``closing`` is set at ``close``: such
-  a job stops watching then.
+  releases the ticket with that slot quarantined (``release(ticket, quarantine=...)``).
+  It is then in no one's hands and out of the grants, and ``capacity`` counts it down,
+  until the job sees it idle and calls ``unquarantine`` (slot ids stay 0..``total`` - 1).
+  ``closing`` is set at ``close``: such a job stops watching then.
 - ``wait_quiescent`` returns once no permit is held and no slot is quarantined: only then
   may the upstream's client and adapter be closed (a reload's drain, pool/lifecycle.py).
 - ``on_advance`` is called whenever permits come back or grow (the scheduler's
@@ -168,13 +168,10 @@ class Gate:
         if ticket.state == "granted":
             self.release(ticket)
 
-    def release(self, ticket: Ticket) -> None:
-        """Return the ticket's permits; only once the upstream is idle for it."""
-        self.quarantine(ticket, ())
-
-    def quarantine(self, ticket: Ticket, slots: Iterable[int]) -> None:
-        """End the ticket like ``release``, except that ``slots`` (of its own) may still be
-        busy upstream: they stay out of the grants until ``unquarantine``."""
+    def release(self, ticket: Ticket, quarantine: Iterable[int] = ()) -> None:
+        """End the ticket and return its permits, only once the upstream is idle for it;
+        ``quarantine``: those of its slots that may still be busy upstream (a stop not
+        confirmed in time), which stay out of the grants until ``unquarantine``."""
         if ticket.state not in ("granted", "running", "stopping"):
             return
         assert ticket.slots
@@ -182,7 +179,7 @@ class Gate:
         self._slots.ended(ticket)
         ticket.state = "done"
         ticket.on_supersede = ticket.on_preempt = None
-        kept = set(slots) & set(ticket.slots)
+        kept = set(quarantine) & set(ticket.slots)
         self._slots.quarantine(kept)
         self._slots.put([s for s in ticket.slots if s not in kept])
         self._advance()

@@ -381,7 +381,8 @@ class UpstreamJob:
             self.record.permit_hold_s = time.monotonic() - (
                 self.ticket.granted_at or time.monotonic()
             )
-            self.gate.quarantine(self.ticket, self.ticket.slots if self._quarantine else ())
+            kept = self.ticket.slots if self._quarantine else ()
+            self.gate.release(self.ticket, quarantine=kept)
 
     def _upstream_ended(self) -> None:
         """The upstream's body was read to its end: nothing left to stop, permit back."""

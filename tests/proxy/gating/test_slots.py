@@ -118,7 +118,7 @@ async def test_a_quarantined_slot_is_out_of_the_grants_until_given_back(
     wide = submit(pool, "w", supersedable=False, permits=2).ticket
     gate.take(wide)
     waiter = submit(pool, "x", supersedable=False)
-    gate.quarantine(wide, [1])  # slot 0 is idle, slot 1 may still run
+    gate.release(wide, quarantine=[1])  # slot 0 is idle, slot 1 may still run
     assert await granted_slot(pool, waiter) == 0
     assert (gate.total, gate.capacity, gate.free, gate.held, gate.quarantined) == (2, 1, 0, 1, [1])
     # fits the slots, waits for the quarantined one
