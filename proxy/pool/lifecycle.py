@@ -4,7 +4,7 @@ One upstream is a pool of one: the embedded backend and a single ``--upstream`` 
 exactly as several do. Each upstream is detected (detect.py, with its own settings and
 ClientSession), gets its gate sized by ``watch.gate_capacity`` and is watched for what
 detection could not learn yet (watch.py), each on its own. A llama-server in router mode
-is a pool of its models: one member per model (``_router_members``; the entry's
+is a pool of its models: one member per model (router_models.py; the entry's
 ``models``, when stated, pick which), each with its own permits and slot state
 (upstream/adapters/router.py).
 
@@ -41,10 +41,10 @@ from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.pool.health import probing
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.pool import Pool
+from llmproxy.proxy.pool.router_models import model_client, router_members
 from llmproxy.proxy.pool.specs import settings_for
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import Adapter
-from llmproxy.proxy.upstream.adapters.listing import RouterModel
 from llmproxy.proxy.upstream.adapters.llamacpp import LlamaCppAdapter
 from llmproxy.proxy.upstream.adapters.router import RouterModelAdapter
 from llmproxy.proxy.upstream.detect import create_adapter
@@ -71,54 +71,9 @@ async def _members(settings: ProxySettings, spec: UpstreamSpec) -> list[Member]:
     if isinstance(adapter, LlamaCppAdapter) and adapter.router is not None:
         adapter.close()
         await session.close()
-        return await _router_members(own, spec, adapter.router)
+        return await router_members(own, spec, adapter.router)
     gate = Gate(gate_capacity(own, adapter), affinity_wait_s=own.affinity_wait_s)
     return [Member(spec, own, session, adapter, gate)]
-
-
-async def _router_members(
-    own: ProxySettings, spec: UpstreamSpec, models: list[RouterModel]
-) -> list[Member]:
-    """A router's models, each a member of its own (upstream/adapters/router.py); the
-    entry's ``models``, when stated, say which of them the pool serves."""
-    wanted = [m for m in models if spec.models is None or m.name in spec.models]
-    if not wanted:
-        log.warning("router lists none of the models asked for", upstream=spec.label)
-    missing = [c for c in ("complete", "chat") if c not in own.default_model]
-    if wanted and missing:
-        log.warning(
-            "a router serves only requests that name a model: those that name none go to "
-            "its first model; set default_model",
-            upstream=spec.label,
-            first=wanted[0].name,
-            classes=missing,
-        )
-    members: list[Member] = []
-    try:
-        for model in wanted:
-            session, adapter = await _model_client(own, spec.url, model.name, model.status)
-            gate = Gate(gate_capacity(own, adapter), affinity_wait_s=own.affinity_wait_s)
-            members.append(Member(spec, own, session, adapter, gate, model=model.name))
-    except BaseException:
-        for m in members:
-            await m.close()
-        raise
-    return members
-
-
-async def _model_client(
-    own: ProxySettings, url: str, model: str, status: str
-) -> tuple[aiohttp.ClientSession, Adapter]:
-    session = open_session(own)
-    try:
-        adapter = RouterModelAdapter(url, session, own, model=model, status=status)
-        await adapter.learn()
-        if not adapter.pending():
-            adapter.known.set()
-        return session, adapter
-    except BaseException:
-        await session.close()
-        raise
 
 
 class PoolRuntime:
@@ -165,7 +120,7 @@ class PoolRuntime:
 
     def _router_found(self, m: Member) -> None:
         """Re-detection found a router where no server answered at start: its models join
-        as members (``_router_members``) and ``m`` leaves (never in rotation meanwhile)."""
+        as members (router_models.py) and ``m`` leaves (never in rotation meanwhile)."""
         self._spawn(self._expand(m), f"llmproxy-router-{m.name}")
 
     async def _expand(self, m: Member) -> None:
@@ -174,7 +129,7 @@ class PoolRuntime:
         if m.draining:
             return  # a reload took it out meanwhile
         try:
-            added = await _router_members(m.settings, m.spec, m.adapter.router)
+            added = await router_members(m.settings, m.spec, m.adapter.router)
         except Exception:  # our own bug, or the router went away meanwhile: say so
             log.exception("a router's models could not join", upstream=m.name)
             return
@@ -258,7 +213,7 @@ class PoolRuntime:
         if (spec.kind, spec.api_key) != (old.kind, old.api_key):
             if isinstance(m.adapter, RouterModelAdapter):
                 status = m.adapter.status
-                session, adapter = await _model_client(own, spec.url, m.adapter.model, status)
+                session, adapter = await model_client(own, spec.url, m.adapter.model, status)
             else:
                 session, adapter = await _client(own, spec.url)
             retired, m.session = m.session, session
