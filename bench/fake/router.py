@@ -94,7 +94,8 @@ class FakeRouter:
 
     ``models``: model names, or names mapped to per-model settings, which override the
     router-wide ones: ``slots``, ``load_delay_s``, ``load_hold`` (an event a load waits
-    for once its delay has passed) and any other ``FakeUpstream`` keyword argument (not
+    for once its delay has passed), ``aliases`` (other names a request may give it, listed
+    in ``/v1/models``) and any other ``FakeUpstream`` keyword argument (not
     ``kind``, ``models``, ``host``, ``port``), given to each of that model's children.
     ``child_kwargs`` are those arguments for every model.
     """
@@ -128,7 +129,8 @@ class FakeRouter:
             if taken:
                 raise TypeError(f"the router sets its children's {sorted(taken)}")
             delay, hold = kw.pop("load_delay_s"), kw.pop("load_hold")
-            table.append(RouterModel(name, kw, load_delay_s=delay, load_hold=hold))
+            aliases = tuple(kw.pop("aliases", ()))
+            table.append(RouterModel(name, kw, load_delay_s=delay, load_hold=hold, aliases=aliases))
         self.models = RouterModels(table, models_max)
         self.autoload = autoload  # llama-server's models_autoload (--no-models-autoload: off)
         self.created = int(time.time())
@@ -215,7 +217,7 @@ class FakeRouter:
                 "id": name,
                 "object": "model",
                 "owned_by": "llamacpp",
-                "aliases": [],
+                "aliases": list(m.aliases),
                 "tags": [],
                 "created": self.created,
                 "status": {"value": m.status, "args": []},

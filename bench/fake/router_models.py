@@ -48,6 +48,7 @@ class RouterModel:
     child_kwargs: dict[str, Any]
     load_delay_s: float = 0.0
     load_hold: asyncio.Event | None = None
+    aliases: tuple[str, ...] = ()  # other names it answers to (a preset's ``alias``)
     status: Status = "unloaded"
     child: FakeUpstream | None = None  # while loaded
     children: list[FakeUpstream] = field(default_factory=list)  # every child it had, in order
@@ -70,10 +71,13 @@ class RouterModels:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def get(self, name: str) -> RouterModel:
-        try:
-            return self.models[name]
-        except KeyError:
-            raise ModelNotFound(name) from None
+        """The model ``name`` names: its own name or one of its aliases."""
+        found = self.models.get(name) or next(
+            (m for m in self.models.values() if name in m.aliases), None
+        )
+        if found is None:
+            raise ModelNotFound(name)
+        return found
 
     # ----------------------------------------------------------------- changes
     def changed(self) -> None:
@@ -108,7 +112,7 @@ class RouterModels:
             if stop is not None:
                 stops.append(stop)
         m.status, m.error = "loading", None
-        self.loads[name] += 1
+        self.loads[m.name] += 1
         m.load = self._spawn(self._load(m, stops))
         self.changed()
         return m

@@ -213,7 +213,9 @@ class PoolRuntime:
         if (spec.kind, spec.api_key) != (old.kind, old.api_key):
             if isinstance(m.adapter, RouterModelAdapter):
                 status = m.adapter.status
-                session, adapter = await model_client(own, spec.url, m.adapter.model, status)
+                session, adapter = await model_client(
+                    own, spec.url, m.adapter.model, status, m.adapter.models[1:]
+                )
             else:
                 session, adapter = await _client(own, spec.url)
             retired, m.session = m.session, session

@@ -74,11 +74,12 @@ class Member:
 
     @property
     def models(self) -> tuple[str, ...]:
-        """The model names it lists: a router's model, its own; else its entry's ``models``,
+        """The model names it lists: a router's model, its own and its aliases; else its
+        entry's ``models``,
         else the ids its ``/v1/models`` reported at detection (models.py says how the pool
         routes by them)."""
         if self.model is not None:
-            return (self.model,)
+            return self.adapter.models  # its name first, then its aliases
         return tuple(self.spec.models) if self.spec.models is not None else self.adapter.models
 
     @property

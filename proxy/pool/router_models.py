@@ -40,7 +40,9 @@ async def router_members(
     members: list[Member] = []
     try:
         for model in wanted:
-            session, adapter = await model_client(own, spec.url, model.name, model.status)
+            session, adapter = await model_client(
+                own, spec.url, model.name, model.status, model.aliases
+            )
             gate = Gate(gate_capacity(own, adapter), affinity_wait_s=own.affinity_wait_s)
             members.append(Member(spec, own, session, adapter, gate, model=model.name))
     except BaseException:
@@ -51,11 +53,11 @@ async def router_members(
 
 
 async def model_client(
-    own: ProxySettings, url: str, model: str, status: str
+    own: ProxySettings, url: str, model: str, status: str, aliases: tuple[str, ...] = ()
 ) -> tuple[aiohttp.ClientSession, Adapter]:
     session = open_session(own)
     try:
-        adapter = RouterModelAdapter(url, session, own, model=model, status=status)
+        adapter = RouterModelAdapter(url, session, own, model=model, status=status, aliases=aliases)
         await adapter.learn()
         if not adapter.pending():
             adapter.known.set()

@@ -24,6 +24,7 @@ def is_router(props: Any) -> bool:
 class RouterModel:
     name: str
     status: str  # one of STATUSES ("unloaded" for one the router did not say)
+    aliases: tuple[str, ...] = ()  # other names the router takes for it (its preset's)
 
 
 async def router_models(session: aiohttp.ClientSession, base: URL) -> list[RouterModel] | None:
@@ -43,5 +44,11 @@ async def router_models(session: aiohttp.ClientSession, base: URL) -> list[Route
             continue
         state = d.get("status")
         value = state.get("value") if isinstance(state, dict) else None
-        found[name] = RouterModel(name, value if value in STATUSES else "unloaded")
+        listed = d.get("aliases")
+        aliases = (
+            tuple(a for a in listed if isinstance(a, str) and a and a != name)
+            if isinstance(listed, list)
+            else ()
+        )
+        found[name] = RouterModel(name, value if value in STATUSES else "unloaded", aliases)
     return list(found.values())

@@ -58,9 +58,11 @@ class RouterModelAdapter(LlamaCppAdapter):
         *,
         model: str,
         status: str,
+        aliases: tuple[str, ...] = (),
     ) -> None:
         super().__init__(base_url, session, settings)
         self.model = model
+        self.models = (model, *aliases)  # the names requests may ask it by
         self.status = status
         self.own = False  # each model is a llama-server child
         self.props_pending = True  # its slot count: its /props, once it is loaded

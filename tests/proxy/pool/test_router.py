@@ -235,3 +235,15 @@ async def test_without_default_model_a_request_naming_none_goes_to_the_first_mod
             assert router.loads == {"chat": 1, "fim": 0}
     (warning,) = [e for e in logs if "set default_model" in e["event"]]
     assert warning["first"] == "chat" and warning["classes"] == ["complete", "chat"]
+
+
+async def test_a_request_may_name_a_model_by_its_alias(http: aiohttp.ClientSession) -> None:
+    async with (
+        FakeRouter({"fim": {"aliases": ["qwen-fim"]}, "chat": {}}) as router,
+        fronted(router) as px,
+    ):
+        assert members(px)["fim"].models == ("fim", "qwen-fim")
+        assert (await complete(http, px, "k0", model="qwen-fim"))[0] == 200
+        (sent,) = child(router, "fim").generations
+        assert sent.body is not None and sent.body["model"] == "qwen-fim"  # as the client said
+        assert router.loads == {"fim": 1, "chat": 0}
