@@ -71,7 +71,7 @@ async def _members(settings: ProxySettings, spec: UpstreamSpec) -> list[Member]:
     if isinstance(adapter, LlamaCppAdapter) and adapter.router is not None:
         adapter.close()
         await session.close()
-        return await router_members(own, spec, adapter.router)
+        return await router_members(own, spec, adapter.router, adapter.router_max)
     gate = Gate(gate_capacity(own, adapter), affinity_wait_s=own.affinity_wait_s)
     return [Member(spec, own, session, adapter, gate)]
 
@@ -129,7 +129,7 @@ class PoolRuntime:
         if m.draining:
             return  # a reload took it out meanwhile
         try:
-            added = await router_members(m.settings, m.spec, m.adapter.router)
+            added = await router_members(m.settings, m.spec, m.adapter.router, m.adapter.router_max)
         except Exception:  # our own bug, or the router went away meanwhile: say so
             log.exception("a router's models could not join", upstream=m.name)
             return
@@ -212,9 +212,9 @@ class PoolRuntime:
         old = m.spec
         if (spec.kind, spec.api_key) != (old.kind, old.api_key):
             if isinstance(m.adapter, RouterModelAdapter):
-                status = m.adapter.status
+                a = m.adapter
                 session, adapter = await model_client(
-                    own, spec.url, m.adapter.model, status, m.adapter.models[1:]
+                    own, spec.url, a.model, a.status, a.models[1:], a.max_instances
                 )
             else:
                 session, adapter = await _client(own, spec.url)

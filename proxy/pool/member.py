@@ -49,6 +49,7 @@ class Member:
         self.draining = False
         self.prefill_s_per_char = PREFILL_S_PER_CHAR
         self.routed = 0  # requests granted here
+        self.last_granted = 0.0  # when the last one was (monotonic)
         self.model_loads = 0  # ... of which waited for a router to load the model
         #: the pool's lifecycle, told when re-detection finds a router here (``learnt``)
         self.on_router: Callable[[Member], None] | None = None

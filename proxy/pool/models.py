@@ -38,6 +38,7 @@ from typing import Any
 from llmproxy.proxy.errors import UnknownModel
 from llmproxy.proxy.gating.classes import route_class
 from llmproxy.proxy.pool.member import Member
+from llmproxy.proxy.upstream.adapters.router import RouterModelAdapter
 
 
 def asked(
@@ -94,3 +95,50 @@ class Held:
         self.passed.add(waiter)
         self._members.update(id(m) for m in members)
         return all(id(m) in self._members for m in rotation)
+
+
+def may_load(m: Member, members: Sequence[Member]) -> bool:
+    """May a request be granted on ``m`` now without making its router unload a model that
+    runs requests? No only when ``m`` is a router's model it does not run, the router runs
+    as many models as it may (``max_instances``) and every one of them holds requests: the
+    request then waits until one is idle (the router unloads its least recently used), and
+    never cuts another model's generations. Requests for the loaded models go on meanwhile."""
+    a = m.adapter
+    if not isinstance(a, RouterModelAdapter) or not a.cold() or not a.max_instances:
+        return True
+    if m.gate.inflight:
+        return True  # its load is under way already
+    running = [o for o in _siblings(m, members) if _runs(o)]
+    return len(running) < a.max_instances or any(not o.gate.inflight for o in running)
+
+
+def loading(m: Member, members: Sequence[Member]) -> None:
+    """A request was granted on ``m``, a router's model it does not run: the router loads
+    it now, and unloads its least recently used model if it runs as many as it may. Said
+    here at once (the next health round reads what the router says)."""
+    a = m.adapter
+    if not isinstance(a, RouterModelAdapter) or a.status != "unloaded":
+        return  # loaded, or its load under way already
+    a.status = "loading"
+    running = [o for o in _siblings(m, members) if _runs(o)]
+    if a.max_instances and len(running) >= a.max_instances:
+        idle = [o for o in running if not o.gate.inflight] or running
+        lru = min(idle, key=lambda o: o.last_granted)
+        assert isinstance(lru.adapter, RouterModelAdapter)
+        if lru.adapter.noted("unloaded"):
+            lru.model_unloaded()
+
+
+def _siblings(m: Member, members: Sequence[Member]) -> list[Member]:
+    """The other models of ``m``'s router."""
+    return [
+        o
+        for o in members
+        if o is not m
+        and isinstance(o.adapter, RouterModelAdapter)
+        and o.adapter.base_url == m.adapter.base_url
+    ]
+
+
+def _runs(m: Member) -> bool:
+    return isinstance(m.adapter, RouterModelAdapter) and m.adapter.status != "unloaded"

@@ -26,7 +26,9 @@ state: permits, slot affinity, quarantine. Concurrency contract:
   its job took the permits.
 - Models first (models.py): a request goes only to the upstreams that serve its model,
   and everything below (routing, the reserve, room, ``UpstreamUnavailable``) is among
-  those; a model no upstream serves is ``UnknownModel`` (404). A head that cannot be
+  those; a model no upstream serves is ``UnknownModel`` (404). A router's model it does
+  not run has no room while the router runs as many models as it may and each holds
+  requests (``may_load``: its load would cut their generations). A head that cannot be
   granted yet holds up the queue behind it only on the upstreams it waits for: a waiter
   for another model goes past it to its own upstreams (so strict FIFO holds among the
   waiters that want the same upstreams, and with one model it is the whole queue's).
@@ -64,7 +66,7 @@ from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.gating.waitlist import WaitList
 from llmproxy.proxy.pool.entry import Entry, Placement
 from llmproxy.proxy.pool.member import Member
-from llmproxy.proxy.pool.models import Held, serving
+from llmproxy.proxy.pool.models import Held, loading, may_load, serving
 from llmproxy.proxy.pool.order import Order
 from llmproxy.proxy.pool.preempt import victims
 from llmproxy.proxy.pool.prefix import block_hashes, prompt_text
@@ -260,7 +262,7 @@ class Pool:
 
         def room(m: Member) -> bool:
             n = sized.get(id(m))
-            if not isinstance(n, int) or m.gate.free < n:
+            if not isinstance(n, int) or m.gate.free < n or not may_load(m, self.members):
                 return False
             probe.permits = n
             on = self.settings.classes == "on"
@@ -364,6 +366,8 @@ class Pool:
                 n = sized.get(id(m))
                 if not isinstance(n, int) or m.gate.free < n or not self._within_share(m, head, n):
                     return False
+                if not may_load(m, self.members):  # models.py: a router's load cuts nothing
+                    return False
                 head.ticket.permits = n
                 return not m.gate.waits_for_its_slot(head.ticket)
 
@@ -458,6 +462,8 @@ class Pool:
         self.shares.granted(entry.ticket.caller, permits)
         m.index.add(entry.request.hashes)
         m.routed += 1
+        m.last_granted = time.monotonic()
+        loading(m, self.members)  # a router's model it does not run: loaded for this one
         m.prompt_chars += entry.prompt_chars
         m.cached_chars += choice.cached_chars
         entry.placement = Placement(

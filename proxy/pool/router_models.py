@@ -21,10 +21,11 @@ log = structlog.get_logger("llmproxy.pool")
 
 
 async def router_members(
-    own: ProxySettings, spec: UpstreamSpec, models: list[RouterModel]
+    own: ProxySettings, spec: UpstreamSpec, models: list[RouterModel], most: int | None
 ) -> list[Member]:
     """A router's models, each a member of its own (upstream/adapters/router.py); the
-    entry's ``models``, when stated, say which of them the pool serves."""
+    entry's ``models``, when stated, say which of them the pool serves; ``most``: how many
+    the router runs at once (its ``max_instances``)."""
     wanted = [m for m in models if spec.models is None or m.name in spec.models]
     if not wanted:
         log.warning("router lists none of the models asked for", upstream=spec.label)
@@ -41,7 +42,7 @@ async def router_members(
     try:
         for model in wanted:
             session, adapter = await model_client(
-                own, spec.url, model.name, model.status, model.aliases
+                own, spec.url, model.name, model.status, model.aliases, most
             )
             gate = Gate(gate_capacity(own, adapter), affinity_wait_s=own.affinity_wait_s)
             members.append(Member(spec, own, session, adapter, gate, model=model.name))
@@ -53,11 +54,18 @@ async def router_members(
 
 
 async def model_client(
-    own: ProxySettings, url: str, model: str, status: str, aliases: tuple[str, ...] = ()
+    own: ProxySettings,
+    url: str,
+    model: str,
+    status: str,
+    aliases: tuple[str, ...] = (),
+    most: int | None = None,
 ) -> tuple[aiohttp.ClientSession, Adapter]:
     session = open_session(own)
     try:
-        adapter = RouterModelAdapter(url, session, own, model=model, status=status, aliases=aliases)
+        adapter = RouterModelAdapter(
+            url, session, own, model=model, status=status, aliases=aliases, max_instances=most
+        )
         await adapter.learn()
         if not adapter.pending():
             adapter.known.set()

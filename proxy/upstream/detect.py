@@ -167,6 +167,8 @@ async def _build(
     adapter = KINDS[kind](base, session, settings)
     if isinstance(adapter, LlamaCppAdapter) and not props_pending and is_router(props):
         adapter.router = await router_models(session, adapter.base_url) or []
+        most = props.get("max_instances")
+        adapter.router_max = most if type(most) is int and most > 0 else None
         adapter.models = tuple(m.name for m in adapter.router)
         return adapter  # a pool of its models (pool/lifecycle.py), each probed on its own
     if isinstance(adapter, LlamaCppAdapter):

@@ -94,6 +94,7 @@ class LlamaCppAdapter(SlotPollingAdapter):
         self.client.reuse_after_stream = False
         #: a llama-server in router mode: its models (router.py), run as members of their own
         self.router: list[RouterModel] | None = None
+        self.router_max: int | None = None  # ... and how many it runs at once (--models-max)
 
     def learn_props(self, props: Any) -> None:
         """What /props tells: the slot count, and whether this is llmproxy's own backend.

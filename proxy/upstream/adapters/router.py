@@ -59,9 +59,11 @@ class RouterModelAdapter(LlamaCppAdapter):
         model: str,
         status: str,
         aliases: tuple[str, ...] = (),
+        max_instances: int | None = None,
     ) -> None:
         super().__init__(base_url, session, settings)
         self.model = model
+        self.max_instances = max_instances  # models the router runs at once (--models-max)
         self.models = (model, *aliases)  # the names requests may ask it by
         self.status = status
         self.own = False  # each model is a llama-server child

@@ -247,3 +247,31 @@ async def test_a_request_may_name_a_model_by_its_alias(http: aiohttp.ClientSessi
         (sent,) = child(router, "fim").generations
         assert sent.body is not None and sent.body["model"] == "qwen-fim"  # as the client said
         assert router.loads == {"fim": 1, "chat": 0}
+
+
+async def test_a_load_waits_rather_than_cut_another_models_generation(
+    http: aiohttp.ClientSession,
+) -> None:
+    """``--models-max 1``: a chat for the unloaded model waits while a completion runs on
+    the loaded one (the router would unload it mid-answer), then loads when it is idle;
+    completions for the loaded model go on meanwhile."""
+    hold = asyncio.Event()
+    script = lambda _p, b: Script(tokens=2, hold=hold if b.get("prompt") == "held" else None)  # noqa: E731
+    async with FakeRouter(["fim", "chat"], models_max=1, script=script) as router:
+        async with fronted(router) as px:
+            ms = members(px)
+            assert ms["chat"].adapter.max_instances == 1  # type: ignore[attr-defined]
+            assert (await complete(http, px, "warm", prompt="x"))[0] == 200
+            running = asyncio.create_task(complete(http, px, "r", prompt="held"))
+            await child(router, "fim").wait_for(lambda f: f.slot_busy == [True])
+            body = {"messages": [{"role": "user", "content": "hi"}]}
+            chat = asyncio.create_task(http.post(px.url + "/v1/chat/completions", json=body))
+            await wait_until(lambda: len(px.state.pool.queue) == 1, what="the chat waiting")
+            assert router.loads["chat"] == 0 and status(ms["chat"]) == "unloaded"
+            hold.set()  # the completion ends: fim is idle, the chat may load chat
+            assert (await running)[0] == 200
+            async with await chat as r:
+                assert r.status == 200
+            fim = router.children("fim")[0]
+            assert fim.aborted == [] and router.loads == {"fim": 1, "chat": 1}
+            assert status(ms["fim"]) == "unloaded"
