@@ -5,7 +5,8 @@ affinity wait only arms a loop timer that wakes the gate), no locks (the event l
 thread only). Slot ids are 0..``total`` - 1; at any time each one is
 free, quarantined, or held by exactly one ticket (the pool tracks the first two). A ticket
 being settled (``settle`` .. ``settled``, see ``Gate.settle_extras``) gets the first pick
-of slots put back meanwhile: its extras become the lowest of its own and the free ones.
+of slots put back meanwhile: its extras become the lowest of its own and the free ones;
+sent before others that settle still, it takes the lowest of its extras and theirs.
 A ticket's extras are the slots the server picks for it, the lowest idle ones: all but the
 first of a request pinned to its first slot by ``id_slot`` (``SLOT_ROUTES``), all of an
 unpinned one (embeddings, rerank).
@@ -128,14 +129,34 @@ class Slots:
         ends (``ended``) a slot below its highest extra put back is held for it too: the
         server, seeing that slot idle before the request arrived, may have put an extra
         completion there instead of where the gate put it. Held one permit too many for a
-        while, never a slot granted twice."""
+        while, never a slot granted twice.
+
+        Sent before tickets that settle still (their slots idle at the server until they
+        are sent), it takes the lowest of its extras and theirs, as the server will: an
+        earlier one, with lower extras, may have waited longer (its own wait, or its poll
+        of the slots came later); they get the others, oldest first, and, once their turn
+        comes, wait for its slots below theirs to be busy (``settle_extras``)."""
         if self._settling.pop(ticket.id, None) is not None:
+            self._before_settling(ticket)
             self._sent[ticket.id] = ticket
 
     def ended(self, ticket: Ticket) -> None:
         """The ticket's permits are coming back: no more slots are held for it."""
         self._settling.pop(ticket.id, None)
         self._sent.pop(ticket.id, None)
+
+    def _before_settling(self, ticket: Ticket) -> None:
+        """``ticket``, sent, takes the lowest of its extras and those of the tickets settling
+        still; they get the others (see ``settled``)."""
+        others = [t for t in self._settling.values() if _extras(t)]
+        if not others:
+            return
+        pool = sorted([*_extras(ticket), *(s for t in others for s in _extras(t))])
+        for t in (ticket, *others):
+            extras = _extras(t)
+            fixed = t.slots[: len(t.slots) - len(extras)]
+            t.slots = (*fixed, *pool[: len(extras)])
+            del pool[: len(extras)]
 
     def _lower_extras(self, ticket: Ticket) -> None:
         """Trade the ticket's extras for the lowest ids among them and the free slots; the

@@ -39,6 +39,9 @@ class Entry:
     prompt_chars: int = 0
     twin: str | None = None  # its body's twin key (proxy/twins.py)
     model: str | None = None  # the model it asks for (models.py; None: any upstream)
+    #: held to its caller's ``max_queued`` while it waits: not a failover nor a resume,
+    #: counted when first admitted (pool.py ``submit``)
+    counted: bool = True
     created: float = field(default_factory=time.monotonic)
     placement: Placement | None = None
 

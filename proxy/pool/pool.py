@@ -138,18 +138,18 @@ class Pool:
         model: str | None = None,
     ) -> Entry:
         """Admit a request (see the module's contract); ``klass``: its request class
-        (gating/classes.py); ``caller``: who sent it (shares.py: 429 when it would wait
-        with its key's ``max_queued`` requests waiting already, unless it takes the place
-        of one of the caller's own); ``exclude``: a failover, which goes to the head of
-        the queue and to another upstream than the one it failed on. ``first``: to the
-        head of the queue too (a keystroke that waited on its session's generation,
-        type-through). The queue's bound refuses neither; ``max_queued`` refuses a
-        ``first`` one as any other (it was never counted), never a failover (it was, when
-        it was first admitted). ``since``: when the request first came: a preempted one's
-        resume, which keeps its age (order.py, preempt.py), supersedes nothing (though a
-        newer request may supersede it) and, counted when it was first admitted, is never
-        refused by ``max_queued`` either. ``model``: the model it asks for (models.py
-        ``asked``; None: any upstream)."""
+        (gating/classes.py); ``caller``: who sent it (shares.py: 429 when it would wait with
+        its key's ``max_queued`` requests waiting already: those held to the cap, not
+        failovers nor resumes, and not the one whose place it takes, which leaves);
+        ``exclude``: a failover, which goes to the head of the queue and to another upstream
+        than the one it failed on. ``first``: to the head of the queue too (a keystroke that
+        waited on its session's generation, type-through). The queue's bound refuses
+        neither; ``max_queued`` refuses a ``first`` one as any other (it was never counted),
+        never a failover (it was, when it was first admitted). ``since``: when the request
+        first came: a preempted one's resume, which keeps its age (order.py, preempt.py),
+        supersedes nothing (though a newer request may supersede it) and, counted when it
+        was first admitted, is never refused by ``max_queued`` either. ``model``: the model
+        it asks for (models.py ``asked``; None: any upstream)."""
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
         members = self._serving(model, exclude)  # or UnknownModel
@@ -165,9 +165,10 @@ class Pool:
         text = prompt_text(route, parsed) if self.settings.route == "cache" else ""
         hashes = block_hashes(text)
         cap = self.shares.max_queued(caller)
-        theirs = replaced is None or replaced.ticket.caller != caller
-        if cap is not None and theirs and exclude is None and since is None:
-            waiting = sum(e.ticket.caller == caller for e in self.queue)
+        if cap is not None and exclude is None and since is None:
+            waiting = sum(
+                e.counted and e.ticket.caller == caller and e is not replaced for e in self.queue
+            )
             runs = self._runs_now(
                 session,
                 route,
@@ -176,6 +177,7 @@ class Pool:
                 hashes,
                 dict(zip(map(id, members), sized, strict=True)),
                 members,
+                replaced,
             )
             if waiting >= cap and not runs:
                 raise QueueFull(
@@ -221,6 +223,7 @@ class Pool:
             twin=twin,
             created=created,
             model=model,
+            counted=exclude is None and since is None,
         )
         ticket.affinity_waited = at_cap  # no wait for its session's slot either
         self._sizing[ident] = sizing
@@ -251,11 +254,13 @@ class Pool:
         hashes: list[bytes],
         sized: dict[int, int | BadRequest],
         members: list[Member],
+        replaced: Entry | None = None,
     ) -> bool:
         """Would a request with these traits be granted at once, as the queue's head now
-        (nothing waits, its caller is under ``max_inflight``, and the router picks an
-        upstream with room for it)? Changes nothing."""
-        if self.queue or caller in self.order.capped(self.members):
+        (nothing waits but ``replaced``, whose place it takes, its caller is under
+        ``max_inflight``, and the router picks an upstream with room for it)? Changes
+        nothing."""
+        if any(e is not replaced for e in self.queue) or caller in self.order.capped(self.members):
             return False
         probe = Ticket(0, session, False, route, asyncio.get_running_loop().create_future())
         probe.klass = klass

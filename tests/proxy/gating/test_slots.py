@@ -111,6 +111,41 @@ async def test_two_wide_requests_settling_never_wait_on_each_other(
     assert gate.free == 4
 
 
+async def test_embeddings_sent_before_earlier_ones_settling_take_their_lower_slots(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Embeddings e1 (slot 1) and e2 (slot 2), granted behind a completion x (slot 0, not at
+    the server yet), both wait for slot 0 to be busy; e2's poll sees it first and e2 is
+    sent while e1 still settles. The server puts e2's task on its lowest idle slot, 1 (e1's
+    in the gate), and e1's, later, on slot 2: the gate must say the same, or a completion
+    granted slot 2 once e2 ends would find e1's task there (the stress test's deferral)."""
+    pool, gate = one(http, 3)
+    x = submit(pool, "x", supersedable=False).ticket
+    gate.take(x)
+    e1, e2 = (
+        submit(pool, s, supersedable=False, route="/v1/embeddings").ticket for s in ("e1", "e2")
+    )
+    for t in (e1, e2):
+        gate.take(t)
+    assert (x.slots, e1.slots, e2.slots) == ((0,), (1,), (2,))
+    unpinned = lambda t: t is x  # noqa: E731  (embeddings run where the server puts them)
+    assert gate.settle_extras(e1, unpinned) == {0}
+    assert gate.settle_extras(e2, unpinned) == {0}
+    gate.settled(e2)  # slot 0 busy at its poll: sent
+    assert (e1.slots, e2.slots) == ((2,), (1,))
+    assert gate.settle_extras(e1, unpinned) == {0, 1}  # e1 waits for e2's task to be busy too
+    gate.settled(e1)
+    gate.release(e2)  # slot 1 back: below e1's slot 2, held for e1 (the server may use it)
+    assert gate.free == 0 and e1.slots == (2, 1)
+    after = submit(pool, "y", supersedable=False)
+    gate.release(e1)  # e1's task ran on slot 2: both of its slots come back
+    assert await granted_slot(pool, after) == 1 and gate.free == 1
+    gate.take(after.ticket)
+    for t in (x, after.ticket):
+        gate.release(t)
+    assert gate.free == 3
+
+
 async def test_a_quarantined_slot_is_out_of_the_grants_until_given_back(
     http: aiohttp.ClientSession,
 ) -> None:

@@ -104,3 +104,45 @@ async def test_aging_never_puts_a_callers_old_requests_ahead_of_anothers_turn(
     other = submit(pool, "b", "b", caller="B", klass="chat")
     order = await served_order(pool, [*agent, other], running)
     assert order[:2] == ["A", "B"], order
+
+
+async def test_a_request_in_place_of_its_callers_failover_is_held_to_max_queued(
+    session: aiohttp.ClientSession,
+) -> None:
+    """A's request failed on u1 and waits as a failover (not held to ``max_queued``: it was
+    when first admitted), every upstream busy; the session's next keystroke would take its
+    place. Let in, it waited, uncounted in place of an uncounted one (A's ``max_queued`` 0
+    with a request waiting: the stress test's finding). It gets 429, the failover keeps its
+    place; once u1 is free the keystroke runs at once there, and is let in."""
+    pool, (u0, u1) = make_pool(session, [1, 1], keys=keys(A={"max_queued": 0}))
+    busy = [submit(pool, s, s, caller="x") for s in ("x0", "x1")]
+    assert all(e.future.done() for e in busy)
+    failover = submit(pool, "s", "def f", caller="A", exclude=u1)
+    assert not failover.future.done()
+    with pytest.raises(QueueFull, match="max_queued"):
+        submit(pool, "s", "def g", caller="A")
+    assert failover in pool.queue and not failover.future.done()
+    await finish(pool, busy[1])  # u1 free: the failover, not for u1, still waits
+    assert not failover.future.done()
+    keystroke = submit(pool, "s", "def g", caller="A")  # in its place, granted on u1 at once
+    assert keystroke.future.done() and keystroke.future.result().member is u1
+    assert failover.future.done() and failover not in pool.queue  # superseded
+    await finish(pool, keystroke)
+    await finish(pool, busy[0])
+
+
+async def test_a_callers_failover_waiting_is_not_held_to_its_max_queued(
+    session: aiohttp.ClientSession,
+) -> None:
+    """A failover is no waiter ``max_queued`` counts (it was counted when first admitted):
+    with A's failover waiting and ``max_queued`` 1, A's next request may wait."""
+    pool, (u0, u1) = make_pool(session, [1, 1], keys=keys(A={"max_queued": 1}))
+    busy = [submit(pool, s, s, caller="x") for s in ("x0", "x1")]
+    failover = submit(pool, "s", "def f", caller="A", exclude=u1)
+    other = submit(pool, "t", "def h", caller="A")
+    with pytest.raises(QueueFull, match="max_queued"):
+        submit(pool, "v", "def k", caller="A")
+    for e in busy:
+        await finish(pool, e)
+    await finish(pool, failover)
+    await finish(pool, other)
