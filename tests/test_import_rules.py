@@ -101,6 +101,19 @@ RULES = {
     "proxy/telemetry": (("llmproxy.proxy.http", "llmproxy.proxy.upstream"), ()),
     # the upstream side never reaches back into the HTTP face
     "proxy/upstream": (("llmproxy.proxy.http",), ()),
+    # the way back to the client: written from the exchange's events, knows nothing earlier
+    "proxy/relay": (
+        (
+            "llmproxy.proxy.http",
+            "llmproxy.proxy.gating",
+            "llmproxy.proxy.pool",
+            "llmproxy.proxy.upstream",
+            "llmproxy.proxy.reuse",
+            "llmproxy.proxy.telemetry",
+            "llmproxy.proxy.state",
+        ),
+        (),
+    ),
     # type-through answers from generations the upstream side records; no HTTP handlers
     "proxy/reuse": (("llmproxy.proxy.http", "llmproxy.proxy.gating"), ()),
     # engines run only inside worker processes: no web layer, no dispatcher, no event loop

@@ -19,12 +19,12 @@ from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.sessions import is_warmup
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.http.trust import TRUST
+from llmproxy.proxy.relay.responder import Responder
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import RECORD, ProxyState
 from llmproxy.proxy.upstream.adapters.base import Adapter
 from llmproxy.proxy.upstream.headers import request_headers
 from llmproxy.proxy.upstream.job import Resume, UpstreamJob, UpstreamRequest
-from llmproxy.proxy.upstream.responder import Responder
 
 
 def continuable(s: ProxySettings, path: str, parsed: Any) -> bool:

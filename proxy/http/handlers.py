@@ -8,7 +8,7 @@ Concurrency contract: the handler task belongs to the client connection (aiohttp
 with ``handler_cancellation=True``, so a client disconnect cancels it). While queued, a
 cancellation abandons the ticket (the request never reaches the upstream). Once the
 permit is granted, an UpstreamJob owns it and writes the response through the request's
-``Responder`` (upstream/responder.py) while this handler waits for its outcome; a
+``Responder`` (relay/responder.py) while this handler waits for its outcome; a
 cancellation then only tells the job that the client left (policy ``on_disconnect``); the
 job, not this handler, releases the permit and reports the upstream's health to the
 circuit breaker.

@@ -1,8 +1,8 @@
 """Ungated routes (/health, /props, /slots, /v1/models, /api/tags, ...): straight through.
 
 No permit, no queue: the request is forwarded to the configured upstream only, and the
-response written as it arrives, like a gated one (upstream/forward.py,
-upstream/responder.py), by this handler itself. A client disconnect cancels the handler,
+response written as it arrives, like a gated one (upstream/forward.py, relay/writer.py,
+relay/responder.py), by this handler itself. A client disconnect cancels the handler,
 which closes the upstream request. Errors, ours included, end the response through the
 Responder: the envelope if nothing was sent yet, else the stream's error event or a cut.
 """
@@ -15,10 +15,10 @@ from aiohttp import web
 from llmproxy.proxy.errors import ProxyError
 from llmproxy.proxy.http.bodies import read_body
 from llmproxy.proxy.http.trust import TRUST
+from llmproxy.proxy.relay.responder import Responder
 from llmproxy.proxy.state import RECORD, STATE
 from llmproxy.proxy.upstream.forward import forward
 from llmproxy.proxy.upstream.headers import request_headers
-from llmproxy.proxy.upstream.responder import Responder
 
 log = structlog.get_logger("llmproxy.passthrough")
 

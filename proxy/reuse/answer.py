@@ -4,7 +4,7 @@ A stream gets the generation's events from the first one after the typed text (t
 the typed text ends in is cut, see ``Generation.stream_from``), then each new one as it
 arrives, and ends when the generation ends; a generation cut short ends it with an error
 event in the stream's own format, and then the connection closes without the stream's
-terminator, as any failed stream on a completion route (upstream/error_event.py). A
+terminator, as any failed stream on a completion route (relay/error_event.py). A
 non-streaming request waits for the generation's end and gets the body the upstream's
 final event gives (``Assembler``) with the typed text taken off the front of ``content``
 (``choices[0].text`` on ``/v1/completions``; none where ``response_fields`` left it out),
@@ -37,12 +37,12 @@ from typing import Any
 from aiohttp import web
 
 from llmproxy.proxy.errors import SUPERSEDED, ProxyError, Superseded
+from llmproxy.proxy.relay.assemble import CONTENT_TYPE, Assembler
+from llmproxy.proxy.relay.error_event import cuts_after_error
+from llmproxy.proxy.relay.responder import stream_error_bytes
 from llmproxy.proxy.reuse.generation import Generation
 from llmproxy.proxy.reuse.registry import Follow
 from llmproxy.proxy.telemetry.record import RequestRecord
-from llmproxy.proxy.upstream.assemble import CONTENT_TYPE, Assembler
-from llmproxy.proxy.upstream.error_event import cuts_after_error
-from llmproxy.proxy.upstream.responder import stream_error_bytes
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -129,7 +129,7 @@ async def answer(
         if not ended:
             rec.outcome = "superseded"
         await resp.write(_error_event(error))
-        if cuts_after_error(request.path):  # no terminator (see upstream/error_event.py)
+        if cuts_after_error(request.path):  # no terminator (see relay/error_event.py)
             resp.force_close()
             if request.transport is not None:
                 request.transport.close()

@@ -34,10 +34,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from llmproxy.proxy.errors import ProxyError
+from llmproxy.proxy.relay.sse import Framer, SseEvent
 
 
 class Event:
@@ -95,7 +96,7 @@ class Generation:
         # twin keys of the requests that followed it or waited on it (registry.py)
         self.followers: set[str] = set()
         self.reused_tokens = 0
-        self._pending = b""
+        self._framer = Framer()  # for ``feed``
         self._changed = asyncio.Event()
 
     @property
@@ -126,34 +127,22 @@ class Generation:
 
     def feed(self, data: bytes) -> None:
         """Bytes of the upstream's event stream, as they arrive."""
-        blocks = (self._pending + data).split(b"\n\n")
-        self._pending = blocks.pop()
-        for block in blocks:
-            self._add(block + b"\n\n")
-        self._wake()
+        self.take(self._framer.feed(data))
 
-    def _add(self, raw: bytes) -> None:
-        obj: dict[str, Any] | None = None
-        for line in raw.split(b"\n"):
-            if line.startswith(b"data:"):
-                payload = line[5:].strip()
-                if payload and payload != b"[DONE]":
-                    try:
-                        parsed = json.loads(payload)
-                    except ValueError:
-                        parsed = None
-                    obj = parsed if isinstance(parsed, dict) else None
-        piece = _piece(obj, self.oai) if obj is not None else ""
-        self.events.append(Event(raw, obj, piece))
-        self.text += piece
+    def take(self, events: Iterable[SseEvent]) -> None:
+        """Whole events of the upstream's stream, as they arrive (shared: never changed)."""
+        for e in events:
+            obj = e.fields
+            piece = _piece(obj, self.oai) if obj is not None else ""
+            self.events.append(Event(e.raw, obj, piece))
+            self.text += piece
+        self._wake()
 
     def end(self, error: ProxyError | None = None) -> None:
         """The upstream's body ended (``error`` None), or the generation failed or was cut."""
         if self.done:
             return
-        if self._pending.strip():
-            self._add(self._pending)
-            self._pending = b""
+        self.take(self._framer.flush())  # fed as bytes: a last event without its blank line
         self.done, self.error = True, error
         self.ended_at = time.monotonic()
         self.on_superseded = None  # the starting request's answer is complete, or failed

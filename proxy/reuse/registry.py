@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmproxy.proxy.errors import SUPERSEDED, Superseded
+from llmproxy.proxy.relay.assemble import OAI_ROUTES
 from llmproxy.proxy.reuse.generation import Generation
 from llmproxy.proxy.reuse.match import typed
 from llmproxy.proxy.routes import eligible
 from llmproxy.proxy.twins import twin_key, twins
-from llmproxy.proxy.upstream.assemble import OAI_ROUTES
 
 
 @dataclass(frozen=True, slots=True)

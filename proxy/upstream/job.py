@@ -50,10 +50,11 @@ Concurrency contract:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import structlog
@@ -69,16 +70,26 @@ from llmproxy.proxy.errors import (
 from llmproxy.proxy.gating.breaker import CircuitBreaker
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.ticket import Ticket
+from llmproxy.proxy.relay.assemble import Assembler
+from llmproxy.proxy.relay.events import End, Failed, Head, Piece, Timing
+from llmproxy.proxy.relay.responder import Responder
+from llmproxy.proxy.relay.sse import Framer
+from llmproxy.proxy.relay.writer import Relay
 from llmproxy.proxy.telemetry.metrics import Metrics
 from llmproxy.proxy.telemetry.record import RequestRecord
 from llmproxy.proxy.upstream.adapters.base import Adapter
-from llmproxy.proxy.upstream.assemble import Assembler
 from llmproxy.proxy.upstream.confirm import confirm_stop
-from llmproxy.proxy.upstream.forward import forward
+from llmproxy.proxy.upstream.forward import timing_to
 from llmproxy.proxy.upstream.health import report_health, stopped_error, upstream_failed
 from llmproxy.proxy.upstream.listener import Listener, Recorder
-from llmproxy.proxy.upstream.responder import Responder
-from llmproxy.proxy.upstream.resume import Framed, Transcript, continuation, resumable
+from llmproxy.proxy.upstream.resume import (
+    MAX_EVENT,
+    Echo,
+    Transcript,
+    continuation,
+    resumable,
+)
+from llmproxy.proxy.upstream.stream import exchange_events
 
 log = structlog.get_logger("llmproxy.job")
 
@@ -161,13 +172,12 @@ class UpstreamJob:
         self._body, self._parsed = request.body, record.parsed_body  # a continuation's later
         self.resume: Resume | None = None
         self._transcript: Transcript | None = None
-        self._framed: Framed | None = None
+        self._echo: Echo | None = None  # a chat continuation's repeated prefill, to take out
         self._resuming: asyncio.Task[object] | None = None  # the job's task, in ``resume()``
         self._assembler: Assembler | None = None
         if resume is not None and self.generation is None:
             if resumable(adapter.kind, request.path, record.parsed_body):
                 self.resume, self._transcript = resume, Transcript(request.path)
-                self._framed = Framed(out, self._transcript)
 
     # -- control (called from the handler / the gate) ------------------------------
     def _superseded(self) -> None:
@@ -212,15 +222,25 @@ class UpstreamJob:
         if self.disconnect_policy == "cancel" or not self.record.sent:
             self.stop("client_disconnect")
 
-    def _observe(self, data: bytes) -> None:
-        """A piece of a resumable event stream: recorded; preemptible from its first event."""
+    def _read(self, event: Piece | End) -> Piece | End:
+        """The events of a piece of the upstream's event stream, before they are relayed: a
+        chat continuation's echo out, then type-through's record and a resumable stream's
+        transcript fed (preemptible from its first event)."""
+        events = event.events
+        if self._echo is not None:
+            events = self._echo.strip(events)
+            event = replace(event, events=events)
+        if self.generation is not None:
+            self.generation.take(events)
         t = self._transcript
-        assert t is not None and self._framed is not None
-        self._framed.observe(data)  # feeds the transcript
+        if t is None:
+            return event
+        t.take(events)
         if not t.exact:
             self.ticket.on_preempt = None
         elif t.pieces and self.ticket.on_preempt is None and not self._finished:
             self.ticket.on_preempt = self._preempted
+        return event
 
     def _preempted(self) -> None:
         self.ticket.on_preempt = None
@@ -243,13 +263,13 @@ class UpstreamJob:
             self._stop_cancelled = True
             self._task.cancel()
 
-    def _on_head(self) -> None:
+    def _on_head(self, head: Head) -> None:
         """The upstream answered. A good status is a success for the breaker now (a probe
         must not keep the breaker half-open for its whole body). A stop that waited for the
         head (``_cancel_on_head``) cuts now, in the job's own task, before anything goes to
         the client (the transfer scope takes the CancelledError as its stop's)."""
-        status = self.record.upstream_status
-        if status is not None and not upstream_failed(status):
+        status = self.record.upstream_status = head.status
+        if not upstream_failed(status):
             self.breaker.success(self.breaker_probe)
             self._success_reported = True
         if status != 200 and self.record.preempted and self.out.started:
@@ -321,7 +341,7 @@ class UpstreamJob:
         """A preempted request, its stop confirmed: permits back, new ones, continuation
         ready (False: it cannot go on; the client's answer ends here)."""
         rec, t = self.record, self._transcript
-        assert self.resume is not None and t is not None and self._framed is not None
+        assert self.resume is not None and t is not None
         report_health(self.breaker, self.breaker_probe, rec, self._success_reported)
         self._success_reported = True  # told: the job's last report must not count it again
         if self._quarantine or self.out.ended:
@@ -329,13 +349,8 @@ class UpstreamJob:
                 self.out.fail(UpstreamFailed("a preempted generation could not be resumed"))
             return False
         self._release()
-        self._framed.cut()
-        if t.chat:  # llama-server's chat continuation repeats its prefill first
-            self._framed.expect_echo(t.text)
-        if self._assembler is not None:
-            self._assembler.cut()
-            if t.chat:
-                self._assembler.expect_echo(t.text)
+        # llama-server's chat continuation repeats its prefill first
+        self._echo = Echo(t.text) if t.chat else None
         rec.preempted += 1
         task = asyncio.current_task()
         assert task is not None
@@ -370,7 +385,6 @@ class UpstreamJob:
         self._stop_reason, self._stop_cancelled, self._finished = None, False, False
         self._success_reported = self._released = self._quarantine = False
         rec.upstream_sent, rec.upstream_status, rec.slot = False, None, self.slot
-        rec.upstream_ttfb_s = rec.piece_gap_s = None  # the continuation's own, from here
         return True
 
     def _release(self) -> None:
@@ -424,28 +438,50 @@ class UpstreamJob:
         return self._stop_reason is not None or (failed and not self._finished)
 
     async def _transfer_body(self) -> None:
+        """One exchange with the upstream: its events read here (job state, type-through,
+        the transcript) and then relayed to the client (relay/writer.py)."""
         rec, req = self.record, self.request
         await self.adapter.settle(self.gate, self.ticket)  # n_cmpl, embeddings: llamacpp's
         body = self.adapter.prepare_body(req.path, self._body, self._parsed, self.slot)
+        assembled = self.adapter.assembles(req.path, self._parsed)  # sent as a stream
+        if assembled:
+            rec.assembled = True
+            self._assembler = self._assembler or Assembler(req.path)  # one over segments
+        resumable = self._transcript is not None
+        framer = None
+        if assembled or resumable or self.generation is not None:
+            framer = Framer(MAX_EVENT if resumable and not assembled else None)
+        relay = Relay(
+            self.out, assembler=self._assembler if assembled else None, whole_events=resumable
+        )
+        timing = Timing()
+        events = exchange_events(
+            self.adapter,
+            req.method,
+            req.raw_path,
+            req.headers,
+            body,
+            on_send=rec.mark_sent,
+            framer=framer,
+            timing=timing,
+        )
         try:
-            if self.adapter.assembles(req.path, self._parsed):  # sent as a stream (assemble.py)
-                rec.assembled = True
-                self._assembler = self._assembler or Assembler(req.path)  # one over segments
-            observe = self.generation.feed if self.generation is not None else None
-            await forward(
-                self.adapter,
-                req.method,
-                req.raw_path,
-                req.headers,
-                body,
-                self._framed or self.out,
-                rec,
-                self._upstream_ended,
-                self._on_head,
-                self._assembler,
-                self._observe if self._transcript is not None else observe,
-            )
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    if isinstance(event, Failed):
+                        raise event.error
+                    if isinstance(event, Head):
+                        self._on_head(event)  # may cut the exchange here
+                    else:
+                        if event.events:
+                            event = self._read(event)
+                        if isinstance(event, End):
+                            timing_to(rec, timing)
+                            self._upstream_ended()  # permit back before the last write
+                    await relay.write(event)
         except ProxyError as exc:
             rec.upstream_error = exc
             log.warning("upstream request failed", error=exc.message, request_id=rec.request_id)
             self.out.fail(exc)
+        finally:
+            timing_to(rec, timing)

@@ -6,8 +6,8 @@ by the HTTP layer; None when type-through is off or the request cannot be contin
 upstream side depends on these protocols only, never on proxy/reuse/.
 
 Concurrency contract: event loop thread only; nothing here blocks, starts a task or holds
-a permit. The job owns the calls: ``feed`` with each piece of the upstream's body as it
-arrives, ``end`` when it ended (the first call counts, later ones are no-ops), ``leave``
+a permit. The job owns the calls: ``take`` with the events of each piece of the upstream's
+body as it arrives, ``end`` when it ended (the first call counts, later ones are no-ops), ``leave``
 once when its own client reads the generation no more. The recorder owns the callbacks it
 is given and calls them from the loop: ``on_orphaned`` when no reader is left (after its
 grace), ``on_superseded`` when a later keystroke continues the generation, ``on_joined``
@@ -16,10 +16,11 @@ with each new reader's twin key.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from llmproxy.proxy.errors import ProxyError
+from llmproxy.proxy.relay.sse import SseEvent
 
 
 class Listener(Protocol):
@@ -35,8 +36,8 @@ class Listener(Protocol):
         """The events recorded so far (empty: no event stream came)."""
         ...
 
-    def feed(self, data: bytes) -> None:
-        """Bytes of the upstream's event stream, as they arrive."""
+    def take(self, events: Iterable[SseEvent]) -> None:
+        """Whole events of the upstream's event stream, as they arrive (shared: read only)."""
 
     def end(self, error: ProxyError | None = None) -> None:
         """The generation ended, complete (``error`` None) or not; the first call counts."""

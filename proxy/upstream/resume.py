@@ -10,30 +10,32 @@ pool/preempt.py). Its job then sends the *continuation*, and the client sees one
   messages plus the assistant message so far, which llama-server continues as a prefill.
   One completion (``n``/``n_cmpl`` 1), no grammar, JSON schema or tools (their state
   would restart), no per-token probabilities, ``echo`` off, and a string prompt.
-- ``Transcript`` reads the event stream as it is relayed (SSE ``data:`` events, whole ones
-  only) and keeps the text and the count of tokens so far; an event it cannot continue
-  (a tool call, reasoning text) makes it inexact, and such a stream is not preempted.
+- ``Transcript`` reads the event stream as it is relayed (whole events, relay/sse.py) and
+  keeps the text and the count of tokens so far; an event it cannot continue (a tool
+  call, reasoning text, bytes that frame no event) makes it inexact, and such a stream is
+  not preempted.
 - ``continuation(path, parsed, transcript)``: the body for the rest, with the limit
   (``n_predict``, ``max_tokens``, ``max_completion_tokens``) reduced by the tokens
   already produced.
-- ``Framed``: the writer a resumable stream is relayed through: it passes whole events
-  only (a cut stream never leaves half an event with the client), and once the response
-  has started a continuation's head is not written again.
+- ``Echo``: llama-server's chat continuation repeats its prefill in its first content:
+  taken out of the events before anyone reads them.
+- A resumable stream is relayed whole events only (relay/writer.py), so a cut stream never
+  leaves half an event with the client; ``MAX_EVENT`` bounds what is held for one.
 
-Pure bookkeeping and one writer wrapper; event loop thread only.
+Pure bookkeeping; event loop thread only.
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from multidict import CIMultiDict
-
+from llmproxy.proxy.relay.sse import SseEvent
 from llmproxy.proxy.routes import paths
-from llmproxy.proxy.upstream.assemble import strip_echo
-from llmproxy.proxy.upstream.responder import Responder
 
+#: bytes held back waiting for an event's end, at most: past it the stream is passed on as
+#: it came and never preempted (its text so far is unknown)
+MAX_EVENT = 64 * 1024
 TEXT_ROUTES = paths(prompt="text", answer="native") | paths(prompt="text", answer="oai")
 NATIVE_ROUTES = paths(prompt="text", answer="native")
 CHAT_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions"})
@@ -94,8 +96,8 @@ def _chat_messages(parsed: dict[str, Any]) -> bool:
 
 
 class Transcript:
-    """What a resumable stream produced so far (see the module's docstring): fed whole
-    events by ``Framed``."""
+    """What a resumable stream produced so far (see the module's docstring): fed its whole
+    events by its job."""
 
     __slots__ = ("chat", "pieces", "tokens", "exact", "last_prompt_n")
 
@@ -109,6 +111,13 @@ class Transcript:
     @property
     def text(self) -> str:
         return "".join(self.pieces)
+
+    def take(self, events: Iterable[SseEvent]) -> None:
+        for e in events:
+            if e.bad:
+                self.event(None)
+            elif e.data and not e.done:
+                self.event(e.obj)
 
     def event(self, obj: Any) -> None:
         """One event's JSON (None: not JSON)."""
@@ -161,90 +170,46 @@ def continuation(path: str, parsed: dict[str, Any], transcript: Transcript) -> d
     return body
 
 
-_MAX_EVENT = 64 * 1024  # bytes held back waiting for an event's end, at most
+class Echo:
+    """The prefill a chat continuation repeats first (``text``), taken out of its events."""
 
+    __slots__ = ("_echo",)
 
-class Framed:
-    """The writer of a resumable stream (see the module's docstring). ``observe`` gets each
-    piece of the upstream's stream before it is written: it passes whole events on, to
-    the ``Transcript`` and to the next ``piece``/``end`` write, with the prefill that
-    llama-server's chat continuation repeats first (``expect_echo``) taken out."""
-
-    __slots__ = ("out", "transcript", "_pending", "_ready", "_echo")
-
-    def __init__(self, out: Responder, transcript: Transcript) -> None:
-        self.out, self.transcript = out, transcript
-        self._pending = b""  # the start of an event not complete yet
-        self._ready = b""  # whole events for the next write
-        self._echo = ""  # what the continuation's first content repeats, still to drop
-
-    @property
-    def started(self) -> bool:
-        return self.out.started
-
-    def cut(self) -> None:
-        """The segment was cut: the unfinished event is dropped (the continuation sends
-        its text again)."""
-        self._pending = self._ready = b""
-
-    def expect_echo(self, text: str) -> None:
-        """The continuation about to start repeats ``text`` (its chat prefill) first."""
+    def __init__(self, text: str) -> None:
         self._echo = text
 
-    def observe(self, data: bytes) -> None:
-        data = self._pending + data
-        end = data.rfind(b"\n\n")
-        self._pending = data[end + 2 :] if end >= 0 else data
-        self._ready = b""  # unless relayed (an answer assembled whole), nobody writes it
-        for event in data[: end + 2].split(b"\n\n")[:-1] if end >= 0 else ():
-            self._ready += self._event(event + b"\n\n")
-        if len(self._pending) > _MAX_EVENT:  # no event ends (other framing): pass it on as
-            # it came, and never preempt this stream (its text so far is unknown)
-            self._ready += self._pending
-            self._pending = b""
-            self.transcript.exact = False
-
-    def _event(self, raw: bytes) -> bytes:
-        """One whole event: recorded, and as it goes on to the client."""
-        payload = b"".join(
-            line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:")
-        )
-        if not payload or payload == b"[DONE]":
-            return raw
-        try:
-            obj = json.loads(payload)
-        except ValueError:
-            self.transcript.event(None)
-            return raw
-        if self._echo and isinstance(obj, dict):
-            delta = _delta(obj)
-            content = delta.get("content")
-            if isinstance(content, str) and content:
-                delta["content"], self._echo = strip_echo(content, self._echo)
-                if delta["content"] != content:
-                    raw = b"data: " + _dumps(obj) + b"\n\n"
-        self.transcript.event(obj)
-        return raw
-
-    async def head(
-        self, status: int, headers: CIMultiDict[str], content_length: int | None
-    ) -> None:
-        if not self.out.started:
-            await self.out.head(status, headers, content_length)
-
-    async def piece(self, data: bytes) -> None:
-        ready, self._ready = self._ready, b""
-        if ready:
-            await self.out.piece(ready)
-
-    async def end(self, last: bytes = b"") -> None:
-        ready, self._ready, self._pending = self._ready + self._pending, b"", b""
-        await self.out.end(ready)
-
-    async def whole(self, status: int, headers: CIMultiDict[str], body: bytes) -> None:
-        await self.out.whole(status, headers, body)
+    def strip(self, events: Sequence[SseEvent]) -> Sequence[SseEvent]:
+        """``events`` with the echo still to come taken out of their content (new events
+        where that changed one: the others are shared)."""
+        if not self._echo:
+            return events
+        out = []
+        for e in events:
+            obj = e.fields
+            content = _delta(obj).get("content") if obj is not None else None
+            if self._echo and isinstance(content, str) and content:
+                rest, self._echo = strip_echo(content, self._echo)
+                if rest != content:
+                    e = SseEvent.of(_with_content(obj, rest))  # type: ignore[arg-type]
+            out.append(e)
+        return out
 
 
-def _dumps(obj: Any) -> bytes:
-    """Compact JSON with UTF-8 as it is, as llama-server writes it."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+def strip_echo(content: str, echo: str) -> tuple[str, str]:
+    """A chat continuation's content piece with the prefill it repeats (``echo``) taken out:
+    (the piece left, the echo still to come)."""
+    if content.startswith(echo):
+        return content[len(echo) :], ""
+    if echo.startswith(content):
+        return "", echo[len(content) :]
+    return content, ""  # no echo after all
+
+
+def _with_content(obj: dict[str, Any], content: str) -> dict[str, Any]:
+    """A copy of chunk ``obj`` whose first choice's ``delta.content`` is ``content``."""
+    choice = obj["choices"][0]
+    return {
+        **obj,
+        "choices": [{**choice, "delta": {**choice["delta"], "content": content}}]
+        + obj["choices"][1:],
+    }

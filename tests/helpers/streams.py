@@ -1,7 +1,7 @@
 """Reading a response the way editor clients do: to its end, noting whether it ended whole.
 
 A stream the proxy ends with its error event on a completion route is cut after it, without
-its terminator (proxy/upstream/error_event.py): aiohttp then raises ``ClientPayloadError``
+its terminator (proxy/relay/error_event.py): aiohttp then raises ``ClientPayloadError``
 where a client would see a transfer error (curl exits 18).
 """
 

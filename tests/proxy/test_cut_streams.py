@@ -3,7 +3,7 @@ parsing rules: bench/burst/profiles.py): none takes the cut text for a suggestio
 
 minuet-ai.nvim keeps the text of any stream curl read to its end, whatever its last event
 says; the proxy's superseded event followed by a clean end made it insert a cut suggestion.
-On completion routes the stream is now cut after its event (upstream/error_event.py):
+On completion routes the stream is now cut after its event (relay/error_event.py):
 curl exits 18, which minuet treats as a failed request.
 """
 

@@ -16,10 +16,10 @@ from multidict import CIMultiDict
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.proxy.errors import Superseded
 from llmproxy.proxy.pool.entry import Placement
+from llmproxy.proxy.relay.responder import Responder
 from llmproxy.proxy.state import ProxyState
 from llmproxy.proxy.telemetry.record import RequestRecord
 from llmproxy.proxy.upstream.job import UpstreamJob, UpstreamRequest
-from llmproxy.proxy.upstream.responder import Responder
 from tests.helpers.net import dechunk, serve_app, wait_until
 from tests.helpers.proxy import request_events, run_proxy
 from tests.helpers.scheduler import granted_slot, submit
@@ -247,7 +247,7 @@ async def test_superseded_while_its_job_waits_on_a_client_that_lags() -> None:
     """A streamed request whose client stopped reading is superseded (policy cancel) while
     its job waits to write: the client still gets what was sent, then the superseded event,
     standing on its own, then the connection closes without the chunked body's end (a
-    completion route: upstream/error_event.py); the request is logged superseded with its
+    completion route: relay/error_event.py); the request is logged superseded with its
     200, not as a client
     that left (the job's cancel must not reach the handler through aiohttp's shared
     flow-control future)."""

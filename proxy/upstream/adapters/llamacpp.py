@@ -36,13 +36,14 @@ from llmproxy.proxy.gating.routes import (
     RERANK_ROUTES,
     SLOT_ROUTES,
 )
+from llmproxy.proxy.relay.assemble import CHAT_ROUTES
 from llmproxy.proxy.routes import eligible
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import get_json, log
 from llmproxy.proxy.upstream.adapters.body import set_top_level
 from llmproxy.proxy.upstream.adapters.listing import RouterModel
 from llmproxy.proxy.upstream.adapters.slots import SlotPollingAdapter
-from llmproxy.proxy.upstream.assemble import CHAT_ROUTES, assembles
+from llmproxy.proxy.upstream.assemble import assembles
 
 
 def _json_int(body: dict[str, Any], key: str, default: int) -> int:

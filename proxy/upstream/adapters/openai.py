@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmproxy.proxy.relay.assemble import OAI_ROUTES
 from llmproxy.proxy.upstream.adapters.base import Adapter
 from llmproxy.proxy.upstream.adapters.body import set_top_level
-from llmproxy.proxy.upstream.assemble import OAI_ROUTES, assembles
+from llmproxy.proxy.upstream.assemble import assembles
 
 
 class OpenAIAdapter(Adapter):

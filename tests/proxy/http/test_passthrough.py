@@ -11,7 +11,7 @@ import structlog
 from aiohttp import web
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
-from llmproxy.proxy.upstream.responder import Responder
+from llmproxy.proxy.relay.responder import Responder
 from tests.helpers.net import serve_app
 from tests.helpers.proxy import run_proxy
 

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.proxy.errors import Superseded
-from llmproxy.proxy.upstream.responder import stream_error_bytes
+from llmproxy.proxy.relay.responder import stream_error_bytes
 from tests.helpers.net import serve_app
 from tests.helpers.proxy import run_proxy
 from tests.helpers.streams import read_all

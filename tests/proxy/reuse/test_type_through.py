@@ -95,7 +95,7 @@ async def setup(
 async def outcome(route: str, resp: aiohttp.ClientResponse, stream: bool) -> tuple[str, str]:
     """(completion text read, how it ended: "ok" or the error type) of a response. A stream
     the proxy ends with its error event is cut after it, without its terminator
-    (upstream/error_event.py): "cut" if one ends so without the event. The upstream's own
+    (relay/error_event.py): "cut" if one ends so without the event. The upstream's own
     error event is relayed as it came."""
     if resp.status != 200:
         return "", json.loads(await resp.read())["error"]["type"]

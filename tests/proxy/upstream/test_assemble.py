@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.proxy.errors import UpstreamFailed
+from llmproxy.proxy.relay.assemble import Assembler
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.llamacpp import LlamaCppAdapter
-from llmproxy.proxy.upstream.assemble import Assembler, assembles
+from llmproxy.proxy.upstream.assemble import assembles
 from tests.helpers.net import wait_until
 from tests.helpers.proxy import run_proxy
 

@@ -10,7 +10,9 @@ from typing import Any
 import aiohttp
 
 from llmproxy.bench.fake.upstream import FakeUpstream
-from llmproxy.proxy.upstream.assemble import Assembler, strip_echo
+from llmproxy.proxy.relay.assemble import Assembler
+from llmproxy.proxy.relay.sse import Framer
+from llmproxy.proxy.upstream.resume import Echo, strip_echo
 from tests.helpers.proxy import run_proxy
 
 HEAD = {"created": 1795869124, "id": "chatcmpl-1", "model": "chat", "system_fingerprint": "b1"}
@@ -71,11 +73,12 @@ def test_any_split_of_the_stream_renders_the_same() -> None:
 
 def test_a_continuation_repeating_its_prefill_is_taken_out() -> None:
     a = Assembler("/v1/chat/completions")
-    a.feed(sse(chunk({"content": "Once upon"})).removesuffix(b"data: [DONE]\n\n"))
-    a.feed(b'data: {"choices":[{"delta":{"content":" a ti')  # cut: its continuation follows
-    a.cut()
-    a.expect_echo(a.text())
-    a.feed(sse(chunk({"content": "Once"}), chunk({"content": " upon a"}), chunk({}, "stop")))
+    first = Framer()
+    a.take(first.feed(sse(chunk({"content": "Once upon"})).removesuffix(b"data: [DONE]\n\n")))
+    a.take(first.feed(b'data: {"choices":[{"delta":{"content":" a ti'))  # cut: continued
+    echo, second = Echo(a.text()), Framer()
+    rest = sse(chunk({"content": "Once"}), chunk({"content": " upon a"}), chunk({}, "stop"))
+    a.take(echo.strip(second.feed(rest)))
     assert json.loads(a.render()[1])["choices"][0]["message"]["content"] == "Once upon a"
 
 

@@ -12,9 +12,9 @@ import aiohttp
 import pytest
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
+from llmproxy.proxy.relay.assemble import Assembler
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.openai import OpenAIAdapter
-from llmproxy.proxy.upstream.assemble import Assembler
 from tests.helpers.proxy import run_proxy
 
 

@@ -19,7 +19,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from llmproxy.proxy.errors import ProxyError, ShuttingDown, Superseded, UpstreamFailed
-from llmproxy.proxy.upstream.responder import Responder
+from llmproxy.proxy.relay.responder import Responder
 from tests.helpers.net import dechunk, serve_app, wait_until
 
 Script = Callable[[Responder, web.Request], Awaitable[None]]

@@ -1,5 +1,5 @@
 """upstream/resume.py: which requests can be resumed, the transcript of a stream, the
-continuation's body, and the relay that passes whole events with the prefill echo out."""
+continuation's body, and the prefill echo taken out of a chat continuation's events."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from llmproxy.proxy.upstream.resume import Framed, Transcript, continuation, resumable
+from llmproxy.proxy.relay.sse import Framer
+from llmproxy.proxy.upstream.resume import MAX_EVENT, Echo, Transcript, continuation, resumable
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
 
@@ -57,52 +58,42 @@ def chat_piece(text: str) -> bytes:
     return sse({"choices": [{"index": 0, "delta": {"content": text}}]})
 
 
-class Sink:
-    """What a Framed relay wrote (only its ready events matter here)."""
-
-    def __init__(self) -> None:
-        self.started = True
-
-
-def test_the_relay_passes_whole_events_and_records_them_once() -> None:
+def test_the_transcript_takes_whole_events_once() -> None:
     t = Transcript("/completion")
-    framed = Framed(Sink(), t)  # type: ignore[arg-type]  # observe() never writes
+    framer = Framer(MAX_EVENT)
     stream = sse({"content": "a", "stop": False, "tokens": [1]}) + sse(
         {"content": "bc", "stop": False, "tokens": [2, 3]}
     )
-    framed.observe(stream[:10])
-    assert framed._ready == b"" and t.text == ""  # half an event: nothing yet
-    framed.observe(stream[10:-1])
-    assert t.text == "a" and framed._ready.endswith(b"\n\n")
-    framed.observe(stream[-1:])
+    assert framer.feed(stream[:10]) == []  # half an event: nothing yet
+    t.take(framer.feed(stream[10:-1]))
+    assert t.text == "a"
+    t.take(framer.feed(stream[-1:]))
     assert (t.text, t.tokens) == ("abc", 3)  # a native event names its tokens
-    framed.observe(b'data: {"content": "d", "sto')
-    framed.cut()  # cut there: the half event is gone, the continuation sends "d" again
-    framed.observe(sse({"content": "d", "stop": False, "tokens": [4]}))
+    t.take(framer.feed(b'data: {"content": "d", "sto'))
+    framer.cut()  # cut there: the half event is gone, the continuation sends "d" again
+    t.take(framer.feed(sse({"content": "d", "stop": False, "tokens": [4]})))
     assert (t.text, t.tokens) == ("abcd", 4)
 
 
 def test_the_chat_continuation_loses_its_repeated_prefill_even_split() -> None:
     t = Transcript("/v1/chat/completions")
-    framed = Framed(Sink(), t)  # type: ignore[arg-type]
-    framed.observe(chat_piece("The") + chat_piece(" story"))
+    t.take(Framer().feed(chat_piece("The") + chat_piece(" story")))
     assert (t.text, t.tokens) == ("The story", 2)
-    framed.cut()
-    framed.expect_echo(t.text)
+    echo = Echo(t.text)
     role = sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}]})
-    framed.observe(role + chat_piece("The sto") + chat_piece("ry of") + chat_piece(" a"))
-    written = [json.loads(line[6:]) for line in framed._ready.decode().split("\n") if line]
+    framer = Framer()
+    events = echo.strip(framer.feed(role + chat_piece("The sto")))
+    events = [*events, *echo.strip(framer.feed(chat_piece("ry of") + chat_piece(" a")))]
+    t.take(events)
+    written = [json.loads(e.raw[6:]) for e in events]
     contents = [e["choices"][0]["delta"].get("content") for e in written]
     assert contents == [None, "", " of", " a"]
     assert t.text == "The story of a"
 
 
 def test_a_continuation_without_echo_passes_unchanged() -> None:
-    t = Transcript("/v1/chat/completions")
-    framed = Framed(Sink(), t)  # type: ignore[arg-type]
-    framed.expect_echo("The")
-    framed.observe(chat_piece(" story"))
-    assert t.text == " story" and framed._ready == chat_piece(" story")
+    events = Framer().feed(chat_piece(" story"))
+    assert Echo("The").strip(events) == events
 
 
 def test_the_continuation_carries_the_text_and_the_tokens_left() -> None:
@@ -119,9 +110,11 @@ def test_the_continuation_carries_the_text_and_the_tokens_left() -> None:
 
 
 def test_a_stream_without_event_ends_is_passed_on_and_never_preempted() -> None:
-    """Bounded: the relay holds back at most one event's worth waiting for its end."""
+    """Bounded: a resumable stream's framer holds back at most one event's worth waiting
+    for its end; what it gave up on is passed on as it came."""
     t = Transcript("/completion")
-    framed = Framed(Sink(), t)  # type: ignore[arg-type]
-    framed.observe(b"data: x\r\n" * 10_000)  # framed in a way the relay does not read
-    assert framed._pending == b"" and len(framed._ready) == 90_000
+    framer = Framer(MAX_EVENT)
+    events = framer.feed(b"data: x\r\n" * 10_000)  # framed in a way the relay does not read
+    assert framer.pending == 0 and [len(e.raw) for e in events] == [90_000]
+    t.take(events)
     assert t.exact is False

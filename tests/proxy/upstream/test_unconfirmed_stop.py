@@ -49,7 +49,7 @@ async def supersede(
         async def post(prompt: str) -> int:
             body = {"model": "fake", "prompt": prompt, "max_tokens": 200, "stream": stream}
             async with http.post(px.url + "/v1/completions", json=body, headers=headers) as r:
-                # a superseded stream is cut after its error event (upstream/error_event.py)
+                # a superseded stream is cut after its error event (relay/error_event.py)
                 with contextlib.suppress(aiohttp.ClientPayloadError):
                     async for _ in r.content.iter_any():
                         if prompt == "first":

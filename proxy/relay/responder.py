@@ -48,11 +48,11 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from llmproxy.proxy.errors import ProxyError
-from llmproxy.proxy.upstream.error_event import cuts_after_error
-from llmproxy.proxy.upstream.error_event import (
+from llmproxy.proxy.relay.error_event import cuts_after_error
+from llmproxy.proxy.relay.error_event import (
     stream_error_bytes as stream_error_bytes,  # others import it from here too
 )
-from llmproxy.proxy.upstream.stall import NO_GUARD, Stall
+from llmproxy.proxy.relay.stall import NO_GUARD, Stall
 
 
 class Responder:

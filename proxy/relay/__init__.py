@@ -1,0 +1,1 @@
+"""The way back: an upstream's answer, as typed events, written to the client."""
