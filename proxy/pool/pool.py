@@ -4,8 +4,11 @@ It owns the wait queue and every ordering rule: FIFO within a request class (com
 before chat before bulk, with aging, and a reserve of each upstream's permits for
 completions: gating/classes.py), queue-full, held places, supersede and twins, the head of
 the queue for a keystroke that waited, the breaker's probe, and where the head goes
-(router.py). Each upstream's gate (gating/gate.py) keeps only its slot
-state: permits, slot affinity, quarantine. Concurrency contract:
+(router.py). Each upstream's gate (gating/gate.py) keeps only its slot state: permits,
+slot affinity, quarantine.
+
+Its parts: room.py (the one rule of room on an upstream, for the grant and for
+admission's prediction of it). Concurrency contract:
 
 - ``submit`` never blocks. It admits a request (``QueueFull``, ``ShuttingDown``;
   ``UpstreamUnavailable`` when no upstream is in rotation, so a dead upstream fails fast;
@@ -66,10 +69,11 @@ from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.gating.waitlist import WaitList
 from llmproxy.proxy.pool.entry import Entry, Placement
 from llmproxy.proxy.pool.member import Member
-from llmproxy.proxy.pool.models import Held, loading, may_load, serving
+from llmproxy.proxy.pool.models import Held, loading, serving
 from llmproxy.proxy.pool.order import Order
 from llmproxy.proxy.pool.preempt import victims
 from llmproxy.proxy.pool.prefix import block_hashes, prompt_text
+from llmproxy.proxy.pool.room import rule
 from llmproxy.proxy.pool.router import Choice, Request, Router, Wait
 from llmproxy.proxy.pool.shares import Shares
 from llmproxy.proxy.settings import ProxySettings
@@ -264,17 +268,8 @@ class Pool:
             return False
         probe = Ticket(0, session, False, route, asyncio.get_running_loop().create_future())
         probe.klass = klass
-
-        def room(m: Member) -> bool:
-            n = sized.get(id(m))
-            if not isinstance(n, int) or m.gate.free < n or not may_load(m, self.members):
-                return False
-            probe.permits = n
-            on = self.settings.classes == "on"
-            if on and not self.order.within_reserve(m, klass, n):
-                return False
-            return not m.gate.waits_for_its_slot(probe)
-
+        order = self.order if self.settings.classes == "on" else None
+        room = rule(probe, sized, self.members, order)  # room.py: as the grant asks it
         fits = [m for m in members if isinstance(sized.get(id(m)), int)]
         request = Request(session, hashes, time.monotonic(), room=room)
         return isinstance(self.router.choose(request, fits), Choice)
@@ -366,17 +361,8 @@ class Pool:
                 if held.hold(head, fits, self.rotation()):
                     return  # strict FIFO: the queue behind waits too (the gate wakes it)
                 continue
-
-            def room(m: Member, head: Entry = head, sized: dict[int, Any] = sized) -> bool:
-                n = sized.get(id(m))
-                if not isinstance(n, int) or m.gate.free < n or not self._within_share(m, head, n):
-                    return False
-                if not may_load(m, self.members):  # models.py: a router's load cuts nothing
-                    return False
-                head.ticket.permits = n
-                return not m.gate.waits_for_its_slot(head.ticket)
-
-            head.request.room = room
+            order = self.order if self.settings.classes == "on" else None
+            head.request.room = rule(head.ticket, sized, self.members, order)  # room.py
             free = [m for m in fits if m not in held]
             choice = self.router.choose(head.request, free) if free else None
             if isinstance(choice, Wait):
@@ -448,11 +434,6 @@ class Pool:
         self.queue.head()  # drops expired holds
         waiting = [e for e in self.queue if e not in passed] if passed else self.queue
         return self.order.head(waiting, self.members, self.settings.classes == "on")
-
-    def _within_share(self, m: Member, entry: Entry, permits: int) -> bool:
-        if self.settings.classes == "off":
-            return True
-        return self.order.within_reserve(m, entry.ticket.klass, permits)
 
     def _place(self, entry: Entry, choice: Choice, permits: int) -> None:
         m = choice.member
