@@ -8,7 +8,8 @@ the queue for a keystroke that waited, the breaker's probe, and where the head g
 slot affinity, quarantine.
 
 Its parts: room.py (the one rule of room on an upstream, for the grant and for
-admission's prediction of it). Concurrency contract:
+admission's prediction of it), waits.py (the head's waits: its session's slot, a routing
+wait, a completion's preemption). Concurrency contract:
 
 - ``submit`` never blocks. It admits a request (``QueueFull``, ``ShuttingDown``;
   ``UpstreamUnavailable`` when no upstream is in rotation, so a dead upstream fails fast;
@@ -42,8 +43,9 @@ admission's prediction of it). Concurrency contract:
 - ``supersede_queued`` ends the session's queued requests that a newer one answered
   elsewhere (type-through) supersedes.
 
-Event loop thread only; the one timer (a routing wait) is a loop handle owned by the
-scheduler.
+Event loop thread only; the timers (a routing wait, a completion's wait before it
+preempts: waits.py) are loop handles owned by the scheduler, cancelled when a pass over
+the queue begins and at close.
 """
 
 from __future__ import annotations
@@ -71,11 +73,11 @@ from llmproxy.proxy.pool.entry import Entry, Placement
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.models import Held, loading, serving
 from llmproxy.proxy.pool.order import Order
-from llmproxy.proxy.pool.preempt import victims
 from llmproxy.proxy.pool.prefix import block_hashes, prompt_text
 from llmproxy.proxy.pool.room import rule
 from llmproxy.proxy.pool.router import Choice, Request, Router, Wait
 from llmproxy.proxy.pool.shares import Shares
+from llmproxy.proxy.pool.waits import Waits, waits_for_its_slot
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.twins import twin_key
 
@@ -98,14 +100,17 @@ class Pool:
         self._closed = False
         self._advancing = False
         self._again = False
-        self._timer: asyncio.TimerHandle | None = None
-        self._preempt_timer: asyncio.TimerHandle | None = None  # a completion's wait for it
-        self.preemptions = 0  # generations stopped for a completion (resumed after it)
+        self._waits = Waits(settings, self.advance)  # the head's timers (waits.py)
         self._idle = asyncio.Event()
         self._idle.set()
         self.listeners: list[Callable[[Any, bool], None]] = []  # (member, joined): metrics
         for m in self.members:
             m.gate.on_advance = self.advance
+
+    @property
+    def preemptions(self) -> int:
+        """Generations stopped for a completion (resumed after it): waits.py."""
+        return self._waits.preemptions
 
     def rotation(self) -> list[Member]:
         return [m for m in self.members if m.in_rotation]
@@ -329,10 +334,7 @@ class Pool:
         self._check_idle()
 
     def _advance(self) -> None:
-        for timer in (self._timer, self._preempt_timer):
-            if timer is not None:
-                timer.cancel()
-        self._timer = self._preempt_timer = None
+        self._waits.cancel()
         held = Held()  # upstreams kept for the waiters passed over (models.py)
         while (head := self._head(held.passed)) is not None:
             if head.future.done():  # its waiter left: as ``abandon`` would
@@ -357,7 +359,7 @@ class Pool:
                 self._end(head, next(e for e in sized.values() if isinstance(e, ProxyError)))
                 continue
 
-            if self._waits_for_its_slot(head, fits, sized):
+            if waits_for_its_slot(head.ticket, fits, sized):
                 if held.hold(head, fits, self.rotation()):
                     return  # strict FIFO: the queue behind waits too (the gate wakes it)
                 continue
@@ -366,10 +368,10 @@ class Pool:
             free = [m for m in fits if m not in held]
             choice = self.router.choose(head.request, free) if free else None
             if isinstance(choice, Wait):
-                self._wake_in(choice.delay_s)
+                self._waits.wake_in(choice.delay_s)
             if not isinstance(choice, Choice):
                 if choice is None and free:  # no room where it may run now
-                    self._preempt(head, free, sized)
+                    self._waits.preempt(head, free, sized)
                 if held.hold(head, fits, self.rotation()):
                     return
                 continue
@@ -377,47 +379,6 @@ class Pool:
             permits = sized[id(choice.member)]
             assert isinstance(permits, int)  # the router picks where it has room
             self._place(head, choice, permits)
-
-    def _preempt(self, head: Entry, fits: list[Member], sized: dict[int, Any]) -> None:
-        """A completion at the head found no room: once it waited ``preempt_after_ms``, stop
-        the generations preempt.py picks for it (their jobs resume them later)."""
-        s = self.settings
-        if s.preempt == "off" or s.classes == "off" or head.ticket.klass != "complete":
-            return
-        left = head.created + s.preempt_after_ms / 1000 - time.monotonic()
-        if left > 0:
-            loop = asyncio.get_running_loop()
-            timer = self._preempt_timer
-            if timer is None or timer.when() > loop.time() + left:
-                if timer is not None:
-                    timer.cancel()
-                self._preempt_timer = loop.call_later(left, self.advance)
-            return
-        now = time.monotonic()
-        for t in victims([(m, sized[id(m)]) for m in fits], now, s.class_max_wait_s):
-            t.preempted = True
-            self.preemptions += 1
-            assert t.on_preempt is not None
-            t.on_preempt()
-
-    def _waits_for_its_slot(self, head: Entry, fits: list[Member], sized: dict[int, Any]) -> bool:
-        """Is the slot ``head``'s session used last being stopped, on one of ``fits``, for
-        the session's superseded request? Its prompt is cached there: the head waits for
-        that slot (at most ``affinity_wait_s`` from its admission) rather than prefill it
-        on another slot or upstream."""
-        for m in fits:
-            head.ticket.permits = sized[id(m)]
-            if m.gate.waits_for_its_slot(head.ticket):
-                return True
-        return False
-
-    def _wake_in(self, delay_s: float) -> None:
-        """Advance again in ``delay_s`` (a routing wait), or sooner if already asked."""
-        loop = asyncio.get_running_loop()
-        if self._timer is None or self._timer.when() > loop.time() + delay_s:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = loop.call_later(delay_s, self.advance)
 
     def _serving(self, model: str | None, exclude: Member | None) -> list[Member]:
         """The upstreams in rotation, ``exclude`` aside, that serve ``model`` (models.py;
@@ -499,9 +460,7 @@ class Pool:
             self._end(entry, ShuttingDown("llmproxy is shutting down"))
         for m in self.members:
             m.gate.close()
-        for timer in (self._timer, self._preempt_timer):
-            if timer is not None:
-                timer.cancel()
+        self._waits.cancel()
         self._check_idle()
 
 
