@@ -7,9 +7,11 @@ the queue for a keystroke that waited, the breaker's probe, and where the head g
 (router.py). Each upstream's gate (gating/gate.py) keeps only its slot state: permits,
 slot affinity, quarantine.
 
-Its parts: room.py (the one rule of room on an upstream, for the grant and for
-admission's prediction of it), waits.py (the head's waits: its session's slot, a routing
-wait, a completion's preemption). Concurrency contract:
+Its parts: admission.py (what a request needs on each upstream, and the refusals:
+``max_queued``, the queue's bound, no upstream), room.py (the one rule of room on an
+upstream, for the grant and for admission's prediction of it), waits.py (the head's
+waits: its session's slot, a routing wait, a completion's preemption). Concurrency
+contract:
 
 - ``submit`` never blocks. It admits a request (``QueueFull``, ``ShuttingDown``;
   ``UpstreamUnavailable`` when no upstream is in rotation, so a dead upstream fails fast;
@@ -60,15 +62,14 @@ from llmproxy.proxy.errors import (
     SUPERSEDED,
     BadRequest,
     ProxyError,
-    QueueFull,
     QueueTimeout,
     ShuttingDown,
     Superseded,
     UnknownModel,
 )
-from llmproxy.proxy.gating.breaker import UpstreamUnavailable
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.gating.waitlist import WaitList
+from llmproxy.proxy.pool.admission import Limits, Sizing, size, unavailable
 from llmproxy.proxy.pool.entry import Entry, Placement
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.models import Held, loading, serving
@@ -81,10 +82,6 @@ from llmproxy.proxy.pool.waits import Waits, waits_for_its_slot
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.twins import twin_key
 
-#: permits a request needs on an upstream, asked of its adapter with its slot count
-#: (BadRequest: it cannot run there)
-Sizing = Callable[[Member, int], int]
-
 
 class Pool:
     def __init__(self, members: Sequence[Member], settings: ProxySettings) -> None:
@@ -95,6 +92,8 @@ class Pool:
         self.shares = Shares(settings.keys)
         self.order = Order(settings, self.shares)
         self.queue: WaitList[Entry] = WaitList(settings.queue_hold_s, settings.max_queue)
+        shared = (self.members, settings, self.router, self.order, self.shares, self.queue)
+        self._limits = Limits(*shared)  # admission.py
         self._sizing: dict[int, Sizing] = {}  # entry id -> its sizing
         self._ids = itertools.count(1)
         self._closed = False
@@ -146,65 +145,42 @@ class Pool:
         since: float | None = None,
         model: str | None = None,
     ) -> Entry:
-        """Admit a request (see the module's contract); ``klass``: its request class
-        (gating/classes.py); ``caller``: who sent it (shares.py: 429 when it would wait with
-        its key's ``max_queued`` requests waiting already: those held to the cap, not
-        failovers nor resumes, and not the one whose place it takes, which leaves);
-        ``exclude``: a failover, which goes to the head of the queue and to another upstream
-        than the one it failed on. ``first``: to the head of the queue too (a keystroke that
-        waited on its session's generation, type-through). The queue's bound refuses
-        neither; ``max_queued`` refuses a ``first`` one as any other (it was never counted),
-        never a failover (it was, when it was first admitted). ``since``: when the request
-        first came: a preempted one's resume, which keeps its age (order.py, preempt.py),
-        supersedes nothing (though a newer request may supersede it) and, counted when it
-        was first admitted, is never refused by ``max_queued`` either. ``model``: the model
-        it asks for (models.py ``asked``; None: any upstream)."""
+        """Admit a request (see the module's contract; its refusals: admission.py);
+        ``klass``: its request class (gating/classes.py); ``caller``: who sent it (its
+        key's fair share and limits: shares.py); ``exclude``: a failover, which goes to the
+        head of the queue and to another upstream than the one it failed on. ``first``: to
+        the head of the queue too (a keystroke that waited on its session's generation,
+        type-through). ``since``: when the request first came: a preempted one's resume,
+        which keeps its age (order.py, preempt.py) and supersedes nothing (though a newer
+        request may supersede it). ``model``: the model it asks for (models.py ``asked``;
+        None: any upstream)."""
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
         members = self._serving(model, exclude)  # or UnknownModel
         if not members:
             raise self._unavailable(exclude, model)
-        sized = [_size(sizing, m) for m in members]
-        if not any(isinstance(n, int) for n in sized):
-            raise next(n for n in sized if isinstance(n, BadRequest))
+        sized = {id(m): size(sizing, m) for m in members}
+        if not any(isinstance(n, int) for n in sized.values()):
+            raise next(n for n in sized.values() if isinstance(n, BadRequest))
         twin = twin_key(route, parsed) if supersedable else None
         # a resume (``since``) is no newcomer: it supersedes nothing
         newcomer = supersedable and since is None
         placed, replaced = self.queue.place_of(session, twin) if newcomer else (False, None)
         text = prompt_text(route, parsed) if self.settings.route == "cache" else ""
         hashes = block_hashes(text)
-        cap = self.shares.max_queued(caller)
-        if cap is not None and exclude is None and since is None:
-            waiting = sum(
-                e.counted and e.ticket.caller == caller and e is not replaced for e in self.queue
-            )
-            runs = self._runs_now(
-                session,
-                route,
-                klass,
-                caller,
-                hashes,
-                dict(zip(map(id, members), sized, strict=True)),
-                members,
-                replaced,
-            )
-            if waiting >= cap and not runs:
-                raise QueueFull(
-                    f"caller {caller!r} has {waiting} requests waiting (max_queued {cap})",
-                    headers={"Retry-After": str(self.settings.retry_after_s)},
-                )
-            at_cap = waiting >= cap  # let in because it runs now: it must not wait then
-        else:
-            at_cap = False
-        if replaced is None and exclude is None and not first and len(self.queue) >= self.max_queue:
-            room = any(
-                isinstance(n, int) and m.gate.free >= n for m, n in zip(members, sized, strict=True)
-            )
-            if self.queue or not room:
-                raise QueueFull(
-                    f"queue full ({self.max_queue} waiting)",
-                    headers={"Retry-After": str(self.settings.retry_after_s)},
-                )
+        at_cap = self._limits.check(  # or QueueFull
+            session,
+            route,
+            klass,
+            caller,
+            hashes,
+            sized,
+            members,
+            replaced=replaced,
+            exclude=exclude,
+            first=first,
+            since=since,
+        )
         loop = asyncio.get_running_loop()
         ident = next(self._ids)
         created = time.monotonic() if since is None else since
@@ -253,31 +229,6 @@ class Pool:
             self.queue.append(entry)
         self.advance()
         return entry
-
-    def _runs_now(
-        self,
-        session: str,
-        route: str,
-        klass: str,
-        caller: str,
-        hashes: list[bytes],
-        sized: dict[int, int | BadRequest],
-        members: list[Member],
-        replaced: Entry | None = None,
-    ) -> bool:
-        """Would a request with these traits be granted at once, as the queue's head now
-        (nothing waits but ``replaced``, whose place it takes, its caller is under
-        ``max_inflight``, and the router picks an upstream with room for it)? Changes
-        nothing."""
-        if any(e is not replaced for e in self.queue) or caller in self.order.capped(self.members):
-            return False
-        probe = Ticket(0, session, False, route, asyncio.get_running_loop().create_future())
-        probe.klass = klass
-        order = self.order if self.settings.classes == "on" else None
-        room = rule(probe, sized, self.members, order)  # room.py: as the grant asks it
-        fits = [m for m in members if isinstance(sized.get(id(m)), int)]
-        request = Request(session, hashes, time.monotonic(), room=room)
-        return isinstance(self.router.choose(request, fits), Choice)
 
     def supersede_queued(self, session: str, twin: str | None) -> None:
         """A newer request of ``session`` (twin key ``twin``) was answered without queueing
@@ -352,7 +303,7 @@ class Pool:
                 self._end(head, self._unavailable(head.exclude, head.model))
                 continue
             sizing = self._sizing[head.id]
-            sized = {id(m): _size(sizing, m) for m in members}
+            sized = {id(m): size(sizing, m) for m in members}
             fits = [m for m in members if isinstance(sized[id(m)], int)]
             if not fits:  # cannot run on any upstream in rotation now
                 self.queue.discard(head)
@@ -429,17 +380,7 @@ class Pool:
             timer.cancel()
 
     def _unavailable(self, exclude: Member | None, model: str | None = None) -> ProxyError:
-        """The error for a request no upstream in rotation serving ``model`` can take: an
-        open breaker's own (its cooldown as Retry-After) when that is what keeps the
-        upstreams out, else 'no upstream is available' until the next health probe."""
-        up = [m for m in serving(self.members, model) if m is not exclude and m.healthy]
-        if up and all(not m.breaker.admissible for m in up):
-            try:
-                up[0].breaker.admit()
-            except ProxyError as exc:
-                return exc
-        retry = {"Retry-After": str(max(1, round(self.settings.health_interval_s)))}
-        return UpstreamUnavailable("no upstream is available", headers=retry)
+        return unavailable(self.members, exclude, model, self.settings.health_interval_s)
 
     # -- observation and shutdown ------------------------------------------------------
     def _check_idle(self) -> None:
@@ -462,13 +403,3 @@ class Pool:
             m.gate.close()
         self._waits.cancel()
         self._check_idle()
-
-
-def _size(sizing: Sizing, m: Member) -> int | BadRequest:
-    try:
-        n = sizing(m, m.gate.total)
-    except BadRequest as exc:
-        return exc
-    if n < 1:
-        raise ValueError(f"a request needs at least one permit, not {n}")
-    return n
