@@ -8,10 +8,11 @@ the queue for a keystroke that waited, the breaker's probe, and where the head g
 slot affinity, quarantine.
 
 Its parts: admission.py (what a request needs on each upstream, and the refusals:
-``max_queued``, the queue's bound, no upstream), room.py (the one rule of room on an
-upstream, for the grant and for admission's prediction of it), waits.py (the head's
-waits: its session's slot, a routing wait, a completion's preemption). Concurrency
-contract:
+``max_queued``, the queue's bound, no upstream), grant.py (one pass of ``advance``),
+room.py (the one rule of room on an upstream, for the grant and for admission's
+prediction of it), waits.py (the head's waits: its session's slot, a routing wait, a
+completion's preemption); the policies: order.py, shares.py, router.py, models.py and
+preempt.py. Concurrency contract:
 
 - ``submit`` never blocks. It admits a request (``QueueFull``, ``ShuttingDown``;
   ``UpstreamUnavailable`` when no upstream is in rotation, so a dead upstream fails fast;
@@ -58,27 +59,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from llmproxy.proxy.errors import (
-    SUPERSEDED,
-    BadRequest,
-    ProxyError,
-    QueueTimeout,
-    ShuttingDown,
-    Superseded,
-    UnknownModel,
-)
+from llmproxy.proxy.errors import SUPERSEDED, BadRequest, QueueTimeout, ShuttingDown, Superseded
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.gating.waitlist import WaitList
-from llmproxy.proxy.pool.admission import Limits, Sizing, size, unavailable
+from llmproxy.proxy.pool.admission import Limits, Sizing, size
 from llmproxy.proxy.pool.entry import Entry, Placement
+from llmproxy.proxy.pool.grant import Grants
 from llmproxy.proxy.pool.member import Member
-from llmproxy.proxy.pool.models import Held, loading, serving
 from llmproxy.proxy.pool.order import Order
 from llmproxy.proxy.pool.prefix import block_hashes, prompt_text
-from llmproxy.proxy.pool.room import rule
-from llmproxy.proxy.pool.router import Choice, Request, Router, Wait
+from llmproxy.proxy.pool.router import Request, Router
 from llmproxy.proxy.pool.shares import Shares
-from llmproxy.proxy.pool.waits import Waits, waits_for_its_slot
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.twins import twin_key
 
@@ -94,12 +85,11 @@ class Pool:
         self.queue: WaitList[Entry] = WaitList(settings.queue_hold_s, settings.max_queue)
         shared = (self.members, settings, self.router, self.order, self.shares, self.queue)
         self._limits = Limits(*shared)  # admission.py
-        self._sizing: dict[int, Sizing] = {}  # entry id -> its sizing
+        self._grants = Grants(*shared, self.advance)  # grant.py
         self._ids = itertools.count(1)
         self._closed = False
         self._advancing = False
         self._again = False
-        self._waits = Waits(settings, self.advance)  # the head's timers (waits.py)
         self._idle = asyncio.Event()
         self._idle.set()
         self.listeners: list[Callable[[Any, bool], None]] = []  # (member, joined): metrics
@@ -109,7 +99,7 @@ class Pool:
     @property
     def preemptions(self) -> int:
         """Generations stopped for a completion (resumed after it): waits.py."""
-        return self._waits.preemptions
+        return self._grants.waits.preemptions
 
     def rotation(self) -> list[Member]:
         return [m for m in self.members if m.in_rotation]
@@ -156,9 +146,9 @@ class Pool:
         None: any upstream)."""
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
-        members = self._serving(model, exclude)  # or UnknownModel
+        members = self._grants.serving(model, exclude)  # or UnknownModel
         if not members:
-            raise self._unavailable(exclude, model)
+            raise self._grants.unavailable(exclude, model)
         sized = {id(m): size(sizing, m) for m in members}
         if not any(isinstance(n, int) for n in sized.values()):
             raise next(n for n in sized.values() if isinstance(n, BadRequest))
@@ -211,7 +201,7 @@ class Pool:
             counted=exclude is None and since is None,
         )
         ticket.affinity_waited = at_cap  # no wait for its session's slot either
-        self._sizing[ident] = sizing
+        self._grants.sizing[ident] = sizing
         self._idle.clear()
         if newcomer:
             for m in self.members:
@@ -222,7 +212,7 @@ class Pool:
             for rival in rivals:
                 if rival is not replaced:
                     self.queue.discard(rival)
-                self._end(rival, Superseded(SUPERSEDED))
+                self._grants.end(rival, Superseded(SUPERSEDED))
         elif exclude is not None or first:
             self.queue.push_front(entry)
         else:
@@ -236,7 +226,7 @@ class Pool:
         rivals = self.queue.rivals(session, twin)
         for rival in rivals:
             self.queue.discard(rival)
-            self._end(rival, Superseded(SUPERSEDED))
+            self._grants.end(rival, Superseded(SUPERSEDED))
         if rivals:
             self.advance()
 
@@ -258,7 +248,7 @@ class Pool:
         """The waiter gave up: out of the queue, or its untaken permits and probe back."""
         if entry in self.queue:
             self.queue.remove(entry)  # a supersedable one leaves a hold
-            self._forget(entry)
+            self._grants.forget(entry)
             entry.ticket.state = "done"
             if not entry.future.done():
                 entry.future.cancel()
@@ -279,108 +269,10 @@ class Pool:
             self._again = True
             while self._again:
                 self._again = False
-                self._advance()
+                self._grants.run()
         finally:
             self._advancing = False
         self._check_idle()
-
-    def _advance(self) -> None:
-        self._waits.cancel()
-        held = Held()  # upstreams kept for the waiters passed over (models.py)
-        while (head := self._head(held.passed)) is not None:
-            if head.future.done():  # its waiter left: as ``abandon`` would
-                self.queue.remove(head)
-                self._forget(head)
-                continue
-            try:
-                members = self._serving(head.model, head.exclude)
-            except UnknownModel as exc:  # a reload took its model away
-                self.queue.discard(head)
-                self._end(head, exc)
-                continue
-            if not members:
-                self.queue.discard(head)
-                self._end(head, self._unavailable(head.exclude, head.model))
-                continue
-            sizing = self._sizing[head.id]
-            sized = {id(m): size(sizing, m) for m in members}
-            fits = [m for m in members if isinstance(sized[id(m)], int)]
-            if not fits:  # cannot run on any upstream in rotation now
-                self.queue.discard(head)
-                self._end(head, next(e for e in sized.values() if isinstance(e, ProxyError)))
-                continue
-
-            if waits_for_its_slot(head.ticket, fits, sized):
-                if held.hold(head, fits, self.rotation()):
-                    return  # strict FIFO: the queue behind waits too (the gate wakes it)
-                continue
-            order = self.order if self.settings.classes == "on" else None
-            head.request.room = rule(head.ticket, sized, self.members, order)  # room.py
-            free = [m for m in fits if m not in held]
-            choice = self.router.choose(head.request, free) if free else None
-            if isinstance(choice, Wait):
-                self._waits.wake_in(choice.delay_s)
-            if not isinstance(choice, Choice):
-                if choice is None and free:  # no room where it may run now
-                    self._waits.preempt(head, free, sized)
-                if held.hold(head, fits, self.rotation()):
-                    return
-                continue
-            self.queue.discard(head)
-            permits = sized[id(choice.member)]
-            assert isinstance(permits, int)  # the router picks where it has room
-            self._place(head, choice, permits)
-
-    def _serving(self, model: str | None, exclude: Member | None) -> list[Member]:
-        """The upstreams in rotation, ``exclude`` aside, that serve ``model`` (models.py;
-        ``UnknownModel`` if none in the pool does)."""
-        return [m for m in serving(self.members, model) if m.in_rotation and m is not exclude]
-
-    def _head(self, passed: set[Any] | frozenset[Any] = frozenset()) -> Entry | None:
-        """The waiter served next (order.py), ``passed`` (held back this pass) aside."""
-        if self.settings.classes == "off" and not self.shares.caps:
-            head = self.queue.head()
-            if head is None or not passed:
-                return head
-            return next((e for e in self.queue if e not in passed), None)
-        self.queue.head()  # drops expired holds
-        waiting = [e for e in self.queue if e not in passed] if passed else self.queue
-        return self.order.head(waiting, self.members, self.settings.classes == "on")
-
-    def _place(self, entry: Entry, choice: Choice, permits: int) -> None:
-        m = choice.member
-        self._forget(entry)
-        try:
-            probe = m.breaker.admit()
-        except ProxyError as exc:
-            entry.end(exc)
-            return
-        entry.ticket.permits = permits
-        m.gate.grant(entry.ticket)
-        self.shares.granted(entry.ticket.caller, permits)
-        m.index.add(entry.request.hashes)
-        m.routed += 1
-        m.last_granted = time.monotonic()
-        loading(m, self.members)  # a router's model it does not run: loaded for this one
-        m.prompt_chars += entry.prompt_chars
-        m.cached_chars += choice.cached_chars
-        entry.placement = Placement(
-            m, entry.ticket, probe, choice.decision, choice.cached_chars, m.adapter
-        )
-        entry.future.set_result(entry.placement)
-
-    def _end(self, entry: Entry, error: ProxyError) -> None:
-        self._forget(entry)
-        entry.end(error)
-
-    def _forget(self, entry: Entry) -> None:
-        self._sizing.pop(entry.id, None)
-        timer = entry.ticket.affinity_timer
-        if timer is not None:
-            timer.cancel()
-
-    def _unavailable(self, exclude: Member | None, model: str | None = None) -> ProxyError:
-        return unavailable(self.members, exclude, model, self.settings.health_interval_s)
 
     # -- observation and shutdown ------------------------------------------------------
     def _check_idle(self) -> None:
@@ -398,8 +290,8 @@ class Pool:
         """Shutdown: refuse new requests, answer the queued ones with ShuttingDown."""
         self._closed = True
         for entry in self.queue.clear():
-            self._end(entry, ShuttingDown("llmproxy is shutting down"))
+            self._grants.end(entry, ShuttingDown("llmproxy is shutting down"))
         for m in self.members:
             m.gate.close()
-        self._waits.cancel()
+        self._grants.waits.cancel()
         self._check_idle()

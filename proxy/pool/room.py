@@ -1,7 +1,7 @@
 """Room: may a waiting request be granted on an upstream now? One rule for the grant
-(pool.py ``_advance``, which the router asks through ``Request.room``) and for
-admission's prediction of it (admission.py ``Limits``: ``max_queued`` lets in a request
-that runs now), so the two never differ.
+(grant.py, which the router asks through ``Request.room``) and for admission's prediction
+of it (admission.py ``Limits``: ``max_queued`` lets in a request that runs now), so the
+two never differ.
 
 A request has room on an upstream when:
 

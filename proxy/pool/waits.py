@@ -1,5 +1,5 @@
-"""The queue's head while it cannot be granted yet (pool.py ``_advance``): what it waits
-for, and the timers that end those waits.
+"""The queue's head while it cannot be granted yet (grant.py): what it waits for, and the
+timers that end those waits.
 
 - ``waits_for_its_slot``: the slot its session used last is being stopped, on one of the
   upstreams it fits, for the session's superseded request. Its prompt is cached there:
