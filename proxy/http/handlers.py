@@ -1,7 +1,7 @@
 """The gated request handler: body -> session -> type-through -> scheduler -> job -> relay.
 
 The adapter a request runs with, and so its permit count and its body (``id_slot``), is
-the one in use on its upstream when it is granted (pool/pool.py): the watcher may swap in
+the one in use on its upstream when it is granted (pool/grant.py): the watcher may swap in
 the adapter detection found while it waited (upstream/watch.py).
 
 Concurrency contract: the handler task belongs to the client connection (aiohttp runs

@@ -77,10 +77,10 @@ def serving(members: Sequence[Member], name: str | None) -> list[Member]:
 
 
 class Held:
-    """The upstreams kept, during one pass over the queue (pool.py ``_advance``), for
-    waiters that could not be granted yet: a waiter behind them is granted only on another
-    upstream that serves its model, so no one overtakes a waiter on the upstreams it waits
-    for, and a model's waiters never wait for another model's upstreams."""
+    """The upstreams kept, during one pass over the queue (grant.py), for waiters that
+    could not be granted yet: a waiter behind them is granted only on another upstream
+    that serves its model, so no one overtakes a waiter on the upstreams it waits for, and
+    a model's waiters never wait for another model's upstreams."""
 
     def __init__(self) -> None:
         self.passed: set[Any] = set()  # the waiters held (pool.Entry)

@@ -4,8 +4,15 @@ It owns the wait queue and every ordering rule: FIFO within a request class (com
 before chat before bulk, with aging, and a reserve of each upstream's permits for
 completions: gating/classes.py), queue-full, held places, supersede and twins, the head of
 the queue for a keystroke that waited, the breaker's probe, and where the head goes
-(router.py). Each upstream's gate (gating/gate.py) keeps only its slot
-state: permits, slot affinity, quarantine. Concurrency contract:
+(router.py). Each upstream's gate (gating/gate.py) keeps only its slot state: permits,
+slot affinity, quarantine.
+
+Its parts: admission.py (what a request needs on each upstream, and the refusals:
+``max_queued``, the queue's bound, no upstream), grant.py (one pass of ``advance``),
+room.py (the one rule of room on an upstream, for the grant and for admission's
+prediction of it), waits.py (the head's waits: its session's slot, a routing wait, a
+completion's preemption); the policies: order.py, shares.py, router.py, models.py and
+preempt.py. Concurrency contract:
 
 - ``submit`` never blocks. It admits a request (``QueueFull``, ``ShuttingDown``;
   ``UpstreamUnavailable`` when no upstream is in rotation, so a dead upstream fails fast;
@@ -39,8 +46,9 @@ state: permits, slot affinity, quarantine. Concurrency contract:
 - ``supersede_queued`` ends the session's queued requests that a newer one answered
   elsewhere (type-through) supersedes.
 
-Event loop thread only; the one timer (a routing wait) is a loop handle owned by the
-scheduler.
+Event loop thread only; the timers (a routing wait, a completion's wait before it
+preempts: waits.py) are loop handles owned by the scheduler, cancelled when a pass over
+the queue begins and at close.
 """
 
 from __future__ import annotations
@@ -51,33 +59,19 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from llmproxy.proxy.errors import (
-    SUPERSEDED,
-    BadRequest,
-    ProxyError,
-    QueueFull,
-    QueueTimeout,
-    ShuttingDown,
-    Superseded,
-    UnknownModel,
-)
-from llmproxy.proxy.gating.breaker import UpstreamUnavailable
+from llmproxy.proxy.errors import SUPERSEDED, BadRequest, QueueTimeout, ShuttingDown, Superseded
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.gating.waitlist import WaitList
+from llmproxy.proxy.pool.admission import Limits, Sizing, size
 from llmproxy.proxy.pool.entry import Entry, Placement
+from llmproxy.proxy.pool.grant import Grants
 from llmproxy.proxy.pool.member import Member
-from llmproxy.proxy.pool.models import Held, loading, may_load, serving
 from llmproxy.proxy.pool.order import Order
-from llmproxy.proxy.pool.preempt import victims
 from llmproxy.proxy.pool.prefix import block_hashes, prompt_text
-from llmproxy.proxy.pool.router import Choice, Request, Router, Wait
+from llmproxy.proxy.pool.router import Request, Router
 from llmproxy.proxy.pool.shares import Shares
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.twins import twin_key
-
-#: permits a request needs on an upstream, asked of its adapter with its slot count
-#: (BadRequest: it cannot run there)
-Sizing = Callable[[Member, int], int]
 
 
 class Pool:
@@ -89,19 +83,23 @@ class Pool:
         self.shares = Shares(settings.keys)
         self.order = Order(settings, self.shares)
         self.queue: WaitList[Entry] = WaitList(settings.queue_hold_s, settings.max_queue)
-        self._sizing: dict[int, Sizing] = {}  # entry id -> its sizing
+        shared = (self.members, settings, self.router, self.order, self.shares, self.queue)
+        self._limits = Limits(*shared)  # admission.py
+        self._grants = Grants(*shared, self.advance)  # grant.py
         self._ids = itertools.count(1)
         self._closed = False
         self._advancing = False
         self._again = False
-        self._timer: asyncio.TimerHandle | None = None
-        self._preempt_timer: asyncio.TimerHandle | None = None  # a completion's wait for it
-        self.preemptions = 0  # generations stopped for a completion (resumed after it)
         self._idle = asyncio.Event()
         self._idle.set()
         self.listeners: list[Callable[[Any, bool], None]] = []  # (member, joined): metrics
         for m in self.members:
             m.gate.on_advance = self.advance
+
+    @property
+    def preemptions(self) -> int:
+        """Generations stopped for a completion (resumed after it): waits.py."""
+        return self._grants.waits.preemptions
 
     def rotation(self) -> list[Member]:
         return [m for m in self.members if m.in_rotation]
@@ -137,65 +135,42 @@ class Pool:
         since: float | None = None,
         model: str | None = None,
     ) -> Entry:
-        """Admit a request (see the module's contract); ``klass``: its request class
-        (gating/classes.py); ``caller``: who sent it (shares.py: 429 when it would wait with
-        its key's ``max_queued`` requests waiting already: those held to the cap, not
-        failovers nor resumes, and not the one whose place it takes, which leaves);
-        ``exclude``: a failover, which goes to the head of the queue and to another upstream
-        than the one it failed on. ``first``: to the head of the queue too (a keystroke that
-        waited on its session's generation, type-through). The queue's bound refuses
-        neither; ``max_queued`` refuses a ``first`` one as any other (it was never counted),
-        never a failover (it was, when it was first admitted). ``since``: when the request
-        first came: a preempted one's resume, which keeps its age (order.py, preempt.py),
-        supersedes nothing (though a newer request may supersede it) and, counted when it
-        was first admitted, is never refused by ``max_queued`` either. ``model``: the model
-        it asks for (models.py ``asked``; None: any upstream)."""
+        """Admit a request (see the module's contract; its refusals: admission.py);
+        ``klass``: its request class (gating/classes.py); ``caller``: who sent it (its
+        key's fair share and limits: shares.py); ``exclude``: a failover, which goes to the
+        head of the queue and to another upstream than the one it failed on. ``first``: to
+        the head of the queue too (a keystroke that waited on its session's generation,
+        type-through). ``since``: when the request first came: a preempted one's resume,
+        which keeps its age (order.py, preempt.py) and supersedes nothing (though a newer
+        request may supersede it). ``model``: the model it asks for (models.py ``asked``;
+        None: any upstream)."""
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
-        members = self._serving(model, exclude)  # or UnknownModel
+        members = self._grants.serving(model, exclude)  # or UnknownModel
         if not members:
-            raise self._unavailable(exclude, model)
-        sized = [_size(sizing, m) for m in members]
-        if not any(isinstance(n, int) for n in sized):
-            raise next(n for n in sized if isinstance(n, BadRequest))
+            raise self._grants.unavailable(exclude, model)
+        sized = {id(m): size(sizing, m) for m in members}
+        if not any(isinstance(n, int) for n in sized.values()):
+            raise next(n for n in sized.values() if isinstance(n, BadRequest))
         twin = twin_key(route, parsed) if supersedable else None
         # a resume (``since``) is no newcomer: it supersedes nothing
         newcomer = supersedable and since is None
         placed, replaced = self.queue.place_of(session, twin) if newcomer else (False, None)
         text = prompt_text(route, parsed) if self.settings.route == "cache" else ""
         hashes = block_hashes(text)
-        cap = self.shares.max_queued(caller)
-        if cap is not None and exclude is None and since is None:
-            waiting = sum(
-                e.counted and e.ticket.caller == caller and e is not replaced for e in self.queue
-            )
-            runs = self._runs_now(
-                session,
-                route,
-                klass,
-                caller,
-                hashes,
-                dict(zip(map(id, members), sized, strict=True)),
-                members,
-                replaced,
-            )
-            if waiting >= cap and not runs:
-                raise QueueFull(
-                    f"caller {caller!r} has {waiting} requests waiting (max_queued {cap})",
-                    headers={"Retry-After": str(self.settings.retry_after_s)},
-                )
-            at_cap = waiting >= cap  # let in because it runs now: it must not wait then
-        else:
-            at_cap = False
-        if replaced is None and exclude is None and not first and len(self.queue) >= self.max_queue:
-            room = any(
-                isinstance(n, int) and m.gate.free >= n for m, n in zip(members, sized, strict=True)
-            )
-            if self.queue or not room:
-                raise QueueFull(
-                    f"queue full ({self.max_queue} waiting)",
-                    headers={"Retry-After": str(self.settings.retry_after_s)},
-                )
+        at_cap = self._limits.check(  # or QueueFull
+            session,
+            route,
+            klass,
+            caller,
+            hashes,
+            sized,
+            members,
+            replaced=replaced,
+            exclude=exclude,
+            first=first,
+            since=since,
+        )
         loop = asyncio.get_running_loop()
         ident = next(self._ids)
         created = time.monotonic() if since is None else since
@@ -226,7 +201,7 @@ class Pool:
             counted=exclude is None and since is None,
         )
         ticket.affinity_waited = at_cap  # no wait for its session's slot either
-        self._sizing[ident] = sizing
+        self._grants.sizing[ident] = sizing
         self._idle.clear()
         if newcomer:
             for m in self.members:
@@ -237,7 +212,7 @@ class Pool:
             for rival in rivals:
                 if rival is not replaced:
                     self.queue.discard(rival)
-                self._end(rival, Superseded(SUPERSEDED))
+                self._grants.end(rival, Superseded(SUPERSEDED))
         elif exclude is not None or first:
             self.queue.push_front(entry)
         else:
@@ -245,47 +220,13 @@ class Pool:
         self.advance()
         return entry
 
-    def _runs_now(
-        self,
-        session: str,
-        route: str,
-        klass: str,
-        caller: str,
-        hashes: list[bytes],
-        sized: dict[int, int | BadRequest],
-        members: list[Member],
-        replaced: Entry | None = None,
-    ) -> bool:
-        """Would a request with these traits be granted at once, as the queue's head now
-        (nothing waits but ``replaced``, whose place it takes, its caller is under
-        ``max_inflight``, and the router picks an upstream with room for it)? Changes
-        nothing."""
-        if any(e is not replaced for e in self.queue) or caller in self.order.capped(self.members):
-            return False
-        probe = Ticket(0, session, False, route, asyncio.get_running_loop().create_future())
-        probe.klass = klass
-
-        def room(m: Member) -> bool:
-            n = sized.get(id(m))
-            if not isinstance(n, int) or m.gate.free < n or not may_load(m, self.members):
-                return False
-            probe.permits = n
-            on = self.settings.classes == "on"
-            if on and not self.order.within_reserve(m, klass, n):
-                return False
-            return not m.gate.waits_for_its_slot(probe)
-
-        fits = [m for m in members if isinstance(sized.get(id(m)), int)]
-        request = Request(session, hashes, time.monotonic(), room=room)
-        return isinstance(self.router.choose(request, fits), Choice)
-
     def supersede_queued(self, session: str, twin: str | None) -> None:
         """A newer request of ``session`` (twin key ``twin``) was answered without queueing
         (type-through): it supersedes the session's queued requests, but for its twins."""
         rivals = self.queue.rivals(session, twin)
         for rival in rivals:
             self.queue.discard(rival)
-            self._end(rival, Superseded(SUPERSEDED))
+            self._grants.end(rival, Superseded(SUPERSEDED))
         if rivals:
             self.advance()
 
@@ -307,7 +248,7 @@ class Pool:
         """The waiter gave up: out of the queue, or its untaken permits and probe back."""
         if entry in self.queue:
             self.queue.remove(entry)  # a supersedable one leaves a hold
-            self._forget(entry)
+            self._grants.forget(entry)
             entry.ticket.state = "done"
             if not entry.future.done():
                 entry.future.cancel()
@@ -328,176 +269,10 @@ class Pool:
             self._again = True
             while self._again:
                 self._again = False
-                self._advance()
+                self._grants.run()
         finally:
             self._advancing = False
         self._check_idle()
-
-    def _advance(self) -> None:
-        for timer in (self._timer, self._preempt_timer):
-            if timer is not None:
-                timer.cancel()
-        self._timer = self._preempt_timer = None
-        held = Held()  # upstreams kept for the waiters passed over (models.py)
-        while (head := self._head(held.passed)) is not None:
-            if head.future.done():  # its waiter left: as ``abandon`` would
-                self.queue.remove(head)
-                self._forget(head)
-                continue
-            try:
-                members = self._serving(head.model, head.exclude)
-            except UnknownModel as exc:  # a reload took its model away
-                self.queue.discard(head)
-                self._end(head, exc)
-                continue
-            if not members:
-                self.queue.discard(head)
-                self._end(head, self._unavailable(head.exclude, head.model))
-                continue
-            sizing = self._sizing[head.id]
-            sized = {id(m): _size(sizing, m) for m in members}
-            fits = [m for m in members if isinstance(sized[id(m)], int)]
-            if not fits:  # cannot run on any upstream in rotation now
-                self.queue.discard(head)
-                self._end(head, next(e for e in sized.values() if isinstance(e, ProxyError)))
-                continue
-
-            if self._waits_for_its_slot(head, fits, sized):
-                if held.hold(head, fits, self.rotation()):
-                    return  # strict FIFO: the queue behind waits too (the gate wakes it)
-                continue
-
-            def room(m: Member, head: Entry = head, sized: dict[int, Any] = sized) -> bool:
-                n = sized.get(id(m))
-                if not isinstance(n, int) or m.gate.free < n or not self._within_share(m, head, n):
-                    return False
-                if not may_load(m, self.members):  # models.py: a router's load cuts nothing
-                    return False
-                head.ticket.permits = n
-                return not m.gate.waits_for_its_slot(head.ticket)
-
-            head.request.room = room
-            free = [m for m in fits if m not in held]
-            choice = self.router.choose(head.request, free) if free else None
-            if isinstance(choice, Wait):
-                self._wake_in(choice.delay_s)
-            if not isinstance(choice, Choice):
-                if choice is None and free:  # no room where it may run now
-                    self._preempt(head, free, sized)
-                if held.hold(head, fits, self.rotation()):
-                    return
-                continue
-            self.queue.discard(head)
-            permits = sized[id(choice.member)]
-            assert isinstance(permits, int)  # the router picks where it has room
-            self._place(head, choice, permits)
-
-    def _preempt(self, head: Entry, fits: list[Member], sized: dict[int, Any]) -> None:
-        """A completion at the head found no room: once it waited ``preempt_after_ms``, stop
-        the generations preempt.py picks for it (their jobs resume them later)."""
-        s = self.settings
-        if s.preempt == "off" or s.classes == "off" or head.ticket.klass != "complete":
-            return
-        left = head.created + s.preempt_after_ms / 1000 - time.monotonic()
-        if left > 0:
-            loop = asyncio.get_running_loop()
-            timer = self._preempt_timer
-            if timer is None or timer.when() > loop.time() + left:
-                if timer is not None:
-                    timer.cancel()
-                self._preempt_timer = loop.call_later(left, self.advance)
-            return
-        now = time.monotonic()
-        for t in victims([(m, sized[id(m)]) for m in fits], now, s.class_max_wait_s):
-            t.preempted = True
-            self.preemptions += 1
-            assert t.on_preempt is not None
-            t.on_preempt()
-
-    def _waits_for_its_slot(self, head: Entry, fits: list[Member], sized: dict[int, Any]) -> bool:
-        """Is the slot ``head``'s session used last being stopped, on one of ``fits``, for
-        the session's superseded request? Its prompt is cached there: the head waits for
-        that slot (at most ``affinity_wait_s`` from its admission) rather than prefill it
-        on another slot or upstream."""
-        for m in fits:
-            head.ticket.permits = sized[id(m)]
-            if m.gate.waits_for_its_slot(head.ticket):
-                return True
-        return False
-
-    def _wake_in(self, delay_s: float) -> None:
-        """Advance again in ``delay_s`` (a routing wait), or sooner if already asked."""
-        loop = asyncio.get_running_loop()
-        if self._timer is None or self._timer.when() > loop.time() + delay_s:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = loop.call_later(delay_s, self.advance)
-
-    def _serving(self, model: str | None, exclude: Member | None) -> list[Member]:
-        """The upstreams in rotation, ``exclude`` aside, that serve ``model`` (models.py;
-        ``UnknownModel`` if none in the pool does)."""
-        return [m for m in serving(self.members, model) if m.in_rotation and m is not exclude]
-
-    def _head(self, passed: set[Any] | frozenset[Any] = frozenset()) -> Entry | None:
-        """The waiter served next (order.py), ``passed`` (held back this pass) aside."""
-        if self.settings.classes == "off" and not self.shares.caps:
-            head = self.queue.head()
-            if head is None or not passed:
-                return head
-            return next((e for e in self.queue if e not in passed), None)
-        self.queue.head()  # drops expired holds
-        waiting = [e for e in self.queue if e not in passed] if passed else self.queue
-        return self.order.head(waiting, self.members, self.settings.classes == "on")
-
-    def _within_share(self, m: Member, entry: Entry, permits: int) -> bool:
-        if self.settings.classes == "off":
-            return True
-        return self.order.within_reserve(m, entry.ticket.klass, permits)
-
-    def _place(self, entry: Entry, choice: Choice, permits: int) -> None:
-        m = choice.member
-        self._forget(entry)
-        try:
-            probe = m.breaker.admit()
-        except ProxyError as exc:
-            entry.end(exc)
-            return
-        entry.ticket.permits = permits
-        m.gate.grant(entry.ticket)
-        self.shares.granted(entry.ticket.caller, permits)
-        m.index.add(entry.request.hashes)
-        m.routed += 1
-        m.last_granted = time.monotonic()
-        loading(m, self.members)  # a router's model it does not run: loaded for this one
-        m.prompt_chars += entry.prompt_chars
-        m.cached_chars += choice.cached_chars
-        entry.placement = Placement(
-            m, entry.ticket, probe, choice.decision, choice.cached_chars, m.adapter
-        )
-        entry.future.set_result(entry.placement)
-
-    def _end(self, entry: Entry, error: ProxyError) -> None:
-        self._forget(entry)
-        entry.end(error)
-
-    def _forget(self, entry: Entry) -> None:
-        self._sizing.pop(entry.id, None)
-        timer = entry.ticket.affinity_timer
-        if timer is not None:
-            timer.cancel()
-
-    def _unavailable(self, exclude: Member | None, model: str | None = None) -> ProxyError:
-        """The error for a request no upstream in rotation serving ``model`` can take: an
-        open breaker's own (its cooldown as Retry-After) when that is what keeps the
-        upstreams out, else 'no upstream is available' until the next health probe."""
-        up = [m for m in serving(self.members, model) if m is not exclude and m.healthy]
-        if up and all(not m.breaker.admissible for m in up):
-            try:
-                up[0].breaker.admit()
-            except ProxyError as exc:
-                return exc
-        retry = {"Retry-After": str(max(1, round(self.settings.health_interval_s)))}
-        return UpstreamUnavailable("no upstream is available", headers=retry)
 
     # -- observation and shutdown ------------------------------------------------------
     def _check_idle(self) -> None:
@@ -515,20 +290,8 @@ class Pool:
         """Shutdown: refuse new requests, answer the queued ones with ShuttingDown."""
         self._closed = True
         for entry in self.queue.clear():
-            self._end(entry, ShuttingDown("llmproxy is shutting down"))
+            self._grants.end(entry, ShuttingDown("llmproxy is shutting down"))
         for m in self.members:
             m.gate.close()
-        for timer in (self._timer, self._preempt_timer):
-            if timer is not None:
-                timer.cancel()
+        self._grants.waits.cancel()
         self._check_idle()
-
-
-def _size(sizing: Sizing, m: Member) -> int | BadRequest:
-    try:
-        n = sizing(m, m.gate.total)
-    except BadRequest as exc:
-        return exc
-    if n < 1:
-        raise ValueError(f"a request needs at least one permit, not {n}")
-    return n

@@ -13,7 +13,7 @@ more is asked: its permits come back to the queue, where the completion is serve
 its class's ``class_max_wait_s`` (a resume keeps the age of its request: a chat preempted
 again and again ages like any waiter, so none starves).
 
-``victims`` only chooses; the scheduler asks the chosen tickets' jobs to stop
+``victims`` only chooses; the scheduler (waits.py) asks the chosen tickets' jobs to stop
 (``on_preempt``) and marks them ``preempted``. Event loop thread only.
 """
 

@@ -10,7 +10,7 @@ make another caller's one request wait for all eight. A caller at its key's
 ``max_inflight`` is passed over until one of its requests ends; one at ``max_queued``
 waiting requests gets 429.
 
-Pure bookkeeping, event loop thread only (the scheduler's ``_head`` and ``_place``).
+Pure bookkeeping, event loop thread only (the scheduler's grants: grant.py).
 Callers caught up with the virtual time are forgotten (they would start there anyway), so
 the table stays bounded by the callers that are ahead.
 """

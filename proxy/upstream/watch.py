@@ -13,7 +13,7 @@ meanwhile get one permit), until nothing is pending:
 - an undetected upstream that answers gets the adapter detection finds then
   (``detect.redetect``), swapped into the member's ``adapter``, which is then in rotation
   (``learnt``): requests granted from then on use it, those that waited in the queue
-  meanwhile included (their permit count is asked at the grant, pool/pool.py); jobs
+  meanwhile included (their permit count is asked at the grant, pool/grant.py); jobs
   already running keep the one they started with, whose relay client is closed (its
   connections close as those jobs release them);
 - confirmation turns on from then on (for new requests, and for stops of requests already
