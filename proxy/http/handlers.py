@@ -25,6 +25,7 @@ from llmproxy.proxy.gating.sessions import is_warmup, session_key
 from llmproxy.proxy.http.bodies import parse_json_object, read_body
 from llmproxy.proxy.http.pooled import pooled
 from llmproxy.proxy.http.trust import CALLER
+from llmproxy.proxy.relay.responder import Responder
 from llmproxy.proxy.request import GatedRequest
 from llmproxy.proxy.reuse.answer import reused
 from llmproxy.proxy.reuse.registry import Follow, Waited
@@ -46,7 +47,13 @@ async def gated(request: web.Request) -> web.StreamResponse:
             # answered from a generation: it supersedes the session's queued requests as
             # any newer request does, whatever the in-flight policy
             st.pool.supersede_queued(req.session, twin_key(req.route, req.body))
-            resp = await reused(rec, request, follow)
+            out = Responder(
+                request,
+                rec.request_id,
+                buffer_bytes=st.settings.client_buffer_bytes,
+                write_timeout_s=st.settings.client_write_timeout_s,
+            )
+            resp = await reused(rec, out, follow)
             if resp is not None:
                 return resp  # else the generation failed first: this request runs on its own
         first = isinstance(follow, Waited)
