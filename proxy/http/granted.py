@@ -9,27 +9,21 @@ left.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from aiohttp import web
 
 from llmproxy.proxy.errors import ProxyError
 from llmproxy.proxy.gating.breaker import CircuitBreaker
 from llmproxy.proxy.gating.gate import Gate
-from llmproxy.proxy.gating.sessions import is_warmup
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.http.trust import TRUST
 from llmproxy.proxy.relay.responder import Responder
-from llmproxy.proxy.settings import ProxySettings
+from llmproxy.proxy.request import GatedRequest
 from llmproxy.proxy.state import RECORD, ProxyState
 from llmproxy.proxy.upstream.adapters.base import Adapter
 from llmproxy.proxy.upstream.headers import request_headers
-from llmproxy.proxy.upstream.job import Resume, UpstreamJob, UpstreamRequest
-
-
-def continuable(s: ProxySettings, path: str, parsed: Any) -> bool:
-    """May later keystrokes continue this request's generation (type-through)?"""
-    return s.supersede and path in s.supersede_routes and not is_warmup(parsed)
+from llmproxy.proxy.upstream.job import Resume, UpstreamJob
 
 
 class Target(NamedTuple):
@@ -45,21 +39,15 @@ async def forward_granted(
     target: Target,
     ticket: Ticket,
     request: web.Request,
-    raw: bytes,
+    req: GatedRequest,
     probe: bool,
     resume: Resume | None = None,
 ) -> web.StreamResponse:
-    """``resume``: how the job gets permits again if its request is preempted (job.py)."""
+    """``req``, read from ``request``; ``resume``: how the job gets permits again if its
+    request is preempted (job.py)."""
     s = st.settings
     adapter = target.adapter
     rec = request[RECORD]
-    upstream_req = UpstreamRequest(
-        method=request.method,
-        path=request.path,
-        raw_path=request.raw_path,
-        headers=request_headers(request.headers, strip=request.app[TRUST].strip),
-        body=raw,
-    )
     out = Responder(
         request,
         rec.request_id,
@@ -71,18 +59,17 @@ async def forward_granted(
             gate=target.gate,
             ticket=ticket,
             adapter=adapter,
-            request=upstream_req,
+            request=req,
+            headers=request_headers(request.headers, strip=request.app[TRUST].strip),
             out=out,
             record=rec,
             metrics=st.metrics,
             breaker=target.breaker,
             breaker_probe=probe,
-            supersede_policy=st.policy(
-                s.supersede_inflight, adapter, request.path, rec.parsed_body
-            ),
-            disconnect_policy=st.policy(s.on_disconnect, adapter, request.path, rec.parsed_body),
+            supersede_policy=st.policy(s.supersede_inflight, adapter, req.route, req.body),
+            disconnect_policy=st.policy(s.on_disconnect, adapter, req.route, req.body),
             unconfirmed_hold_s=s.unconfirmed_cancel_hold_s,
-            generations=st.generations if continuable(s, request.path, rec.parsed_body) else None,
+            generations=st.generations if req.continuable else None,
             resume=resume,
         )
     except BaseException:

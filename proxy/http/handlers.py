@@ -16,50 +16,81 @@ circuit breaker.
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 
 from llmproxy.proxy.gating.classes import HEADER, request_class
-from llmproxy.proxy.gating.sessions import session_key
+from llmproxy.proxy.gating.sessions import is_warmup, session_key
 from llmproxy.proxy.http.bodies import parse_json_object, read_body
-from llmproxy.proxy.http.granted import continuable
 from llmproxy.proxy.http.pooled import pooled
 from llmproxy.proxy.http.trust import CALLER
+from llmproxy.proxy.relay.responder import Responder
+from llmproxy.proxy.request import GatedRequest
 from llmproxy.proxy.reuse.answer import reused
 from llmproxy.proxy.reuse.registry import Follow, Waited
+from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.state import RECORD, STATE
 from llmproxy.proxy.twins import twin_key
 
 
 async def gated(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE]
-    s = st.settings
     rec = request[RECORD]
     rec.gated = True
-    raw = await read_body(request, s.max_body_bytes, s.body_timeout_s)
-    parsed = parse_json_object(raw)
-    rec.parsed_body = parsed
-    rec.session = session_key(
-        parts=s.session_parts,
-        header_name=s.session_header,
-        headers=request.headers,
-        peer=request.remote,
-        path=request.path,
-        body=parsed,
-    )
-    rec.caller = request.get(CALLER)
-    rec.request_class = request_class(
-        request.path, request.headers.get(HEADER), st.key_classes.get(rec.caller or "")
-    )
-    supersedable = continuable(s, request.path, parsed)
+    req = await gated_request(request)
+    rec.session, rec.request_class = req.session, req.klass
     first = False  # at the queue's head: it waited on the session's generation already
-    if supersedable and st.generations is not None:
-        follow = await st.generations.follow(rec.session, request.path, parsed)  # may wait
+    if req.continuable and st.generations is not None:
+        follow = await st.generations.follow(req.session, req.route, req.body)  # may wait
         if isinstance(follow, Follow):
             # answered from a generation: it supersedes the session's queued requests as
             # any newer request does, whatever the in-flight policy
-            st.pool.supersede_queued(rec.session, twin_key(request.path, parsed))
-            resp = await reused(rec, request, follow)
+            st.pool.supersede_queued(req.session, twin_key(req.route, req.body))
+            out = Responder(
+                request,
+                rec.request_id,
+                buffer_bytes=st.settings.client_buffer_bytes,
+                write_timeout_s=st.settings.client_write_timeout_s,
+            )
+            resp = await reused(rec, out, follow)
             if resp is not None:
                 return resp  # else the generation failed first: this request runs on its own
         first = isinstance(follow, Waited)
-    return await pooled(st, request, raw, supersedable, first)
+    return await pooled(st, request, req, first)
+
+
+async def gated_request(request: web.Request) -> GatedRequest:
+    """The request as the proxy reads it (request.py), built once: its body read and
+    parsed (400, 408, 413 as bodies.py says), its session and class."""
+    st = request.app[STATE]
+    s = st.settings
+    raw = await read_body(request, s.max_body_bytes, s.body_timeout_s)
+    body = parse_json_object(raw)
+    caller = request.get(CALLER)
+    request[RECORD].caller = caller
+    return GatedRequest(
+        method=request.method,
+        route=request.path,
+        raw_path=request.raw_path,
+        raw=raw,
+        body=body,
+        session=session_key(
+            parts=s.session_parts,
+            header_name=s.session_header,
+            headers=request.headers,
+            peer=request.remote,
+            path=request.path,
+            body=body,
+        ),
+        klass=request_class(
+            request.path, request.headers.get(HEADER), st.key_classes.get(caller or "")
+        ),
+        caller=caller or request.remote or "",
+        continuable=continuable(s, request.path, body),
+    )
+
+
+def continuable(s: ProxySettings, path: str, parsed: Any) -> bool:
+    """May later keystrokes continue this request's generation (type-through)?"""
+    return s.supersede and path in s.supersede_routes and not is_warmup(parsed)

@@ -24,20 +24,20 @@ from llmproxy.proxy.http.granted import Target, forward_granted
 from llmproxy.proxy.pool.entry import Entry
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.models import asked
+from llmproxy.proxy.request import GatedRequest
 from llmproxy.proxy.state import RECORD, ProxyState
 from llmproxy.proxy.upstream.job import Grant
 
 
 async def pooled(
-    st: ProxyState, request: web.Request, raw: bytes, supersedable: bool, first: bool = False
+    st: ProxyState, request: web.Request, req: GatedRequest, first: bool = False
 ) -> web.StreamResponse:
-    """``first``: at the queue's head (see ``Pool.submit``)."""
+    """``req``, read from ``request``; ``first``: at the queue's head (see ``Pool.submit``)."""
     rec = request[RECORD]
-    parsed = rec.parsed_body
-    member, resp = await _once(st, request, raw, parsed, supersedable, None, first)
+    member, resp = await _once(st, request, req, None, first)
     if resp is None:  # nothing of it left: once more, on another upstream
         rec.upstream_error, rec.upstream_status, rec.failover = None, None, member.name
-        _, resp = await _once(st, request, raw, parsed, supersedable, member)
+        _, resp = await _once(st, request, req, member)
         assert resp is not None
     return resp
 
@@ -45,16 +45,14 @@ async def pooled(
 async def _once(
     st: ProxyState,
     request: web.Request,
-    raw: bytes,
-    parsed: Any,
-    supersedable: bool,
+    req: GatedRequest,
     exclude: Member | None,
     first: bool = False,
 ) -> tuple[Member, web.StreamResponse | None]:
     """One try: (the upstream, the response; None if it failed before anything was sent and
     another try may go elsewhere)."""
     rec = request[RECORD]
-    path = request.path
+    path, parsed = req.route, req.body
 
     def sizing(m: Member, capacity: int) -> int:
         return m.adapter.permits(path, parsed, capacity)  # or BadRequest
@@ -66,13 +64,13 @@ async def _once(
     def enter(**where: Any) -> Entry:
         """Into the scheduler's queue (``where``: failover, head, a resume's age)."""
         return st.pool.submit(
-            rec.session or "",
-            supersedable=supersedable,
+            req.session,
+            supersedable=req.continuable,
             route=path,
             parsed=parsed,
             sizing=sizing,
-            klass=rec.request_class or "complete",
-            caller=rec.caller or request.remote or "",
+            klass=req.klass,
+            caller=req.caller,
             model=model,
             **where,
         )
@@ -100,14 +98,14 @@ async def _once(
         rec.upstream_name, rec.permits = p.member.name, p.ticket.permits
         return Grant(p.member.gate, p.ticket, p.adapter, p.member.breaker, p.probe)
 
-    preemptible = st.settings.preempt == "on" and rec.request_class in ("chat", "bulk")
+    preemptible = st.settings.preempt == "on" and req.klass in ("chat", "bulk")
     try:
         resp = await forward_granted(
             st,
             target,
             placement.ticket,
             request,
-            raw,
+            req,
             placement.probe,
             resume if preemptible else None,
         )

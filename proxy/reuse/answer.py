@@ -35,11 +35,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from multidict import CIMultiDict
 
-from llmproxy.proxy.errors import SUPERSEDED, ProxyError, Superseded
+from llmproxy.proxy.errors import SUPERSEDED, Superseded
 from llmproxy.proxy.relay.assemble import CONTENT_TYPE, Assembler
-from llmproxy.proxy.relay.error_event import cuts_after_error
-from llmproxy.proxy.relay.responder import stream_error_bytes
+from llmproxy.proxy.relay.responder import Responder
 from llmproxy.proxy.reuse.generation import Generation
 from llmproxy.proxy.reuse.registry import Follow
 from llmproxy.proxy.telemetry.record import RequestRecord
@@ -68,36 +68,38 @@ def whole(generation: Generation, skip: int) -> tuple[int, bytes]:
     return status, json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-async def reused(
-    rec: RequestRecord, request: web.Request, follow: Follow
-) -> web.StreamResponse | None:
-    """Answer ``request`` (its record ``rec``), which continues ``follow.generation`` (the
-    gated handler's branch: no permit, no queue); the generation is left once the answer is
-    written or the client left. None: the generation failed before the client was sent
-    anything (see above)."""
+async def reused(rec: RequestRecord, out: Responder, follow: Follow) -> web.StreamResponse | None:
+    """Answer the request of ``rec`` through ``out`` (its Responder: relay/responder.py, with
+    the client write timeout), which continues ``follow.generation`` (the gated handler's
+    branch: no permit, no queue); the generation is left once the answer is written or the
+    client left. None: the generation failed before the client was sent anything (see
+    above)."""
     generation = follow.generation
     try:
-        resp = await answer(request, follow, rec)
+        resp = await answer(out, follow, rec)
     except asyncio.CancelledError:
         rec.client_gone = True
+        out.detach()
         raise
     finally:
         generation.leave()
     if resp is None:
         return None
+    if out.stalled:
+        rec.client_gone = True
+        rec.error = rec.error or "client took nothing of its response in time: dropped"
     if rec.outcome is None:  # not superseded mid-stream
         rec.outcome = "reused"
         rec.reused_tokens = generation.tokens_after(follow.skip)
     return resp
 
 
-async def answer(
-    request: web.Request, follow: Follow, rec: RequestRecord
-) -> web.StreamResponse | None:
-    """Write the answer of the reader ``follow`` (``request``, its record ``rec``) while its
-    turn lasts; returns the response (aiohttp's handler result), or None when the
+async def answer(out: Responder, follow: Follow, rec: RequestRecord) -> web.StreamResponse | None:
+    """Write the answer of the reader ``follow`` (through ``out``, its record ``rec``) while
+    its turn lasts; returns the response (aiohttp's handler result), or None when the
     generation failed before anything was written (``Superseded`` when this request is
-    stale, or a newer reader joined first)."""
+    stale, or a newer reader joined first). A client that left or was dropped for taking
+    nothing ends the reading."""
     generation, skip, turn = follow.generation, follow.skip, follow.turn
     if not generation.stream:
         while not generation.done:
@@ -108,34 +110,35 @@ async def answer(
             _raise_if_stale(follow)
             return None
         status, body = whole(generation, skip)
-        return web.Response(status=status, body=body, headers={"Content-Type": CONTENT_TYPE})
-    resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+        await out.whole(status, CIMultiDict({"Content-Type": CONTENT_TYPE}), body)
+        return await out.outcome()
 
     async def write(data: bytes) -> None:
-        if not resp.prepared:
-            await resp.prepare(request)
-        await resp.write(data)
+        if not out.started:
+            await out.head(200, CIMultiDict(SSE_HEADERS), None)
+        await out.piece(data)
+        if out.ended:  # the client left, or took nothing for the write timeout
+            raise _Gone
 
-    ended = await replay(generation, skip, write, turn)
+    try:
+        ended = await replay(generation, skip, write, turn)
+    except _Gone:
+        return await out.outcome()
     error = generation.error if ended else Superseded(SUPERSEDED)
-    if not resp.prepared:
+    if not out.started:
         if not ended:
             raise Superseded(SUPERSEDED)
         if error is not None:
             _raise_if_stale(follow)
             return None
-        await resp.prepare(request)
+        await out.head(200, CIMultiDict(SSE_HEADERS), None)
     if error is not None:
         if not ended:
             rec.outcome = "superseded"
-        await resp.write(_error_event(error))
-        if cuts_after_error(request.path):  # no terminator (see relay/error_event.py)
-            resp.force_close()
-            if request.transport is not None:
-                request.transport.close()
-            return resp
-    await resp.write_eof()
-    return resp
+        out.fail(error)  # written as the stream's error event, cut where the route says
+    else:
+        await out.end()
+    return await out.outcome()
 
 
 async def replay(
@@ -164,5 +167,5 @@ def _raise_if_stale(follow: Follow) -> None:
         raise Superseded(SUPERSEDED)
 
 
-def _error_event(error: ProxyError) -> bytes:
-    return stream_error_bytes("text/event-stream", error) or b""
+class _Gone(Exception):
+    """The client left, or was dropped for taking nothing: nothing more is written."""

@@ -32,7 +32,6 @@ class RequestRecord:
     model: str | None = None  # gated: the model it asks for (pool/models.py; None: any)
     model_listed: bool = False  # ... and an upstream lists that name (a bounded set)
     gated: bool = False
-    parsed_body: Any = None
     started: float = field(default_factory=time.monotonic)
     refs: int = 1
     status: int | None = None

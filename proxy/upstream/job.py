@@ -54,8 +54,8 @@ import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from dataclasses import replace
+from typing import NamedTuple
 
 import structlog
 from multidict import CIMultiDict
@@ -75,6 +75,7 @@ from llmproxy.proxy.relay.events import End, Failed, Head, Piece, Timing
 from llmproxy.proxy.relay.responder import Responder
 from llmproxy.proxy.relay.sse import Framer
 from llmproxy.proxy.relay.writer import Relay
+from llmproxy.proxy.request import GatedRequest
 from llmproxy.proxy.telemetry.metrics import Metrics
 from llmproxy.proxy.telemetry.record import RequestRecord
 from llmproxy.proxy.upstream.adapters.base import Adapter
@@ -92,15 +93,6 @@ from llmproxy.proxy.upstream.resume import (
 from llmproxy.proxy.upstream.stream import exchange_events
 
 log = structlog.get_logger("llmproxy.job")
-
-
-@dataclass(frozen=True, slots=True)
-class UpstreamRequest:
-    method: str
-    path: str
-    raw_path: str
-    headers: CIMultiDict[str]
-    body: bytes
 
 
 class Grant(NamedTuple):
@@ -124,7 +116,8 @@ class UpstreamJob:
         gate: Gate,
         ticket: Ticket,
         adapter: Adapter,
-        request: UpstreamRequest,
+        request: GatedRequest,
+        headers: CIMultiDict[str],
         out: Responder,
         record: RequestRecord,
         metrics: Metrics,
@@ -137,7 +130,7 @@ class UpstreamJob:
         resume: Resume | None = None,
     ) -> None:
         self.gate, self.ticket, self.adapter = gate, ticket, adapter
-        self.request, self.out = request, out
+        self.request, self.headers, self.out = request, headers, out
         self.record, self.metrics = record, metrics
         self.breaker, self.breaker_probe = breaker, breaker_probe
         self.supersede_policy, self.disconnect_policy = supersede_policy, disconnect_policy
@@ -145,17 +138,21 @@ class UpstreamJob:
         self.generation: Listener | None = None
         self._left_generation = False
         self.slot = gate.take(ticket, on_supersede=self._superseded)  # or Superseded
-        if generations is not None and record.session is not None:
+        if generations is not None:
             # type-through: the record later keystrokes of the session may be answered from
             self.generation = generations.start(
-                record.session,
-                request.path,
-                record.parsed_body,
-                streamed=adapter.assembles(request.path, record.parsed_body),
+                request.session,
+                request.route,
+                request.body,
+                streamed=adapter.assembles(request.route, request.body),
                 on_orphaned=self._orphaned,
                 on_superseded=self._continued,
                 on_joined=self._joined,
             )
+        # the job's own state (the record is written from it, for telemetry)
+        self.sent = False  # its bytes were handed to the upstream connection: it may run
+        self.status: int | None = None  # the upstream's answer's status, once its head came
+        self.error: ProxyError | None = None  # the exchange failed
         self._task: asyncio.Task[object] | None = None  # set while in the transfer scope
         self._stop_cancelled = False  # stop() cancelled the task in the transfer scope
         self._crashed = False  # our own code failed during the transfer
@@ -168,21 +165,21 @@ class UpstreamJob:
         # the connection, where the adapter says the head comes once the request runs
         # (Adapter.answers_at_start): a stop confirmed before that could miss a task that
         # was still on its way to the slot.
-        self._cancel_on_head = adapter.answers_at_start(request.path, record.parsed_body)
-        self._body, self._parsed = request.body, record.parsed_body  # a continuation's later
+        self._cancel_on_head = adapter.answers_at_start(request.route, request.body)
+        self._body, self._parsed = request.raw, request.body  # a continuation's later
         self.resume: Resume | None = None
         self._transcript: Transcript | None = None
         self._echo: Echo | None = None  # a chat continuation's repeated prefill, to take out
         self._resuming: asyncio.Task[object] | None = None  # the job's task, in ``resume()``
         self._assembler: Assembler | None = None
         if resume is not None and self.generation is None:
-            if resumable(adapter.kind, request.path, record.parsed_body):
-                self.resume, self._transcript = resume, Transcript(request.path)
+            if resumable(adapter.kind, request.route, request.body):
+                self.resume, self._transcript = resume, Transcript(request.route)
 
     # -- control (called from the handler / the gate) ------------------------------
     def _superseded(self) -> None:
         self.record.superseded_inflight = True
-        if self.supersede_policy == "cancel" or not self.record.sent:
+        if self.supersede_policy == "cancel" or not self.sent:
             self.stop("superseded")
 
     def client_gone(self) -> None:
@@ -219,7 +216,7 @@ class UpstreamJob:
 
     def _orphaned(self) -> None:
         """No client reads this generation any more: the disconnect policy applies."""
-        if self.disconnect_policy == "cancel" or not self.record.sent:
+        if self.disconnect_policy == "cancel" or not self.sent:
             self.stop("client_disconnect")
 
     def _read(self, event: Piece | End) -> Piece | End:
@@ -242,6 +239,11 @@ class UpstreamJob:
             self.ticket.on_preempt = self._preempted
         return event
 
+    def _sent(self) -> None:
+        """The exchange hands the request's bytes to the upstream connection."""
+        self.sent = True
+        self.record.mark_sent()
+
     def _preempted(self) -> None:
         self.ticket.on_preempt = None
         self.stop("preempted")
@@ -258,7 +260,7 @@ class UpstreamJob:
         if self.generation is not None:
             self.generation.end(stopped_error(reason))
         if self._task is not None and not self._stop_cancelled:
-            if self._cancel_on_head and self.record.sent and self.record.upstream_status is None:
+            if self._cancel_on_head and self.sent and self.status is None:
                 return  # sent, not answered yet: cut when the head arrives (_on_head)
             self._stop_cancelled = True
             self._task.cancel()
@@ -268,7 +270,7 @@ class UpstreamJob:
         must not keep the breaker half-open for its whole body). A stop that waited for the
         head (``_cancel_on_head``) cuts now, in the job's own task, before anything goes to
         the client (the transfer scope takes the CancelledError as its stop's)."""
-        status = self.record.upstream_status = head.status
+        status = self.status = self.record.upstream_status = head.status
         if not upstream_failed(status):
             self.breaker.success(self.breaker_probe)
             self._success_reported = True
@@ -293,7 +295,7 @@ class UpstreamJob:
                 if self._needs_confirmation():
                     self._quarantine = not await confirm_stop(
                         self.adapter,
-                        self.request.path,
+                        self.request.route,
                         self.ticket.slots,
                         rec,
                         self.metrics,
@@ -304,7 +306,7 @@ class UpstreamJob:
                     break
         finally:
             task = asyncio.current_task()
-            ended = self._finished or self._crashed or rec.upstream_error is not None
+            ended = self._finished or self._crashed or self.error is not None
             if task is not None and task.cancelling() and not ended:  # cut at the shutdown deadline
                 rec.outcome = rec.outcome or "cancelled_inflight"
                 self.out.fail(ShuttingDown("llmproxy shut down before the upstream finished"))
@@ -317,7 +319,7 @@ class UpstreamJob:
                 rec.error = rec.error or "client took nothing of its response in time: dropped"
             self._release()
             if self.generation is not None:  # ended here unless it ended above
-                self.generation.end(rec.upstream_error or ProxyError("upstream job ended"))
+                self.generation.end(self.error or ProxyError("upstream job ended"))
             if rec.preempted and self._transcript is not None:
                 rec.resume_prompt_n = self._transcript.last_prompt_n
             if rec.piece_gap_s is not None:
@@ -334,7 +336,7 @@ class UpstreamJob:
                 slots,
                 self.gate.unquarantine,
                 self.gate.closing,
-                answered=rec.upstream_status is not None,
+                answered=self.status is not None,
             )
 
     async def _resume(self) -> bool:
@@ -358,7 +360,7 @@ class UpstreamJob:
         try:
             grant = await self.resume()
         except ProxyError as exc:
-            rec.upstream_error = exc
+            self.error = rec.upstream_error = exc
             self.out.fail(exc)
             return False
         except asyncio.CancelledError:
@@ -379,11 +381,12 @@ class UpstreamJob:
             self.breaker.neutral(self.breaker_probe)
             self.gate.release(self.ticket)
             return False
-        parsed: Any = continuation(self.request.path, self._parsed, t)
+        parsed = continuation(self.request.route, self._parsed, t)
         self._parsed, self._body = parsed, json.dumps(parsed).encode()
-        self._cancel_on_head = self.adapter.answers_at_start(self.request.path, parsed)
+        self._cancel_on_head = self.adapter.answers_at_start(self.request.route, parsed)
         self._stop_reason, self._stop_cancelled, self._finished = None, False, False
         self._success_reported = self._released = self._quarantine = False
+        self.sent, self.status = False, None
         rec.upstream_sent, rec.upstream_status, rec.slot = False, None, self.slot
         return True
 
@@ -404,7 +407,7 @@ class UpstreamJob:
         self.ticket.on_preempt = None
         self._release()
         if self.generation is not None:
-            answered = self.record.upstream_status == 200 and self.generation.events
+            answered = self.status == 200 and self.generation.events
             self.generation.end(None if answered else UpstreamFailed("no event stream"))
 
     async def _transfer_scope(self) -> None:
@@ -431,10 +434,9 @@ class UpstreamJob:
 
     def _needs_confirmation(self) -> bool:
         """A stop must be confirmed if the request was sent and did not end by itself."""
-        rec = self.record
-        if not rec.sent:
+        if not self.sent:
             return False
-        failed = rec.upstream_error is not None or self._crashed
+        failed = self.error is not None or self._crashed
         return self._stop_reason is not None or (failed and not self._finished)
 
     async def _transfer_body(self) -> None:
@@ -442,11 +444,11 @@ class UpstreamJob:
         the transcript) and then relayed to the client (relay/writer.py)."""
         rec, req = self.record, self.request
         await self.adapter.settle(self.gate, self.ticket)  # n_cmpl, embeddings: llamacpp's
-        body = self.adapter.prepare_body(req.path, self._body, self._parsed, self.slot)
-        assembled = self.adapter.assembles(req.path, self._parsed)  # sent as a stream
+        body = self.adapter.prepare_body(req.route, self._body, self._parsed, self.slot)
+        assembled = self.adapter.assembles(req.route, self._parsed)  # sent as a stream
         if assembled:
             rec.assembled = True
-            self._assembler = self._assembler or Assembler(req.path)  # one over segments
+            self._assembler = self._assembler or Assembler(req.route)  # one over segments
         resumable = self._transcript is not None
         framer = None
         if assembled or resumable or self.generation is not None:
@@ -459,9 +461,9 @@ class UpstreamJob:
             self.adapter,
             req.method,
             req.raw_path,
-            req.headers,
+            self.headers,
             body,
-            on_send=rec.mark_sent,
+            on_send=self._sent,
             framer=framer,
             timing=timing,
         )
@@ -480,7 +482,7 @@ class UpstreamJob:
                             self._upstream_ended()  # permit back before the last write
                     await relay.write(event)
         except ProxyError as exc:
-            rec.upstream_error = exc
+            self.error = rec.upstream_error = exc
             log.warning("upstream request failed", error=exc.message, request_id=rec.request_id)
             self.out.fail(exc)
         finally:

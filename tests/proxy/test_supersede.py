@@ -17,9 +17,10 @@ from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from llmproxy.proxy.errors import Superseded
 from llmproxy.proxy.pool.entry import Placement
 from llmproxy.proxy.relay.responder import Responder
+from llmproxy.proxy.request import GatedRequest
 from llmproxy.proxy.state import ProxyState
 from llmproxy.proxy.telemetry.record import RequestRecord
-from llmproxy.proxy.upstream.job import UpstreamJob, UpstreamRequest
+from llmproxy.proxy.upstream.job import UpstreamJob
 from tests.helpers.net import dechunk, serve_app, wait_until
 from tests.helpers.proxy import request_events, run_proxy
 from tests.helpers.scheduler import granted_slot, submit
@@ -141,22 +142,32 @@ async def test_warmup_is_not_superseded(http: aiohttp.ClientSession) -> None:
 
 
 def infill_job(
-    st: ProxyState, placement: Placement, rec: RequestRecord, **extra: Any
+    st: ProxyState,
+    placement: Placement,
+    rec: RequestRecord,
+    body: dict[str, Any],
+    session: str = "S",
+    **extra: Any,
 ) -> UpstreamJob:
-    """The upstream job of an ``/infill`` request whose body is ``rec.parsed_body``, granted
-    at ``placement`` (as granted.py builds it)."""
+    """The upstream job of an ``/infill`` request with ``body``, granted at ``placement``
+    (as granted.py builds it)."""
     member = placement.member
     return UpstreamJob(
         gate=member.gate,
         ticket=placement.ticket,
         adapter=placement.adapter,
-        request=UpstreamRequest(
-            "POST",
-            "/infill",
-            "/infill",
-            CIMultiDict({"Content-Type": "application/json"}),
-            json.dumps(rec.parsed_body, separators=(",", ":")).encode(),
+        request=GatedRequest(
+            method="POST",
+            route="/infill",
+            raw_path="/infill",
+            raw=json.dumps(body, separators=(",", ":")).encode(),
+            body=body,
+            session=session,
+            klass="complete",
+            caller="",
+            continuable=True,
         ),
+        headers=CIMultiDict({"Content-Type": "application/json"}),
         out=Responder(make_mocked_request("POST", "/infill"), rec.request_id),
         record=rec,
         metrics=st.metrics,
@@ -180,8 +191,7 @@ async def test_stop_before_the_job_starts_never_sends() -> None:
         placement = await st.pool.acquire(submit(st.pool, "S", "a", route="/infill"), 1)
         assert placement.member is px.member
         rec = RequestRecord("r1", "POST", "/infill")
-        rec.parsed_body = {"prompt": "a"}
-        job = infill_job(st, placement, rec)
+        job = infill_job(st, placement, rec, {"prompt": "a"})
         rec.add_ref()
         task = st.jobs.spawn(job.run())
         newer = submit(st.pool, "S", "b", route="/infill")  # same step as the spawn
@@ -201,9 +211,10 @@ async def test_a_job_superseded_before_it_takes_its_permit_records_no_generation
         placement = await st.pool.acquire(submit(st.pool, "S", "a", route="/infill"), 1)
         newer = submit(st.pool, "S", "b", route="/infill")
         rec = RequestRecord("r1", "POST", "/infill")
-        rec.session, rec.parsed_body = "S", {"prompt": "a", "stream": True}
         with pytest.raises(Superseded):
-            infill_job(st, placement, rec, generations=st.generations)
+            infill_job(
+                st, placement, rec, {"prompt": "a", "stream": True}, "S", generations=st.generations
+            )
         assert st.generations.latest("S") is None
         assert newer.future.done()  # the permit went back at once
         assert await granted_slot(st.pool, newer) == 0

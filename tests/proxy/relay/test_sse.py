@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from llmproxy.proxy.relay.assemble import Assembler
 from llmproxy.common.fastjson import loads
+from llmproxy.proxy.relay.assemble import Assembler
 from llmproxy.proxy.relay.sse import Framer, SseEvent
 from llmproxy.proxy.reuse.generation import Generation
 from llmproxy.proxy.upstream.resume import Transcript
