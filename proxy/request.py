@@ -27,6 +27,7 @@ class GatedRequest:
     klass: str  # complete, chat or bulk (gating/classes.py)
     caller: str  # the client key's name, else the client's address (pool/shares.py)
     continuable: bool  # later keystrokes may supersede or continue it (type-through)
+    twin: str | None  # its twin key (twins.py): equal bodies of one session are twins
 
     @property
     def stream(self) -> bool:

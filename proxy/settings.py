@@ -1,6 +1,10 @@
 """ProxySettings: every option of ``llmproxy serve`` (env ``LLMPROXY_*``, TOML, flags).
 
 Built once by the CLI (see common/config.py) and passed down explicitly; frozen.
+
+One class, as the process has one set of options: over 300 lines because each option
+carries its own description, from which ``--help`` and the options reference
+(reference.py) are made.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ import hashlib
 import json
 from typing import Any
 
+import orjson
+
 #: fields the proxy writes into a gated body itself: equal requests differ only there
 PROXY_SET_FIELDS = frozenset({"id_slot"})
 
@@ -31,13 +33,17 @@ def twin_key(route: str, body: Any) -> str | None:
     if not isinstance(body, dict):
         return None
     fields = {k: v for k, v in body.items() if k not in PROXY_SET_FIELDS}
-    try:
-        text = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    except (TypeError, ValueError, RecursionError):  # not JSON data
-        return None
     digest = hashlib.blake2b(digest_size=16)
     digest.update(route.encode("utf-8", "surrogatepass") + b"\0")
-    digest.update(text.encode("utf-8", "surrogatepass"))
+    try:
+        # orjson, keys sorted at every level; the same body always takes the same path
+        digest.update(orjson.dumps(fields, option=orjson.OPT_SORT_KEYS))
+    except (TypeError, orjson.JSONEncodeError):  # past its range (a 65-bit integer, NaN...)
+        try:
+            text = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError):  # not JSON data
+            return None
+        digest.update(b"\1" + text.encode("utf-8", "surrogatepass"))
     return digest.hexdigest()
 
 

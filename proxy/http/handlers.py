@@ -42,11 +42,11 @@ async def gated(request: web.Request) -> web.StreamResponse:
     rec.session, rec.request_class = req.session, req.klass
     first = False  # at the queue's head: it waited on the session's generation already
     if req.continuable and st.generations is not None:
-        follow = await st.generations.follow(req.session, req.route, req.body)  # may wait
+        follow = await st.generations.follow(req.session, req.route, req.body, req.twin)
         if isinstance(follow, Follow):
             # answered from a generation: it supersedes the session's queued requests as
             # any newer request does, whatever the in-flight policy
-            st.pool.supersede_queued(req.session, twin_key(req.route, req.body))
+            st.pool.supersede_queued(req.session, req.twin)
             out = Responder(
                 request,
                 rec.request_id,
@@ -88,6 +88,7 @@ async def gated_request(request: web.Request) -> GatedRequest:
         ),
         caller=caller or request.remote or "",
         continuable=continuable(s, request.path, body),
+        twin=twin_key(request.path, body),
     )
 
 

@@ -72,6 +72,7 @@ async def _once(
             klass=req.klass,
             caller=req.caller,
             model=model,
+            twin=req.twin,
             **where,
         )
 

@@ -134,6 +134,7 @@ class Pool:
         caller: str = "",
         since: float | None = None,
         model: str | None = None,
+        twin: str | None = None,
     ) -> Entry:
         """Admit a request (see the module's contract; its refusals: admission.py);
         ``klass``: its request class (gating/classes.py); ``caller``: who sent it (its
@@ -143,7 +144,7 @@ class Pool:
         type-through). ``since``: when the request first came: a preempted one's resume,
         which keeps its age (order.py, preempt.py) and supersedes nothing (though a newer
         request may supersede it). ``model``: the model it asks for (models.py ``asked``;
-        None: any upstream)."""
+        None: any upstream). ``twin``: its twin key (twins.py), if it was computed."""
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
         members = self._grants.serving(model, exclude)  # or UnknownModel
@@ -152,7 +153,10 @@ class Pool:
         sized = {id(m): size(sizing, m) for m in members}
         if not any(isinstance(n, int) for n in sized.values()):
             raise next(n for n in sized.values() if isinstance(n, BadRequest))
-        twin = twin_key(route, parsed) if supersedable else None
+        if supersedable and twin is None:
+            twin = twin_key(route, parsed)
+        elif not supersedable:
+            twin = None
         # a resume (``since``) is no newcomer: it supersedes nothing
         newcomer = supersedable and since is None
         placed, replaced = self.queue.place_of(session, twin) if newcomer else (False, None)

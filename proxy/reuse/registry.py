@@ -122,7 +122,9 @@ class Generations:
             return None
         return generation
 
-    async def follow(self, session: str, route: str, body: Any) -> Follow | Waited | None:
+    async def follow(
+        self, session: str, route: str, body: Any, key: str | None = None
+    ) -> Follow | Waited | None:
         """A ``Follow`` (the generation joined) when ``body`` continues the session's latest
         generation: the user typed ``d`` and the generation wrote ``d``. While it has written
         less than ``d`` (typing ahead), keeps it running and waits for more. Otherwise the
@@ -132,8 +134,8 @@ class Generations:
         it continues it only if it stopped by itself (``Generation.said_all``). Raises
         ``Superseded`` instead when a newer request of the session arrived while this one
         waited: this one is stale, and going through the gate after the newer one would
-        supersede it."""
-        key = twin_key(route, body)
+        supersede it. ``key``: the request's twin key (twins.py), if it was computed."""
+        key = key if key is not None else twin_key(route, body)
         arrival = self._arrive(session, key)
         generation = self.latest(session)
         if generation is None or generation.route != route or generation.error is not None:

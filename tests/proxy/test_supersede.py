@@ -166,6 +166,7 @@ def infill_job(
             klass="complete",
             caller="",
             continuable=True,
+            twin=None,
         ),
         headers=CIMultiDict({"Content-Type": "application/json"}),
         out=Responder(make_mocked_request("POST", "/infill"), rec.request_id),
