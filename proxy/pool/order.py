@@ -69,6 +69,8 @@ class Order:
 
     def capped(self, members: Sequence[Member]) -> set[str]:
         """Callers with ``max_inflight`` requests holding permits now."""
+        if not self.shares.caps:  # no key caps its caller: nobody (on every grant's path)
+            return set()
         running: dict[str, int] = {}
         for m in members:
             for t in m.gate.inflight_snapshot():

@@ -34,8 +34,11 @@ class SseEvent:
     def __init__(self, raw: bytes, *, unframed: bool = False) -> None:
         """``unframed``: bytes given up on before their event ended (``Framer``'s limit)."""
         self.raw = raw
-        parts = [line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:")]
-        data = parts[0] if len(parts) == 1 else b"\n".join(parts)
+        if raw.startswith(b"data:") and raw.endswith(b"\n\n") and raw.find(b"\n") == len(raw) - 2:
+            data = raw[5:].strip()
+        else:
+            parts = [line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:")]
+            data = parts[0] if len(parts) == 1 else b"\n".join(parts)
         self.data = data
         self.obj: Any = None
         self.bad = unframed
@@ -82,6 +85,13 @@ class Framer:
 
     def feed(self, data: bytes) -> list[SseEvent]:
         """The events ``data`` completes, in order."""
+        if (
+            not self._pending
+            and data.endswith(b"\n\n")
+            and data.find(b"\n\n") == len(data) - 2
+            and b"\r" not in data
+        ):
+            return [SseEvent(data)]  # one whole event, as a server paced by tokens sends it
         buf = self._pending + data if self._pending else data
         events = []
         start = 0

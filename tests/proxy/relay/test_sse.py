@@ -61,3 +61,14 @@ def test_a_framer_with_a_limit_gives_up_on_an_event_that_never_ends() -> None:
     assert framer.feed(b"data: " + b"x" * 50) == []
     (event,) = framer.feed(b"y" * 60)
     assert event.bad and len(event.raw) == 116 and framer.pending == 0
+
+
+def test_an_event_that_comes_whole_reads_as_one_framed_bytewise() -> None:
+    """The common case, one event per read, takes a shorter path to the same events."""
+    chunks = [b'data: {"content":"a","stop":false}\n\n', b"data: [DONE]\n\n", b"\n\n", b"x\n\n"]
+    whole = [e for c in chunks for e in Framer().feed(c)]
+    framer = Framer()
+    bytewise = [e for c in b"".join(chunks) for e in framer.feed(bytes([c]))]
+    assert [(e.raw, e.data, e.obj, e.bad) for e in whole] == [
+        (e.raw, e.data, e.obj, e.bad) for e in bytewise
+    ]
