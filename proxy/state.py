@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from aiohttp import web
 
@@ -13,6 +12,7 @@ from llmproxy.common.server import StopRequest
 from llmproxy.proxy.app_keys import SETTINGS, STOP, UPSTREAM_URL
 from llmproxy.proxy.gating.registry import JobRegistry
 from llmproxy.proxy.pool.pool import Pool
+from llmproxy.proxy.request import Body
 from llmproxy.proxy.reuse.registry import Generations
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.telemetry.metrics import Metrics
@@ -45,7 +45,7 @@ class ProxyState:
 
     @staticmethod
     def policy(
-        configured: str, adapter: Adapter, path: str | None = None, parsed: Any = None
+        configured: str, adapter: Adapter, path: str | None = None, parsed: Body | None = None
     ) -> str:
         """Resolve 'auto': cancel where ``adapter`` can confirm the stop (on ``path``), or
         where closing a stream stops its generation at the next token
@@ -53,8 +53,10 @@ class ProxyState:
         ``Adapter.assembles``); else finish."""
         if configured == "auto":
             confirms = adapter.confirms(path) if path else adapter.can_confirm
-            stream = isinstance(parsed, dict) and parsed.get("stream") is True
-            stream = stream or (path is not None and adapter.assembles(path, parsed))
+            stream = parsed is not None and (
+                parsed.get("stream") is True
+                or (path is not None and adapter.assembles(path, parsed))
+            )
             return "cancel" if confirms or (stream and adapter.stops_streams) else "finish"
         return configured
 

@@ -16,8 +16,6 @@ circuit breaker.
 
 from __future__ import annotations
 
-from typing import Any
-
 from aiohttp import web
 
 from llmproxy.proxy.gating.classes import HEADER, request_class
@@ -26,7 +24,7 @@ from llmproxy.proxy.http.bodies import parse_json_object, read_body
 from llmproxy.proxy.http.pooled import pooled
 from llmproxy.proxy.http.trust import CALLER
 from llmproxy.proxy.relay.responder import Responder
-from llmproxy.proxy.request import GatedRequest
+from llmproxy.proxy.request import Body, GatedRequest
 from llmproxy.proxy.reuse.answer import reused
 from llmproxy.proxy.reuse.registry import Follow, Waited
 from llmproxy.proxy.settings import ProxySettings
@@ -92,6 +90,6 @@ async def gated_request(request: web.Request) -> GatedRequest:
     )
 
 
-def continuable(s: ProxySettings, path: str, parsed: Any) -> bool:
+def continuable(s: ProxySettings, path: str, parsed: Body) -> bool:
     """May later keystrokes continue this request's generation (type-through)?"""
     return s.supersede and path in s.supersede_routes and not is_warmup(parsed)

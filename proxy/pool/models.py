@@ -38,11 +38,12 @@ from typing import Any
 from llmproxy.proxy.errors import UnknownModel
 from llmproxy.proxy.gating.classes import route_class
 from llmproxy.proxy.pool.member import Member
+from llmproxy.proxy.request import Body
 from llmproxy.proxy.upstream.adapters.router import RouterModelAdapter
 
 
 def asked(
-    route: str, parsed: Any, defaults: Mapping[str, str], members: Iterable[Member]
+    route: str, parsed: Body, defaults: Mapping[str, str], members: Iterable[Member]
 ) -> str | None:
     """The model a request on ``route`` with body ``parsed`` asks for (see the module's
     docstring); None: any upstream."""

@@ -70,6 +70,7 @@ from llmproxy.proxy.pool.order import Order
 from llmproxy.proxy.pool.prefix import block_hashes, prompt_text
 from llmproxy.proxy.pool.router import Request, Router
 from llmproxy.proxy.pool.shares import Shares
+from llmproxy.proxy.request import Body
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.twins import twin_key
 
@@ -126,7 +127,7 @@ class Pool:
         *,
         supersedable: bool,
         route: str,
-        parsed: Any,
+        parsed: Body,
         sizing: Sizing,
         exclude: Member | None = None,
         first: bool = False,

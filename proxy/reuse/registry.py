@@ -24,10 +24,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from llmproxy.proxy.errors import SUPERSEDED, Superseded
 from llmproxy.proxy.relay.assemble import OAI_ROUTES
+from llmproxy.proxy.request import Body
 from llmproxy.proxy.reuse.generation import Generation
 from llmproxy.proxy.reuse.match import typed
 from llmproxy.proxy.routes import eligible
@@ -70,7 +70,7 @@ class Generations:
         self,
         session: str,
         route: str,
-        body: Any,
+        body: Body,
         *,
         streamed: bool,
         on_orphaned: Callable[[], None],
@@ -123,7 +123,7 @@ class Generations:
         return generation
 
     async def follow(
-        self, session: str, route: str, body: Any, key: str | None = None
+        self, session: str, route: str, body: Body, key: str | None = None
     ) -> Follow | Waited | None:
         """A ``Follow`` (the generation joined) when ``body`` continues the session's latest
         generation: the user typed ``d`` and the generation wrote ``d``. While it has written

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmproxy.proxy.relay.assemble import CHAT_ROUTES, NATIVE_ROUTES, OAI_ROUTES
+from llmproxy.proxy.request import Body
 
 ROUTES = NATIVE_ROUTES | OAI_ROUTES | CHAT_ROUTES
 #: chat requests whose streamed answer carries more than text (tool calls' pieces), or
@@ -32,7 +33,7 @@ def _number(body: dict[str, Any], key: str) -> float:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
 
 
-def assembles(path: str, body: Any) -> bool:
+def assembles(path: str, body: Body) -> bool:
     """Would llama-server answer ``body`` on ``path`` without streaming, and can that answer be
     rendered exactly from its stream? (``stream`` is on only when it is exactly ``true``, as
     llama-server reads it.)"""

@@ -17,10 +17,11 @@ with each new reader's twin key.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from llmproxy.proxy.errors import ProxyError
 from llmproxy.proxy.relay.sse import SseEvent
+from llmproxy.proxy.request import Body
 
 
 class Listener(Protocol):
@@ -53,7 +54,7 @@ class Recorder(Protocol):
         self,
         session: str,
         route: str,
-        body: Any,
+        body: Body,
         *,
         streamed: bool,
         on_orphaned: Callable[[], None],

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from llmproxy.proxy.relay.sse import SseEvent
+from llmproxy.proxy.request import Body
 from llmproxy.proxy.routes import paths
 
 #: bytes held back waiting for an event's end, at most: past it the stream is passed on as
@@ -57,7 +58,7 @@ _STATEFUL = (
 )
 
 
-def resumable(kind: str, path: str, parsed: Any) -> bool:
+def resumable(kind: str, path: str, parsed: Body) -> bool:
     """Can a generation of ``parsed`` on ``path``, on an upstream of ``kind``, be stopped
     and continued exactly (see the module's docstring)?"""
     if not isinstance(parsed, dict):

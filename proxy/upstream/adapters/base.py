@@ -25,6 +25,7 @@ from llmproxy.common.redact import strip_userinfo, userinfo
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.routes import GATED_ROUTES
 from llmproxy.proxy.gating.ticket import Ticket
+from llmproxy.proxy.request import Body
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.client import UpstreamClient
 
@@ -122,11 +123,11 @@ class Adapter:
             ids = [d.get("id") for d in data if isinstance(d, dict)]
             self.models = tuple(dict.fromkeys(i for i in ids if isinstance(i, str) and i))
 
-    def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
+    def prepare_body(self, path: str, raw: bytes, parsed: Body, slot: int) -> bytes:
         """Body to send upstream for a gated request holding permit ``slot``."""
         return raw
 
-    def assembles(self, path: str, parsed: Any) -> bool:
+    def assembles(self, path: str, parsed: Body) -> bool:
         """Is this request sent as a stream and answered whole (assemble.py)? See llamacpp's."""
         return False
 
@@ -135,12 +136,12 @@ class Adapter:
         time follows it (an average weighted to the recent ones)."""
         self.piece_gap_s = gap if self.piece_gap_s is None else 0.8 * self.piece_gap_s + 0.2 * gap
 
-    def answers_at_start(self, path: str, parsed: Any) -> bool:
+    def answers_at_start(self, path: str, parsed: Body) -> bool:
         """Does the upstream send its response head only once the request runs on its slot,
         so that a stop may wait for the head before it cuts (job.py)? See llamacpp's."""
         return False
 
-    def permits(self, path: str, parsed: Any, capacity: int) -> int:
+    def permits(self, path: str, parsed: Body, capacity: int) -> int:
         """How many slots (1..``capacity``) a gated request on ``path`` occupies at once, or
         ``BadRequest`` if it cannot fit (see llamacpp's)."""
         return 1

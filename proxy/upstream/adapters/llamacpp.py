@@ -37,6 +37,7 @@ from llmproxy.proxy.gating.routes import (
     SLOT_ROUTES,
 )
 from llmproxy.proxy.relay.assemble import CHAT_ROUTES
+from llmproxy.proxy.request import Body
 from llmproxy.proxy.routes import eligible
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import get_json, log
@@ -112,7 +113,7 @@ class LlamaCppAdapter(SlotPollingAdapter):
         # own backend, auto: streamed only where type-through may continue the request
         self.streams_for_reuse = auto and own
 
-    def assembles(self, path: str, parsed: Any) -> bool:
+    def assembles(self, path: str, parsed: Body) -> bool:
         """A non-streaming completion is sent as a stream (assemble.py): llama-server notices
         a dropped streaming client at its next token, a non-streaming one only when another
         completion request arrives."""
@@ -120,7 +121,7 @@ class LlamaCppAdapter(SlotPollingAdapter):
             return False
         return self.streams and assembles(path, parsed)
 
-    def answers_at_start(self, path: str, parsed: Any) -> bool:
+    def answers_at_start(self, path: str, parsed: Body) -> bool:
         """llama-server sends a stream's head when the task starts on its slot (after reading
         the body, tokenizing the prompt and queueing the task, all before the slot shows it
         busy). A stop before the head arrives waits for it, so that the confirmation never
@@ -130,7 +131,7 @@ class LlamaCppAdapter(SlotPollingAdapter):
             return False
         return parsed.get("stream") is True or self.assembles(path, parsed)
 
-    def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
+    def prepare_body(self, path: str, raw: bytes, parsed: Body, slot: int) -> bytes:
         if path in SLOT_ROUTES and isinstance(parsed, dict):
             raw = set_top_level(raw, "id_slot", slot, present="id_slot" in parsed)
             if self.assembles(path, parsed):
@@ -140,7 +141,7 @@ class LlamaCppAdapter(SlotPollingAdapter):
                     raw = set_top_level(raw, "stream_options", usage, present=None)
         return raw
 
-    def permits(self, path: str, parsed: Any, capacity: int) -> int:
+    def permits(self, path: str, parsed: Body, capacity: int) -> int:
         """Slots a gated request runs on at once.
 
         - Slot routes: the completions it asks for, read as llama-server reads it,

@@ -14,9 +14,8 @@ do not know it may refuse it). Other non-streaming requests (chat, ``n`` > 1,
 
 from __future__ import annotations
 
-from typing import Any
-
 from llmproxy.proxy.relay.assemble import OAI_ROUTES
+from llmproxy.proxy.request import Body
 from llmproxy.proxy.upstream.adapters.base import Adapter
 from llmproxy.proxy.upstream.adapters.body import set_top_level
 from llmproxy.proxy.upstream.assemble import assembles
@@ -26,13 +25,13 @@ class OpenAIAdapter(Adapter):
     kind = "openai"
     stops_streams = True
 
-    def assembles(self, path: str, parsed: Any) -> bool:
+    def assembles(self, path: str, parsed: Body) -> bool:
         if self.settings.upstream_stream == "off" or path not in OAI_ROUTES:
             return False
         several = isinstance(parsed, dict) and parsed.get("n") not in (None, 1)
         return not several and assembles(path, parsed)
 
-    def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
+    def prepare_body(self, path: str, raw: bytes, parsed: Body, slot: int) -> bytes:
         if self.assembles(path, parsed):
             raw = set_top_level(raw, "stream", True, present="stream" in parsed)
         return raw

@@ -34,6 +34,7 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
+from llmproxy.proxy.request import Body
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import AdapterInfo, get_json
 from llmproxy.proxy.upstream.adapters.body import set_top_level
@@ -80,7 +81,7 @@ class RouterModelAdapter(LlamaCppAdapter):
         runs, so every slot of it is idle."""
         return _not_loaded(status, body)
 
-    def prepare_body(self, path: str, raw: bytes, parsed: Any, slot: int) -> bytes:
+    def prepare_body(self, path: str, raw: bytes, parsed: Body, slot: int) -> bytes:
         raw = super().prepare_body(path, raw, parsed, slot)
         if isinstance(parsed, dict) and not parsed.get("model"):
             raw = set_top_level(raw, "model", self.model, present="model" in parsed)
