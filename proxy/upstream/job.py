@@ -129,6 +129,7 @@ class UpstreamJob(Transfer):
         self.sent = False  # its bytes were handed to the upstream connection: it may run
         self.status: int | None = None  # the upstream's answer's status, once its head came
         self.error: ProxyError | None = None  # the exchange failed
+        self.preempted = 0  # times stopped for a completion and resumed
         self._task: asyncio.Task[object] | None = None  # set while in the transfer scope
         self._stop_cancelled = False  # stop() cancelled the task in the transfer scope
         self._crashed = False  # our own code failed during the transfer
@@ -255,7 +256,7 @@ class UpstreamJob(Transfer):
             self._release()
             if self.generation is not None:  # ended here unless it ended above
                 self.generation.end(self.error or ProxyError("upstream job ended"))
-            if rec.preempted and self._transcript is not None:
+            if self.preempted and self._transcript is not None:
                 rec.resume_prompt_n = self._transcript.last_prompt_n
             if rec.piece_gap_s is not None:
                 self.adapter.note_piece_gap(rec.piece_gap_s)
@@ -288,7 +289,8 @@ class UpstreamJob(Transfer):
         self._release()
         # llama-server's chat continuation repeats its prefill first
         self._echo = Echo(t.text) if t.chat else None
-        rec.preempted += 1
+        self.preempted += 1
+        rec.preempted = self.preempted
         task = asyncio.current_task()
         assert task is not None
         self._resuming = task  # stop() (the client left) cancels the wait

@@ -73,6 +73,7 @@ class Transfer:
     sent: bool  # the job's own state: the record is written from it, for telemetry
     status: int | None
     error: ProxyError | None
+    preempted: int
     _task: asyncio.Task[object] | None
     _stop_cancelled: bool
     _crashed: bool
@@ -126,7 +127,7 @@ class Transfer:
         if not upstream_failed(status):
             self.breaker.success(self.breaker_probe)
             self._success_reported = True
-        if status != 200 and self.record.preempted and self.out.started:
+        if status != 200 and self.preempted and self.out.started:
             # a continuation's error cannot join the stream the client is reading
             raise UpstreamFailed(f"the preempted generation's continuation failed ({status})")
         if self._stop_reason is not None and not self._stop_cancelled:
