@@ -298,9 +298,6 @@ class Admitted:
     granted_at: float | None = None
 
 
-_EPS_S = 0.005  # the scheduler read its clock a little before the watch did
-
-
 class Watch:
     """Watches the scheduler's admissions (``submit``) and grants (``_place``), the only
     moments a caller's requests waiting or running, and the permits held by requests that
@@ -325,6 +322,9 @@ class Watch:
       and aging must serve that earlier one first, unless the earlier one's caller was at
       its ``max_inflight``, or it does not wait for the upstream granted (a failover's own,
       one it does not fit: a waiter holds up the queue only on its upstreams, pool.py).
+      Ranks are those at the scheduler's choice of its head (order.py ``head``, which reads
+      its clock then), not at the watch's look after the grant: a pause in between (a
+      garbage collection, the machine busy) may age the earlier waiter meanwhile.
 
     It also keeps every grant's time (``grants``) and each request's admissions
     (``by_rid``), for the bound on waits the test checks from the log lines."""
@@ -339,8 +339,11 @@ class Watch:
         self.violations: list[str] = []
         self._seq = itertools.count()
         self._newcomer: tuple[str | None, bool] | None = None  # in ``submit`` now
+        #: the scheduler's last choice of its head, and the clock before and after it
+        self._chosen: tuple[Entry | None, float, float] | None = None
         submit: Callable[..., Entry] = pool.submit
         grants = pool._grants
+        head: Callable[..., Entry | None] = pool.order.head
         place: Callable[..., None] = grants._place
 
         def submitting(session: str, **kw: Any) -> Entry:
@@ -371,6 +374,12 @@ class Watch:
             self._check_queued(entry.ticket.caller)
             return entry
 
+        def choosing(*args: Any, **kw: Any) -> Entry | None:
+            before = time.monotonic()
+            chosen = head(*args, **kw)
+            self._chosen = (chosen, before, time.monotonic())
+            return chosen
+
         def placing(entry: Entry, choice: Any, permits: int) -> None:
             place(entry, choice, permits)
             if entry.placement is None:  # the breaker refused it: ended, no grant
@@ -383,8 +392,12 @@ class Watch:
             admitted = self.admitted.get(entry.id)
             if admitted is not None:
                 admitted.granted_at = now
-            self._check_grant(entry, entry.placement.member, now)
+            chosen = self._chosen
+            # when the scheduler ranked it its head (classes off: no rank, no matter)
+            ranked = (chosen[1], chosen[2]) if chosen and chosen[0] is entry else (now, now)
+            self._check_grant(entry, entry.placement.member, ranked)
 
+        pool.order.head = choosing  # type: ignore[method-assign]
         pool.submit = submitting  # type: ignore[method-assign]
         grants._place = placing  # type: ignore[method-assign]
 
@@ -436,7 +449,7 @@ class Watch:
                 f"caller {caller!r}: {len(waiting)} waiting ({rids}), max_queued {cap}"
             )
 
-    def _check_grant(self, entry: Entry, m: Member, now: float) -> None:
+    def _check_grant(self, entry: Entry, m: Member, ranked: tuple[float, float]) -> None:
         limits, ticket = self.limits, entry.ticket
         rid = self.admitted[entry.id].rid if entry.id in self.admitted else None
         cap = limits.max_inflight.get(ticket.caller)
@@ -459,7 +472,7 @@ class Watch:
                     f"{rid} ({ticket.klass}) granted on {m.name}: {others} permits held by "
                     f"requests that are no completions, of {g.capacity}, reserve {reserved}"
                 )
-        self._check_order(entry, m, now)
+        self._check_order(entry, m, ranked)
 
     def _waits_for(self, other: Entry, m: Member) -> bool:
         """Could the waiter ``other`` run on ``m``? Not a failover's own upstream, nor one
@@ -475,9 +488,13 @@ class Watch:
             return False
         return True
 
-    def _check_order(self, entry: Entry, m: Member, now: float) -> None:
+    def _check_order(self, entry: Entry, m: Member, ranked: tuple[float, float]) -> None:
         """``entry`` was just granted on ``m``: no earlier waiter it could not pass (one that
-        waits for ``m`` too) may still wait."""
+        waits for ``m`` too) may still wait. ``ranked``: the clock just before and just after
+        the scheduler ranked ``entry`` its head (it read its own in between): the earlier
+        waiter's rank is taken at the first, ``entry``'s at the second, so only an order
+        the scheduler got wrong at its own instant counts."""
+        before, after = ranked
         limits, mine = self.limits, self.admitted.get(entry.id)
         if mine is None or not mine.ordinary:
             return
@@ -498,11 +515,11 @@ class Watch:
             if limits.classes == "on":
                 if other.ticket.caller != entry.ticket.caller:
                     continue  # fair shares: another caller may be behind its share
-                theirs = limits.rank(other.ticket.klass, now - other.created - _EPS_S)
-                if theirs > limits.rank(entry.ticket.klass, now - entry.created + _EPS_S):
+                theirs = limits.rank(other.ticket.klass, before - other.created)
+                if theirs > limits.rank(entry.ticket.klass, after - entry.created):
                     continue
             self.violations.append(
                 f"{mine.rid} ({entry.ticket.klass}, caller {entry.ticket.caller!r}) granted "
                 f"while {earlier.rid} ({other.ticket.klass}, admitted before it, waiting "
-                f"{now - other.created:.3f}s) still waited"
+                f"{before - other.created:.3f}s when it was ranked) still waited"
             )
