@@ -2,7 +2,11 @@
 the router picks, while one takes it.
 
 Each head in turn (order.py ``head``; with classes off and no key's ``max_inflight``, the
-queue's first), the waiters held back in this pass aside:
+queue's first), the waiters held back in this pass aside. A pass sees one rotation: the
+upstreams in rotation when it begins, less those that leave it meanwhile (a breaker's
+probe taken); one that comes into it during the pass (a breaker's cooldown over, which the
+clock alone decides) waits for the next pass, so a waiter that found it out of rotation
+never has it taken by one behind it:
 
 - its waiter left: out of the queue, as ``abandon`` would;
 - its model is no longer served (a reload took it away: ``UnknownModel``), no upstream
@@ -60,10 +64,18 @@ class Grants:
         self.order, self.shares, self.queue = order, shares, queue
         self.sizing: dict[int, Sizing] = {}  # entry id -> its sizing
         self.waits = Waits(settings, advance)  # the head's timers
+        self._pass: set[int] | None = None  # id() of the upstreams in this pass's rotation
 
     def run(self) -> None:
         """One pass (see the module's docstring)."""
         self.waits.cancel()
+        self._pass = {id(m) for m in self.members if m.in_rotation}  # this pass's rotation
+        try:
+            self._run()
+        finally:
+            self._pass = None
+
+    def _run(self) -> None:
         held = Held()  # upstreams kept for the waiters passed over (models.py)
         while (head := self._head(held.passed)) is not None:
             if head.future.done():  # its waiter left: as ``abandon`` would
@@ -110,9 +122,9 @@ class Grants:
             self._place(head, choice, permits)
 
     def serving(self, model: str | None, exclude: Member | None) -> list[Member]:
-        """The upstreams in rotation, ``exclude`` aside, that serve ``model`` (models.py;
-        ``UnknownModel`` if none in the pool does)."""
-        return [m for m in serving(self.members, model) if m.in_rotation and m is not exclude]
+        """The upstreams in rotation (during a pass: in its rotation), ``exclude`` aside,
+        that serve ``model`` (models.py; ``UnknownModel`` if none in the pool does)."""
+        return [m for m in serving(self.members, model) if self._in(m) and m is not exclude]
 
     def unavailable(self, exclude: Member | None, model: str | None = None) -> ProxyError:
         return unavailable(self.members, exclude, model, self.settings.health_interval_s)
@@ -128,7 +140,11 @@ class Grants:
             timer.cancel()
 
     def _rotation(self) -> list[Member]:
-        return [m for m in self.members if m.in_rotation]
+        return [m for m in self.members if self._in(m)]
+
+    def _in(self, m: Member) -> bool:
+        """Is ``m`` in rotation, and during a pass in the rotation it began with?"""
+        return m.in_rotation and (self._pass is None or id(m) in self._pass)
 
     def _head(self, passed: set[Any] | frozenset[Any] = frozenset()) -> Entry | None:
         """The waiter served next (order.py), ``passed`` (held back this pass) aside."""

@@ -4,7 +4,10 @@
   admission (an upstream re-detected while it waited may run it on more slots);
 - a keystroke sent to the head of the queue (type-through: it waited on its session's
   generation already) is granted at once beside a free permit, even when the request it
-  goes before cannot be granted yet (a wide one).
+  goes before cannot be granted yet (a wide one);
+- one pass over the queue sees one rotation: an upstream that comes back into it during
+  the pass (a breaker's cooldown over, by the clock) waits for the next pass, so a waiter
+  that found it out never has it taken by one behind it.
 """
 
 from __future__ import annotations
@@ -14,12 +17,16 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
+from llmproxy.proxy.gating.breaker import CircuitBreaker
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.pool import Entry, Pool, Sizing
+from llmproxy.proxy.pool.router import Choice, Request, Wait
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import Adapter
 from llmproxy.proxy.upstreams import UpstreamSpec
+from tests.helpers.scheduler import make_pool
+from tests.helpers.scheduler import submit as submit_to
 
 
 @pytest.fixture
@@ -86,3 +93,31 @@ async def test_a_keystroke_at_the_head_takes_a_free_permit_beside_a_wide_request
     await done(p, running)
     await done(p, keystroke)
     assert (await p.acquire(wide, 1)).ticket.permits == 2
+
+
+async def test_an_upstream_back_in_rotation_during_a_pass_waits_for_the_next_pass() -> None:
+    """u1's breaker is open; its cooldown ends (by its clock) just after the pass has found
+    no room for the head ``a`` on u0, the one upstream in rotation then: ``b``, behind it,
+    must not take u1 in that pass; the next pass gives it to ``a``."""
+    async with aiohttp.ClientSession() as session:  # never used to connect here
+        p, (u0, u1) = make_pool(session, [1, 1])
+        now = [0.0]
+        u1.breaker = CircuitBreaker(1, 1.0, clock=lambda: now[0])
+        u1.breaker.failure()  # open until now[0] >= 1.0
+        running = submit_to(p, "x", "x")
+        assert running.future.result().member is u0
+        a = submit_to(p, "a", "a")
+        choose = p.router.choose
+
+        def choosing(req: Request, members: list[Member]) -> Choice | Wait | None:
+            choice = choose(req, members)
+            if req is a.request:
+                now[0] = 2.0  # u1's cooldown is over from here on
+            return choice
+
+        p.router.choose = choosing  # type: ignore[method-assign]
+        b = submit_to(p, "b", "b")  # its pass: a first, no room on u0
+        assert not a.future.done() and not b.future.done()
+        assert u1.in_rotation and u1.gate.free == 1
+        p.advance()  # the next pass (a health round, a permit back...)
+        assert a.future.result().member is u1 and not b.future.done()
