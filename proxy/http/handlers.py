@@ -1,4 +1,5 @@
-"""The gated request handler: body -> session -> type-through -> scheduler -> job -> relay.
+"""The gated request handler: the request read once (``GatedRequest``, proxy/request.py) ->
+type-through -> scheduler -> job -> relay.
 
 The adapter a request runs with, and so its permit count and its body (``id_slot``), is
 the one in use on its upstream when it is granted (pool/grant.py): the watcher may swap in

@@ -23,8 +23,10 @@ request is superseded then (``Superseded``, 499), and never supersedes the newer
 going through the gate after it.
 
 Concurrency contract: runs in the request's handler task; it blocks on the generation
-(``Generation.changed``) and on the client's writes. A client that leaves cancels it; the
-caller then tells the registry the reader left.
+(``Generation.changed``) and on the client's writes, through the request's Responder
+(relay/responder.py: the buffer limit and ``client_write_timeout_s``, as a gated answer's).
+A client that leaves cancels it, and one dropped for taking nothing ends it; either way the
+reader leaves the generation.
 """
 
 from __future__ import annotations
