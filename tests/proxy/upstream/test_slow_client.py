@@ -5,10 +5,6 @@ a client that takes nothing for ``client_write_timeout_s`` is dropped."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -17,43 +13,12 @@ import structlog
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
 from tests.helpers.net import wait_until
 from tests.helpers.proxy import run_proxy
+from tests.helpers.slow_client import dropped, stalled
 
 TOKENS, PADDING = (
     512,
     16384,
 )  # 8 MiB of stream: more than a loopback connection's kernel buffers hold (4 MiB)
-
-
-@contextlib.asynccontextmanager
-async def stalled(url: str, path: str, body: dict[str, Any]) -> AsyncIterator[asyncio.StreamReader]:
-    """A client that sends ``body`` and reads only the response head, then nothing: its
-    receive buffer is small, so the proxy's writes soon wait for it."""
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
-    reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
-    payload = json.dumps(body).encode()
-    writer.write(
-        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\nX-Request-Id: stalled\r\n\r\n".encode()
-        + payload
-    )
-    await writer.drain()
-    try:
-        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
-        yield reader
-    finally:
-        writer.close()
-
-
-async def dropped(reader: asyncio.StreamReader) -> bool:
-    """Does the connection end (once what is left was read), as the proxy's drop ends it?"""
-    with contextlib.suppress(ConnectionError):
-        while await reader.read(1 << 16):
-            pass
-    return True
 
 
 async def test_a_client_that_stops_reading_does_not_keep_the_permit(
