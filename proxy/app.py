@@ -48,7 +48,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
 async def dispatch_gated(request: web.Request) -> web.StreamResponse:
     """POST on a route gated on some upstream, as written (the router finds it in its index,
     not by the catch-all's regex); anything else on these paths falls through to
-    ``dispatch``. Gated if the upstream in use runs it on a slot (``Adapter.gated_routes``),
+    ``dispatch``. Gated if the upstream in use runs it on a slot (``Dialect.gated_routes``),
     else passed through."""
     st = request.app[STATE]
     st.jobs.track_current()  # a graceful stop waits for this response too

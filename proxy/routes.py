@@ -10,7 +10,7 @@ Columns:
 - ``family``: the session key's route part (``infill``, ``completion``, ``chat``,
   ``embeddings``, ``rerank``).
 - ``gated``: ``all`` (gated on every upstream) or ``llamacpp`` (only on a llama-server,
-  whose slots run it: ``Adapter.gated_routes``).
+  whose slots run it: ``Dialect.gated_routes``).
 - ``slot``: the body may carry llama-server's ``id_slot`` (the llamacpp adapter sets it).
 - ``keystroke``: an editor's completion route: superseded by default, a request class of
   its own (``complete``).

@@ -41,7 +41,7 @@ class ProxyState:
 
     def gated_routes(self) -> frozenset[str]:
         """Routes gated on some upstream (several: on any of them)."""
-        return frozenset().union(*(m.adapter.gated_routes for m in self.pool.members))
+        return frozenset().union(*(m.adapter.dialect.gated_routes for m in self.pool.members))
 
     @staticmethod
     def policy(
@@ -49,15 +49,16 @@ class ProxyState:
     ) -> str:
         """Resolve 'auto': cancel where ``adapter`` can confirm the stop (on ``path``), or
         where closing a stream stops its generation at the next token
-        (``Adapter.stops_streams``, a request asking for a stream or sent as one,
-        ``Adapter.assembles``); else finish."""
+        (``Dialect.stops_streams``, a request asking for a stream or sent as one,
+        ``Dialect.assembles``); else finish."""
         if configured == "auto":
+            dialect = adapter.dialect
             confirms = adapter.confirms(path) if path else adapter.can_confirm
             stream = parsed is not None and (
                 parsed.get("stream") is True
-                or (path is not None and adapter.assembles(path, parsed))
+                or (path is not None and dialect.assembles(path, parsed))
             )
-            return "cancel" if confirms or (stream and adapter.stops_streams) else "finish"
+            return "cancel" if confirms or (stream and dialect.stops_streams) else "finish"
         return configured
 
 

@@ -101,6 +101,21 @@ RULES = {
     "proxy/telemetry": (("llmproxy.proxy.http", "llmproxy.proxy.upstream"), ()),
     # the upstream side never reaches back into the HTTP face
     "proxy/upstream": (("llmproxy.proxy.http",), ()),
+    # a dialect is a value: how a request is written, with no connection, probe or slot state
+    "proxy/upstream/dialects": (
+        (
+            "aiohttp",
+            "llmproxy.proxy.upstream.adapters",
+            "llmproxy.proxy.upstream.client",
+            "llmproxy.proxy.gating.gate",
+            "llmproxy.proxy.pool",
+            "llmproxy.proxy.http",
+            "llmproxy.proxy.telemetry",
+            "llmproxy.proxy.reuse",
+            "llmproxy.proxy.state",
+        ),
+        (),
+    ),
     # the way back to the client: written from the exchange's events, knows nothing earlier
     "proxy/relay": (
         (

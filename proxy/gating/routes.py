@@ -2,7 +2,7 @@
 sets the gate uses, read from the one route table (proxy/routes.py).
 
 ``GATED_ROUTES`` are gated on every upstream; ``LLAMACPP_GATED_ROUTES`` too on a llama-server
-(``Adapter.gated_routes``): its own routes that run on its slots. Embeddings and reranking
+(``Dialect.gated_routes``): its own routes that run on its slots. Embeddings and reranking
 run one task per input (document) on any idle slots and cannot be pinned; ``/v1/messages``
 (Anthropic-style chat) is served by its chat-completions handler and takes ``id_slot``."""
 
@@ -21,7 +21,7 @@ SLOT_ROUTES = paths(slot=True)
 
 
 def is_gated(method: str, path: str) -> bool:
-    """Gated on every upstream (see ``Adapter.gated_routes`` for the upstream in use)."""
+    """Gated on every upstream (see ``Dialect.gated_routes`` for the upstream in use)."""
     return method == "POST" and path in GATED_ROUTES
 
 

@@ -115,7 +115,9 @@ def _policies(st: ProxyState, adapter: Adapter) -> dict[str, Any]:
         "supersede_inflight": st.policy(st.settings.supersede_inflight, adapter),
         "on_disconnect": st.policy(st.settings.on_disconnect, adapter),
         # gated routes whose stop this upstream cannot confirm: 'auto' is 'finish' there
-        "unconfirmed_routes": sorted(r for r in adapter.gated_routes if not adapter.confirms(r)),
+        "unconfirmed_routes": sorted(
+            r for r in adapter.dialect.gated_routes if not adapter.confirms(r)
+        ),
     }
 
 

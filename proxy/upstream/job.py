@@ -53,7 +53,7 @@ from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.relay.assemble import Assembler
 from llmproxy.proxy.relay.responder import Responder
-from llmproxy.proxy.request import GatedRequest
+from llmproxy.proxy.request import Body, GatedRequest
 from llmproxy.proxy.telemetry.metrics import Metrics
 from llmproxy.proxy.telemetry.record import RequestRecord
 from llmproxy.proxy.upstream.adapters.base import Adapter
@@ -106,6 +106,10 @@ class UpstreamJob(Transfer):
         resume: Resume | None = None,
     ) -> None:
         self.gate, self.ticket, self.adapter = gate, ticket, adapter
+        # the dialect of its grant, kept for the exchange (probing makes a new one, never
+        # changes this): how its body is written, and whether it is sent as a stream
+        self.dialect = adapter.dialect
+        self.assembled = self.dialect.assembles(request.route, request.body)
         self.request, self.headers, self.out = request, headers, out
         self.record, self.metrics = record, metrics
         self.breaker, self.breaker_probe = breaker, breaker_probe
@@ -120,7 +124,7 @@ class UpstreamJob(Transfer):
                 request.session,
                 request.route,
                 request.body,
-                streamed=adapter.assembles(request.route, request.body),
+                streamed=self.assembled,
                 on_orphaned=self._orphaned,
                 on_superseded=self._continued,
                 on_joined=self._joined,
@@ -139,10 +143,10 @@ class UpstreamJob(Transfer):
         self._quarantine = False  # the stop was not confirmed in time: the slots may still be busy
         self._released = False  # the permit went back (``_release``)
         # A stop after the request was sent waits for the upstream's head before it closes
-        # the connection, where the adapter says the head comes once the request runs
-        # (Adapter.answers_at_start): a stop confirmed before that could miss a task that
-        # was still on its way to the slot.
-        self._cancel_on_head = adapter.answers_at_start(request.route, request.body)
+        # the connection, where the stop is confirmed and the dialect says the head comes once
+        # the request runs (Dialect.answers_at_start): a stop confirmed before that could
+        # miss a task that was still on its way to the slot.
+        self._cancel_on_head = self._waits_for_head(request.body)
         self._body, self._parsed = request.raw, request.body  # a continuation's later
         self.resume: Resume | None = None
         self._transcript: Transcript | None = None
@@ -150,7 +154,7 @@ class UpstreamJob(Transfer):
         self._resuming: asyncio.Task[object] | None = None  # the job's task, in ``resume()``
         self._assembler: Assembler | None = None
         if resume is not None and self.generation is None:
-            if resumable(adapter.kind, request.route, request.body):
+            if resumable(self.dialect.kind, request.route, request.body):
                 self.resume, self._transcript = resume, Transcript(request.route)
 
     # -- control (called from the handler / the gate) ------------------------------
@@ -320,12 +324,19 @@ class UpstreamJob(Transfer):
             return False
         parsed = continuation(self.request.route, self._parsed, t)
         self._parsed, self._body = parsed, json.dumps(parsed).encode()
-        self._cancel_on_head = self.adapter.answers_at_start(self.request.route, parsed)
+        self.dialect = self.adapter.dialect  # the new grant's
+        self.assembled = self.dialect.assembles(self.request.route, parsed)
+        self._cancel_on_head = self._waits_for_head(parsed)
         self._stop_reason, self._stop_cancelled, self._finished = None, False, False
         self._success_reported = self._released = self._quarantine = False
         self.sent, self.status = False, None
         rec.upstream_sent, rec.upstream_status, rec.slot = False, None, self.slot
         return True
+
+    def _waits_for_head(self, body: Body) -> bool:
+        """Does a stop after the request was sent wait for the upstream's head (above)?"""
+        route = self.request.route
+        return self.adapter.confirms(route) and self.dialect.answers_at_start(route, body)
 
     def _release(self) -> None:
         """Give the permit back (once; the upstream is idle for this request, or its slots

@@ -47,10 +47,12 @@ from llmproxy.proxy.relay.writer import Relay
 from llmproxy.proxy.request import Body, GatedRequest
 from llmproxy.proxy.telemetry.record import RequestRecord
 from llmproxy.proxy.upstream.adapters.base import Adapter
+from llmproxy.proxy.upstream.dialects.base import Dialect
 from llmproxy.proxy.upstream.forward import timing_to
 from llmproxy.proxy.upstream.health import upstream_failed
 from llmproxy.proxy.upstream.listener import Listener
 from llmproxy.proxy.upstream.resume import MAX_EVENT, Echo, Transcript
+from llmproxy.proxy.upstream.settle import settle
 from llmproxy.proxy.upstream.stream import exchange_events
 
 log = structlog.get_logger("llmproxy.job")
@@ -62,6 +64,8 @@ class Transfer:
     gate: Gate
     ticket: Ticket
     adapter: Adapter
+    dialect: Dialect
+    assembled: bool  # sent as a stream and answered whole (the dialect's ``assembles``)
     request: GatedRequest
     headers: CIMultiDict[str]
     out: Responder
@@ -176,9 +180,9 @@ class Transfer:
         """One exchange with the upstream: its events read here (job state, type-through,
         the transcript) and then relayed to the client (relay/writer.py)."""
         rec, req = self.record, self.request
-        await self.adapter.settle(self.gate, self.ticket)  # n_cmpl, embeddings: llamacpp's
-        body = self.adapter.prepare_body(req.route, self._body, self._parsed, self.slot)
-        assembled = self.adapter.assembles(req.route, self._parsed)  # sent as a stream
+        await settle(self.gate, self.ticket, self.adapter)  # n_cmpl, embeddings: llamacpp's
+        body = self.dialect.prepare_body(req.route, self._body, self._parsed, self.slot)
+        assembled = self.assembled
         if assembled:
             rec.assembled = True
             self._assembler = self._assembler or Assembler(req.route)  # one over segments

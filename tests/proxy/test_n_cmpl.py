@@ -10,6 +10,7 @@ import pytest
 import structlog
 
 from llmproxy.bench.fake.upstream import FakeUpstream, Script
+from llmproxy.proxy.upstream.settle import settle
 from tests.helpers.net import wait_until
 from tests.helpers.proxy import request_events, run_proxy
 from tests.helpers.scheduler import make_pool, submit
@@ -190,12 +191,12 @@ async def test_settle_gives_up_loudly_and_is_cancellable(http: aiohttp.ClientSes
         gate.take(wide)
         with structlog.testing.capture_logs() as logs:
             start = asyncio.get_running_loop().time()
-            await adapter.settle(gate, wide)
+            await settle(gate, wide, adapter)
         # uvloop's clock counts whole milliseconds: 4373.767 - 4373.567 is 0.19999... in floats
         assert round(asyncio.get_running_loop().time() - start, 3) >= 0.2
         assert [e["slots"] for e in logs if e["log_level"] == "warning"] == [[1, 2]]
         polls = sum(r.path == "/slots" for r in fake.received)
-        task = asyncio.create_task(adapter.settle(gate, wide))
+        task = asyncio.create_task(settle(gate, wide, adapter))
         await fake.wait_for(lambda f: sum(r.path == "/slots" for r in f.received) > polls)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -210,7 +211,7 @@ async def test_settle_gives_up_loudly_and_is_cancellable(http: aiohttp.ClientSes
         gate.take(wide)
         assert (emb.slots, wide.slots) == ((0,), (1, 2))
         polls = sum(r.path == "/slots" for r in fake.received)
-        await asyncio.wait_for(adapter.settle(gate, wide), 0.1)
+        await asyncio.wait_for(settle(gate, wide, adapter), 0.1)
         assert sum(r.path == "/slots" for r in fake.received) == polls
 
 

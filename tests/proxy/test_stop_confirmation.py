@@ -161,7 +161,7 @@ async def test_only_a_refused_connection_confirms_a_stop_at_once(failure: str) -
     async with aiohttp.ClientSession(connector=connector) as session:
         adapter = LlamaCppAdapter(base, session, settings, slots=1)
         try:
-            assert await adapter._busy_map() == ("down" if failure == "refused" else "unknown")
+            assert await adapter.busy_map() == ("down" if failure == "refused" else "unknown")
             assert await adapter.confirm_stopped([0]) is (failure == "refused")
         finally:
             adapter.close()

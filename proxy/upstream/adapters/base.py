@@ -1,9 +1,11 @@
-"""The upstream adapter interface shared by every backend kind.
+"""The per-upstream view shared by every backend kind: the adapter.
 
-An adapter knows three things about its backend: how to prepare a gated request body
-for a given permit/slot, whether it can *confirm* that a cancelled generation stopped
-(``can_confirm``), and how to wait for that confirmation. Cancelling is always "close the
-upstream connection" and is done by the job (job.py), not here.
+An adapter holds what the proxy knows of one upstream now: its current dialect (how
+requests are written for it: dialects/, a frozen value replaced whole when probing learns
+something that changes it), its slot count, whether its stops can be confirmed
+(``can_confirm``) and how (``confirm_stopped``, ``watch_idle``), what its slots are doing
+(``busy_map``), and what is still to learn (``pending``, ``refresh``). Cancelling is always
+"close the upstream connection" and is done by the job (job.py), not here.
 
 An adapter holds the two ways to its backend: ``client`` (client.py), which every
 relayed request goes through, and the app's ``session``, for its own probes and polls.
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, NotRequired, TypedDict
+from typing import Any, ClassVar, Literal, NotRequired, TypedDict
 
 import aiohttp
 import structlog
@@ -22,12 +24,11 @@ from aiohttp import encode_basic_auth
 from yarl import URL
 
 from llmproxy.common.redact import strip_userinfo, userinfo
-from llmproxy.proxy.gating.gate import Gate
-from llmproxy.proxy.gating.routes import GATED_ROUTES
-from llmproxy.proxy.gating.ticket import Ticket
+from llmproxy.proxy.errors import BadRequest
 from llmproxy.proxy.request import Body
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.client import UpstreamClient
+from llmproxy.proxy.upstream.dialects.base import Dialect, TooManySlots
 
 log = structlog.get_logger("llmproxy.adapter")
 
@@ -70,14 +71,16 @@ class AdapterInfo(TypedDict):
     model_status: NotRequired[str]  # ... and whether the router runs it
 
 
+#: what one look at the upstream's slots found: slot id -> busy; or "down" (nothing can
+#: run: a refused connection) or "unknown" (no view, or a look that says nothing)
+BusyMap = dict[int, bool] | Literal["down", "unknown"]
+
+
 class Adapter:
     kind: ClassVar[str] = "openai"
-    #: closing a streaming request's connection stops its generation at the next token, with
-    #: nothing to confirm it by: policy auto cancels such a stream and holds the permit about
-    #: one token's time (confirm.py), instead of letting it run to its end
-    stops_streams: ClassVar[bool] = False
-    #: POST routes that run on the upstream's slots: gated (the others pass through)
-    gated_routes: ClassVar[frozenset[str]] = GATED_ROUTES
+    #: slot i of the gate is slot i at the upstream, which lists them (``busy_map``): the
+    #: slots of a request on several of them are settled before it is sent (settle.py)
+    lists_slots: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -96,6 +99,7 @@ class Adapter:
             authorization=upstream_authorization(settings),
         )
         self.settings = settings
+        self.dialect = self.initial_dialect()  # replaced whole, never changed in place
         self.slots = slots
         self.can_confirm = False
         self.known = asyncio.Event()  # set once nothing is left to learn (``pending``; watch.py)
@@ -123,31 +127,26 @@ class Adapter:
             ids = [d.get("id") for d in data if isinstance(d, dict)]
             self.models = tuple(dict.fromkeys(i for i in ids if isinstance(i, str) and i))
 
-    def prepare_body(self, path: str, raw: bytes, parsed: Body, slot: int) -> bytes:
-        """Body to send upstream for a gated request holding permit ``slot``."""
-        return raw
+    def initial_dialect(self) -> Dialect:
+        """The dialect before anything is probed."""
+        return Dialect(kind=self.kind)
 
-    def assembles(self, path: str, parsed: Body) -> bool:
-        """Is this request sent as a stream and answered whole (assemble.py)? See llamacpp's."""
-        return False
+    def permits(self, path: str, body: Body, capacity: int) -> int:
+        """How many slots (1..``capacity``) a gated request on ``path`` occupies at once
+        (the dialect's count), or ``BadRequest`` if it cannot fit, saying why."""
+        try:
+            return self.dialect.permits(path, body, capacity)
+        except TooManySlots as exc:
+            raise BadRequest(f"{exc}: {self.short_of_slots(capacity)}") from None
+
+    def short_of_slots(self, capacity: int) -> str:
+        """Why a request asking for more slots than ``capacity`` cannot have them."""
+        return "the upstream has no more"
 
     def note_piece_gap(self, gap: float) -> None:
         """A finished stream's mean gap between pieces: the adapter's estimate of a token's
         time follows it (an average weighted to the recent ones)."""
         self.piece_gap_s = gap if self.piece_gap_s is None else 0.8 * self.piece_gap_s + 0.2 * gap
-
-    def answers_at_start(self, path: str, parsed: Body) -> bool:
-        """Does the upstream send its response head only once the request runs on its slot,
-        so that a stop may wait for the head before it cuts (job.py)? See llamacpp's."""
-        return False
-
-    def permits(self, path: str, parsed: Body, capacity: int) -> int:
-        """How many slots (1..``capacity``) a gated request on ``path`` occupies at once, or
-        ``BadRequest`` if it cannot fit (see llamacpp's)."""
-        return 1
-
-    async def settle(self, gate: Gate, ticket: Ticket) -> None:
-        """Called before a gated request is sent (see llamacpp's)."""
 
     def cold(self) -> bool:
         """Will the upstream load its model before it answers (router.py: a router's model
@@ -168,6 +167,11 @@ class Adapter:
     def confirms(self, path: str) -> bool:
         """Can a stopped request on ``path`` be confirmed (``confirm_stopped``) on this backend?"""
         return self.can_confirm
+
+    async def busy_map(self) -> BusyMap:
+        """One look at what the upstream's slots are doing (adapters/slots.py); an adapter
+        without a view knows nothing."""
+        return "unknown"
 
     async def confirm_stopped(self, slots: Sequence[int], *, answered: bool = True) -> bool:
         """Wait until the backend shows every slot in ``slots`` idle. Adapters without a view

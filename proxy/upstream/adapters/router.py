@@ -11,8 +11,8 @@ affinity, quarantine and stop confirmation, exactly as a plain llama-server has:
 - the proxy's probes name the model, and never load one: ``/slots?model=NAME&autoload=false``
   and ``/props?model=...``. A model that is not loaded answers 400 "model is not loaded":
   nothing of it runs, so a stop there is confirmed (``gone``);
-- every gated body names the model (``model`` is set when the client sent none: the router
-  refuses a request without one);
+- every gated body names the model (its dialect sets ``model`` when the client sent none:
+  the router refuses a request without one);
 - a model not loaded at detection has no slot count yet: its gate has one permit (watch.py's
   rule for a capacity still to learn). The first request makes the router load it and waits
   for the load in the upstream (its record says so: ``model_loading``); the first health
@@ -29,16 +29,16 @@ while a non-streaming request's child would run to its end.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
 from yarl import URL
 
-from llmproxy.proxy.request import Body
 from llmproxy.proxy.settings import ProxySettings
 from llmproxy.proxy.upstream.adapters.base import AdapterInfo, get_json
-from llmproxy.proxy.upstream.adapters.body import set_top_level
 from llmproxy.proxy.upstream.adapters.llamacpp import LlamaCppAdapter
+from llmproxy.proxy.upstream.dialects.llamacpp import LlamaCppDialect
 
 
 def _not_loaded(status: int, body: Any) -> bool:
@@ -62,12 +62,11 @@ class RouterModelAdapter(LlamaCppAdapter):
         aliases: tuple[str, ...] = (),
         max_instances: int | None = None,
     ) -> None:
+        self.model = model  # before the base's init, which asks for the first dialect
         super().__init__(base_url, session, settings)
-        self.model = model
         self.max_instances = max_instances  # models the router runs at once (--models-max)
         self.models = (model, *aliases)  # the names requests may ask it by
         self.status = status
-        self.own = False  # each model is a llama-server child
         self.props_pending = True  # its slot count: its /props, once it is loaded
 
     def probe_url(self, name: str) -> URL:
@@ -81,11 +80,12 @@ class RouterModelAdapter(LlamaCppAdapter):
         runs, so every slot of it is idle."""
         return _not_loaded(status, body)
 
-    def prepare_body(self, path: str, raw: bytes, parsed: Body, slot: int) -> bytes:
-        raw = super().prepare_body(path, raw, parsed, slot)
-        if isinstance(parsed, dict) and not parsed.get("model"):
-            raw = set_top_level(raw, "model", self.model, present="model" in parsed)
-        return raw
+    def initial_dialect(self) -> LlamaCppDialect:
+        return self.dialect_for(False)
+
+    def dialect_for(self, own: bool) -> LlamaCppDialect:
+        """A llama-server child's (never llmproxy's own backend), naming the model."""
+        return replace(super().dialect_for(False), model=self.model)
 
     async def learn(self) -> None:
         """Read the model's ``/props`` and ``/slots`` if it is loaded (detection, and the
@@ -98,7 +98,6 @@ class RouterModelAdapter(LlamaCppAdapter):
             self.status = "loaded"
             self.props_pending = False
             self.learn_props(props)
-            self.own = False
             await self.probe_slots()
         elif not _not_loaded(status, props) and status < 500:
             self.props_pending = False  # a router without per-model /props: one permit

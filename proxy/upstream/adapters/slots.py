@@ -1,5 +1,5 @@
 """Reading llama-server's ``GET /slots``: confirming stops, watching quarantined slots, and
-settling the slots of a request on several of them.
+the look at its slots that settles a request on several of them (settle.py).
 
 ``SlotPollingAdapter`` is the part of the llama.cpp adapter (llamacpp.py) that polls
 ``/slots`` (with the app's session, never the relay client): after a cancel (connection
@@ -12,7 +12,8 @@ so a request pinned to it never waits inside the server. A refused connection (t
 is down: nothing runs) counts as idle everywhere.
 
 Concurrency contract: every method here runs in the job's task that needs it (in its
-transfer scope for ``settle``, after it for the others) and is cancelled with that job.
+transfer scope for ``busy_map`` from settle.py, after it for the others) and is cancelled
+with that job.
 """
 
 from __future__ import annotations
@@ -24,10 +25,7 @@ from typing import Any, Literal
 
 import aiohttp
 
-from llmproxy.proxy.gating.gate import Gate
-from llmproxy.proxy.gating.routes import SLOT_ROUTES
-from llmproxy.proxy.gating.ticket import Ticket
-from llmproxy.proxy.upstream.adapters.base import Adapter, get_json, log
+from llmproxy.proxy.upstream.adapters.base import Adapter, BusyMap, get_json, log
 
 QUARANTINE_POLL_MAX_S = 1.0
 
@@ -43,12 +41,14 @@ class SlotPollingAdapter(Adapter):
     """An adapter whose backend lists its slots' state at ``GET /slots`` (llama-server's
     shape): slot i of the gate is slot i there."""
 
+    lists_slots = True
+
     def gone(self, status: int, body: Any) -> bool:
         """Does a /slots answer other than 200 say that nothing runs (router.py: a model the
         router does not run now)?"""
         return False
 
-    async def _busy_map(self) -> dict[int, bool] | Literal["down", "unknown"]:
+    async def busy_map(self) -> BusyMap:
         """Slot id -> busy, from one GET /slots; else 'down' (connection refused: nothing
         can run) or 'unknown' (any other failure: a name that does not resolve, no file
         descriptors, a timeout say nothing about what runs there)."""
@@ -71,59 +71,12 @@ class SlotPollingAdapter(Adapter):
         self, slots: Sequence[int]
     ) -> Literal["busy", "idle", "down", "unknown"]:
         """'busy' (any of ``slots``) | 'idle' (all) | 'down' | 'unknown'."""
-        busy = await self._busy_map()
+        busy = await self.busy_map()
         if isinstance(busy, str):
             return busy
         if any(busy.get(slot) for slot in slots):
             return "busy"
         return "idle" if all(slot in busy for slot in slots) else "unknown"
-
-    async def settle(self, gate: Gate, ticket: Ticket) -> None:
-        """Before a request on several slots, or an unpinned one (embeddings, rerank), is
-        sent, make the server's choice of slots for its extra completions or its tasks (the
-        lowest idle ones) the gate's: take lower free permits in exchange
-        (``Gate.settle_extras``) and wait, polling /slots for at most ``settle_timeout_s``,
-        until every lower slot another request runs on is busy at the server. A request
-        granted just before this one but not there yet (a large body still on its way)
-        would otherwise lose its slot to an extra completion or an embeddings task and
-        wait in the server's queue. A poll that finds them busy is trusted only if nothing
-        changed in the gate meanwhile. Cancelled with the job (it runs in the job's
-        transfer scope); a refused connection (server down) ends the wait at once."""
-        s = self.settings
-
-        def pinned(t: Ticket) -> bool:
-            return t.route in SLOT_ROUTES
-
-        try:
-            watch = gate.settle_extras(ticket, pinned)
-            if not watch or not self.can_confirm or s.settle_timeout_s <= 0:
-                return
-            interval = s.confirm_poll_min_s
-            async with asyncio.timeout(s.settle_timeout_s):
-                while True:
-                    before = (ticket.slots, watch)
-                    busy = await self._busy_map()
-                    if busy == "down":
-                        return
-                    watch = gate.settle_extras(ticket, pinned)
-                    if not watch:
-                        return
-                    if (
-                        isinstance(busy, dict)
-                        and all(busy.get(slot) for slot in watch)
-                        and (ticket.slots, watch) == before
-                    ):
-                        return
-                    await asyncio.sleep(interval)
-                    interval = min(interval * 2, s.confirm_poll_max_s)
-        except TimeoutError:
-            log.warning(
-                "sending a request on several slots before the lower slots held by others "
-                "were busy: an extra completion may take one of them",
-                slots=list(ticket.slots),
-            )
-        finally:
-            gate.settled(ticket)
 
     async def confirm_stopped(self, slots: Sequence[int], *, answered: bool = True) -> bool:
         """Poll /slots until every slot in ``slots`` is idle (backing off), bounded by
@@ -174,7 +127,7 @@ class SlotPollingAdapter(Adapter):
         needed = 1 if answered else 2
         interval = self.settings.confirm_poll_max_s
         while left and not closing.is_set():
-            busy = await self._busy_map()
+            busy = await self.busy_map()
             for slot in list(left):
                 if busy == "down" or (isinstance(busy, dict) and slot in busy and not busy[slot]):
                     left[slot] += 1

@@ -217,16 +217,16 @@ async def test_which_upstreams_are_asked_for_streams() -> None:
             settings = ProxySettings(upstream_stream=setting, type_through=type_through)
             adapter = LlamaCppAdapter("http://127.0.0.1:9", session, settings)
             adapter.learn_props({"total_slots": 1, "build_info": build_info})
-            got = adapter.assembles("/infill", {"prompt": "x"})
+            got = adapter.dialect.assembles("/infill", {"prompt": "x"})
             assert got is expected, (setting, type_through, build_info)
         # the own backend streams only what type-through may continue (it refuses a streamed
         # n_cmpl > 1)
         settings = ProxySettings(upstream_stream="auto", type_through="on")
         adapter = LlamaCppAdapter("http://127.0.0.1:9", session, settings)
         adapter.learn_props({"total_slots": 2, "build_info": "llmproxy-backend"})
-        assert not adapter.assembles("/completion", {"prompt": "x", "n_cmpl": 2})
-        assert not adapter.assembles("/infill", {"prompt": "x", "n_predict": 0})
-        assert adapter.assembles("/completion", {"prompt": "x", "n_predict": 8})
+        assert not adapter.dialect.assembles("/completion", {"prompt": "x", "n_cmpl": 2})
+        assert not adapter.dialect.assembles("/infill", {"prompt": "x", "n_predict": 0})
+        assert adapter.dialect.assembles("/completion", {"prompt": "x", "n_predict": 8})
 
 
 async def test_superseded_non_streaming_request_is_cut_at_the_next_token(

@@ -54,8 +54,8 @@ async def test_which_requests_are_sent_as_streams(
     async with aiohttp.ClientSession() as session:
         settings = ProxySettings(upstream_stream=setting)
         adapter = OpenAIAdapter("http://127.0.0.1:9", session, settings)
-        assert adapter.assembles(path, body) is expected
-        sent = json.loads(adapter.prepare_body(path, json.dumps(body).encode(), body, 0))
+        assert adapter.dialect.assembles(path, body) is expected
+        sent = json.loads(adapter.dialect.prepare_body(path, json.dumps(body).encode(), body, 0))
         assert sent == ({**body, "stream": True} if expected else body)
 
 

@@ -7,7 +7,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmproxy.proxy.upstream.adapters.body import set_top_level
+from llmproxy.proxy.upstream.dialects.body import set_top_level
 
 json_values = st.recursive(
     st.none()

@@ -1,9 +1,9 @@
 """Byte-preserving edits of a JSON request body's top-level fields.
 
-The proxy forwards request bodies byte for byte except the fields it must set (``id_slot``
-for the llamacpp adapter). Re-serialising would change number formats, spacing and key
-order, so this scans the top-level object with the stdlib decoder to find exact value
-spans and splices only the one value.
+The proxy forwards request bodies byte for byte except the fields its dialect must set
+(``id_slot`` for llama-server: llamacpp.py). Re-serialising would change number formats,
+spacing and key order, so this scans the top-level object with the stdlib decoder to find
+exact value spans and splices only the one value.
 """
 
 from __future__ import annotations
