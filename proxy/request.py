@@ -3,8 +3,8 @@
 scheduler and the upstream job, which read it and never change it.
 
 ``body`` is the client's JSON object, parsed once; ``raw`` the bytes it came as, forwarded
-byte for byte unless the adapter prepares a body of its own (``id_slot``, a stream asked
-for; upstream/adapters/). No module here imports anything of the proxy's parts.
+byte for byte unless the upstream's dialect writes a body of its own (``id_slot``, a
+stream asked for; upstream/dialects/). No module here imports anything of the proxy's parts.
 """
 
 from __future__ import annotations

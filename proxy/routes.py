@@ -11,7 +11,7 @@ Columns:
   ``embeddings``, ``rerank``).
 - ``gated``: ``all`` (gated on every upstream) or ``llamacpp`` (only on a llama-server,
   whose slots run it: ``Dialect.gated_routes``).
-- ``slot``: the body may carry llama-server's ``id_slot`` (the llamacpp adapter sets it).
+- ``slot``: the body may carry llama-server's ``id_slot`` (the llamacpp dialect sets it).
 - ``keystroke``: an editor's completion route: superseded by default, a request class of
   its own (``complete``).
 - ``prompt``: where the prompt's text is: ``infill`` (``input_extra`` + ``input_prefix`` +
@@ -19,7 +19,7 @@ Columns:
   None (embeddings, reranking: no generation).
 - ``answer``: the shape of a generation's answer: ``native`` (llama-server's own),
   ``oai`` (OpenAI's completions), None (any other).
-- ``assembled``: a non-streaming request the llamacpp adapter sends as a stream and answers
+- ``assembled``: a non-streaming request the llamacpp dialect sends as a stream and answers
   whole (upstream/assemble.py), and that type-through can continue (reuse/match.py).
 """
 

@@ -14,7 +14,7 @@ GATED_ROUTES = paths(gated="all")
 LLAMACPP_GATED_ROUTES = paths(gated="llamacpp")
 EMBEDDING_ROUTES = paths(family="embeddings")
 RERANK_ROUTES = paths(family="rerank")
-# Routes whose request body may carry llama-server's id_slot (the llamacpp adapter injects it).
+# Routes whose request body may carry llama-server's id_slot (the llamacpp dialect injects it).
 # llama-server answers /api/chat (Ollama style) and /v1/messages (Anthropic style) with its
 # chat-completions handler.
 SLOT_ROUTES = paths(slot=True)

@@ -13,8 +13,8 @@ meanwhile. What is left is a narrower race (a lower slot freed and granted again
 that other request waits in the server.
 
 Concurrency contract: runs in the job's transfer scope and is cancelled with it; a refused
-connection (the server is down) ends the wait at once; the gate hears ``settled`` however
-it ends.
+connection (the server is down) ends the wait at once; on an upstream that lists its
+slots, the gate hears ``settled`` however it ends.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A dialect is a frozen value. It says which routes run on the upstream's slots, how many
 slots a request takes, how its body is written for the permit it holds, whether it is sent
 as a stream and answered whole (assemble.py), and whether the upstream's head comes only
-once the request runs on its slot. It holds no connection and learns nothing: detection
-(detect.py) and the adapter's later probes (adapters/) build a new one when they learn what
+once the request runs on its slot. It holds no connection and learns nothing: the adapter
+(adapters/) builds a new one when detection (detect.py) or a later probe learns what
 changes it, and a job keeps the dialect it was granted with until its exchange ends, so
 nothing is swapped under a running request. What the upstream's slots are doing now (stop
 confirmation, quarantine, the slot count) is the adapter's: its per-upstream slot view.
@@ -31,8 +31,8 @@ class TooManySlots(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Dialect:
-    """An upstream that speaks plainly (Ollama; the base of the others): bodies as sent, one
-    slot per request, nothing assembled."""
+    """An upstream that speaks plainly (Ollama, and the base of the others; each adapter
+    names its kind): bodies as sent, one slot per request, nothing assembled."""
 
     kind: str = "openai"
     #: POST routes that run on the upstream's slots: gated (the others pass through)
