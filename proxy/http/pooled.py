@@ -14,19 +14,17 @@ permits (granted.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from typing import Any
 
 from aiohttp import web
 
 from llmproxy.proxy.errors import UpstreamConnectTimeout, UpstreamUnreachable
 from llmproxy.proxy.http.granted import Target, forward_granted
-from llmproxy.proxy.pool.entry import Entry
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.models import asked
 from llmproxy.proxy.request import GatedRequest
 from llmproxy.proxy.state import RECORD, ProxyState
-from llmproxy.proxy.upstream.job import Grant
 
 
 async def pooled(
@@ -61,22 +59,19 @@ async def _once(
     rec.model = model
     rec.model_listed = model is not None and any(model in m.models for m in st.pool.members)
 
-    def enter(**where: Any) -> Entry:
-        """Into the scheduler's queue (``where``: failover, head, a resume's age)."""
-        return st.pool.submit(
-            req.session,
-            supersedable=req.continuable,
-            route=path,
-            parsed=parsed,
-            sizing=sizing,
-            klass=req.klass,
-            caller=req.caller,
-            model=model,
-            twin=req.twin,
-            **where,
-        )
-
-    entry = enter(exclude=exclude, first=first)
+    entry = st.pool.submit(
+        req.session,
+        supersedable=req.continuable,
+        route=path,
+        parsed=parsed,
+        sizing=sizing,
+        klass=req.klass,
+        caller=req.caller,
+        model=model,
+        twin=req.twin,
+        exclude=exclude,
+        first=first,
+    )
     try:
         placement = await st.pool.acquire(entry, st.settings.queue_timeout_s)
     except asyncio.CancelledError:
@@ -91,14 +86,8 @@ async def _once(
         rec.model_loading = True
         m.model_loads += 1
     target = Target(m.gate, m.breaker, placement.adapter)
-
-    async def resume() -> Grant:
-        """Permits again for the preempted request, ahead of its class's waiters."""
-        again = enter(first=True, since=entry.created)
-        p = await st.pool.acquire(again, st.settings.queue_timeout_s)
-        rec.upstream_name, rec.permits = p.member.name, p.ticket.permits
-        return Grant(p.member.gate, p.ticket, p.adapter, p.member.breaker, p.probe)
-
+    # a preempted request's new permits: the scheduler's, asked by its job
+    resume = functools.partial(st.pool.again, entry)
     preemptible = st.settings.preempt == "on" and req.klass in ("chat", "bulk")
     try:
         resp = await forward_granted(

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from llmproxy.proxy.errors import BadRequest, ProxyError, QueueFull
 from llmproxy.proxy.gating.breaker import UpstreamUnavailable
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.gating.waitlist import WaitList
-from llmproxy.proxy.pool.entry import Entry
+from llmproxy.proxy.pool.entry import Entry, Sizing
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.models import serving
 from llmproxy.proxy.pool.order import Order
@@ -38,10 +38,6 @@ from llmproxy.proxy.pool.room import Sized, rule
 from llmproxy.proxy.pool.router import Choice, Request, Router
 from llmproxy.proxy.pool.shares import Shares
 from llmproxy.proxy.settings import ProxySettings
-
-#: permits a request needs on an upstream, asked of its adapter with its slot count
-#: (BadRequest: it cannot run there)
-Sizing = Callable[[Member, int], int]
 
 
 def size(sizing: Sizing, m: Member) -> int | BadRequest:

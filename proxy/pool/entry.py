@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llmproxy.proxy.errors import ProxyError
+from llmproxy.proxy.gating.breaker import CircuitBreaker
+from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.router import Request
+from llmproxy.proxy.request import Body
 from llmproxy.proxy.upstream.adapters.base import Adapter
+
+#: permits a request needs on an upstream, asked of its adapter with its slot count
+#: (BadRequest: it cannot run there)
+Sizing = Callable[[Member, int], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +30,19 @@ class Placement:
     cached_chars: int
     adapter: Adapter  # the upstream's adapter in force at the grant: the request's
 
+    # what the upstream job takes of a grant (upstream/job.py ``Grant``)
+    @property
+    def gate(self) -> Gate:
+        return self.member.gate
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        return self.member.breaker
+
+    @property
+    def upstream(self) -> str:
+        return self.member.name
+
 
 @dataclass(eq=False)
 class Entry:
@@ -32,6 +53,8 @@ class Entry:
     session: str
     supersedable: bool
     route: str
+    parsed: Body
+    sizing: Sizing
     request: Request
     ticket: Ticket
     exclude: Member | None

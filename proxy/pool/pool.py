@@ -195,6 +195,8 @@ class Pool:
             session,
             supersedable,
             route,
+            parsed,
+            sizing,
             Request(session, hashes, time.monotonic()),
             ticket,
             exclude,
@@ -224,6 +226,27 @@ class Pool:
             self.queue.append(entry)
         self.advance()
         return entry
+
+    async def again(self, entry: Entry) -> Placement:
+        """Permits again for ``entry``'s request, stopped after its grant to let a
+        completion run (preemption: waits.py, upstream/job.py): at the head of its class's
+        waiters, with its age (``since``: order.py, preempt.py), superseding nothing,
+        waiting at most ``queue_timeout_s`` as any request. Cancelled by its job (its client
+        left), which gives its place up."""
+        again = self.submit(
+            entry.session,
+            supersedable=entry.supersedable,
+            route=entry.route,
+            parsed=entry.parsed,
+            sizing=entry.sizing,
+            klass=entry.ticket.klass,
+            caller=entry.ticket.caller,
+            model=entry.model,
+            twin=entry.twin,
+            first=True,
+            since=entry.created,
+        )
+        return await self.acquire(again, self.settings.queue_timeout_s)
 
     def supersede_queued(self, session: str, twin: str | None) -> None:
         """A newer request of ``session`` (twin key ``twin``) was answered without queueing

@@ -24,9 +24,9 @@ Concurrency contract:
 - Preemption (``resume``, given for a request that may be preempted; resume.py): once a
   resumable stream's first event came, its ticket offers ``on_preempt``; the scheduler's
   call stops it as any stop (cut, confirmed); the job then gives its permits back, waits
-  in ``resume()`` (the scheduler's queue again) for new ones, and sends the continuation,
-  written to the same client as one answer. Nothing is written for the cut segment, and a
-  failed resume ends the client's answer with its error. A stop while it waits there (its
+  in ``resume()`` (the scheduler's ``Pool.again``: its queue again) for new ones, and
+  sends the continuation, written to the same client as one answer. Nothing is written
+  for the cut segment, and a failed resume ends the client's answer with its error. A stop while it waits there (its
   client left) cancels that wait, which gives its place in the queue up.
 """
 
@@ -36,7 +36,7 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
-from typing import NamedTuple
+from typing import Protocol
 
 import structlog
 from multidict import CIMultiDict
@@ -71,17 +71,26 @@ from llmproxy.proxy.upstream.transfer import Transfer
 log = structlog.get_logger("llmproxy.job")
 
 
-class Grant(NamedTuple):
-    """Permits granted anew to a preempted request: where its continuation runs."""
+class Grant(Protocol):
+    """Permits granted anew to a preempted request by the scheduler (pool/entry.py
+    ``Placement``): where its continuation runs."""
 
-    gate: Gate
-    ticket: Ticket
-    adapter: Adapter
-    breaker: CircuitBreaker
-    probe: bool
+    @property
+    def gate(self) -> Gate: ...
+    @property
+    def ticket(self) -> Ticket: ...
+    @property
+    def adapter(self) -> Adapter: ...
+    @property
+    def breaker(self) -> CircuitBreaker: ...
+    @property
+    def probe(self) -> bool: ...
+    @property
+    def upstream(self) -> str: ...  # its name, for the record
 
 
-#: waits for a preempted request's new permits (ProxyError: none; see the module's contract)
+#: the scheduler's wait for a preempted request's new permits (``Pool.again``; ProxyError:
+#: none; see the module's contract)
 Resume = Callable[[], Awaitable[Grant]]
 
 
@@ -312,6 +321,7 @@ class UpstreamJob(Transfer):
             self._resuming = None
         self.gate, self.ticket, self.adapter = grant.gate, grant.ticket, grant.adapter
         self.breaker, self.breaker_probe = grant.breaker, grant.probe
+        rec.upstream_name, rec.permits = grant.upstream, grant.ticket.permits
         try:
             self.slot = self.gate.take(self.ticket, on_supersede=self._superseded)
         except ProxyError as exc:  # superseded since the grant
