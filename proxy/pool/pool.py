@@ -43,8 +43,14 @@ preempt.py. Concurrency contract:
   (``QueueTimeout``). A cancelled or timed-out waiter abandons its entry: out of the queue
   (a supersedable one leaves a held place), or its untaken permits and probe back. From
   the grant on, the upstream's gate, breaker and adapter are the request's job's.
+- ``again`` queues a request stopped after its grant to let a completion run (its job
+  asks, from the upstream side) once more: at the head of its class, with its age, and
+  superseding nothing; it waits as ``acquire`` does.
 - ``supersede_queued`` ends the session's queued requests that a newer one answered
   elsewhere (type-through) supersedes.
+
+This module is over 300 lines because it is the one place where a request enters, waits
+and leaves the queue; each rule it applies lives in one of the parts named above.
 
 Event loop thread only; the timers (a routing wait, a completion's wait before it
 preempts: waits.py) are loop handles owned by the scheduler, cancelled when a pass over
