@@ -56,6 +56,7 @@ from pydantic_settings import SettingsConfigDict
 
 from llmproxy.bench.child import child, cpu_seconds
 from llmproxy.bench.loadgen import LoadResult, run_load
+from llmproxy.bench.overhead.cpu import format_split
 from llmproxy.bench.overhead.table import Case, format_table
 from llmproxy.bench.progress import Steps
 from llmproxy.common import loops
@@ -118,6 +119,11 @@ class OverheadSettings(LayeredSettings):
         "info",
         description="The proxy child's log level; info, its own default, "
         "measures its canonical line per request",
+    )
+    cprofile: Path | None = Field(
+        None,
+        description="Run the proxy under cProfile, write its statistics to this file and "
+        "print where its CPU per request goes (cpu.py; one --token-delay-ms value)",
     )
 
 
@@ -183,9 +189,13 @@ async def _in_turn(
 
 
 def proxy_command(settings: OverheadSettings, upstream_url: str) -> list[str]:
-    """The proxy child's command line (``--port-file`` is appended by ``child``)."""
+    """The proxy child's command line (``--port-file`` is appended by ``child``); under
+    cProfile with ``--cprofile``."""
+    out = settings.cprofile
+    profiler = ["-m", "cProfile", "-o", str(out.resolve())] if out is not None else []
     return [
         sys.executable,
+        *profiler,
         "-m",
         "llmproxy.proxy",
         "serve",
@@ -327,11 +337,17 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(settings.modes) - {"nonstream", "stream"}
     if unknown:
         raise SystemExit(f"llmproxy bench overhead: unknown mode(s): {', '.join(sorted(unknown))}")
+    if settings.cprofile is not None and (len(settings.token_delay_ms) != 1 or not settings.proxy):
+        raise SystemExit(
+            "llmproxy bench overhead: --cprofile profiles one proxy: give one --token-delay-ms"
+        )
     # as the children will choose (same environment)
     loop_name = loops.choose(settings.loop, "llmproxy bench overhead")[0]
     gc.freeze()  # the load generator too: no full-collection pauses inside the measurements
     cases = asyncio.run(_bench(settings))
     sys.stdout.write(format_table(cases, loop=loop_name))
+    if settings.cprofile is not None:
+        sys.stdout.write("\n" + format_split(settings.cprofile.resolve()))
     return 0
 
 

@@ -19,6 +19,7 @@ from yarl import URL
 
 from llmproxy.bench.child import child, cpu_seconds
 from llmproxy.bench.loadgen import LoadResult
+from llmproxy.bench.overhead.cpu import format_split, split
 from llmproxy.bench.overhead.run import OverheadSettings, _bench, format_table, proxy_command
 from llmproxy.bench.overhead.table import Case
 
@@ -261,3 +262,35 @@ def test_overhead_bench_direct_half() -> None:
     table = format_table(cases, loop="asyncio")
     assert "1ms/tok stream c=3" in table and "instant nonstream c=1" in table
     assert "overall (paced upstream rows): n/a" in table
+
+
+def test_cprofile_splits_the_proxys_cpu_per_request_by_part(tmp_path: Path) -> None:
+    """``--cprofile``: the proxy child runs under cProfile, writes its statistics when the
+    bench stops it, and the split counts the gated requests it served and the own time of
+    its parts (the import machinery left out)."""
+    out = tmp_path / "proxy.prof"
+    settings = OverheadSettings(
+        requests=20,
+        warmup=5,
+        concurrency=[2],
+        modes=["nonstream"],
+        tokens=2,
+        token_delay_ms=[0.0],
+        floor=False,
+        raw=False,
+        cprofile=out,
+    )
+    assert proxy_command(settings, "http://127.0.0.1:9")[1:5] == [
+        "-m",
+        "cProfile",
+        "-o",
+        str(out.resolve()),
+    ]
+    asyncio.run(_bench(settings))
+    requests, parts = split(out)
+    assert requests == 25  # warm-up and measured, through the proxy only
+    named = dict(parts)
+    assert "startup" not in named
+    assert named["proxy/pool"] > 0 and named["proxy/upstream"] > 0 and named["aiohttp"] > 0
+    table = format_split(out, top=len(parts))
+    assert "(25 requests;" in table and "| proxy/pool |" in table and "others" not in table
