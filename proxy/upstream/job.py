@@ -26,8 +26,9 @@ Concurrency contract:
   call stops it as any stop (cut, confirmed); the job then gives its permits back, waits
   in ``resume()`` (the scheduler's ``Pool.again``: its queue again) for new ones, and
   sends the continuation, written to the same client as one answer. Nothing is written
-  for the cut segment, and a failed resume ends the client's answer with its error. A stop while it waits there (its
-  client left) cancels that wait, which gives its place in the queue up.
+  for the cut segment, and a failed resume ends the client's answer with its error. A
+  stop while it waits there (its client left) cancels that wait, which gives its place
+  in the queue up.
 """
 
 from __future__ import annotations
