@@ -16,12 +16,13 @@ preempt.py. Concurrency contract:
 
 - ``submit`` never blocks. It admits a request (``QueueFull``, ``ShuttingDown``;
   ``UpstreamUnavailable`` when no upstream is in rotation, so a dead upstream fails fast;
-  ``BadRequest`` when it fits no upstream), supersedes the session's queued requests (the
-  newcomer takes the first one's place, or the place its last one left:
-  gating/waitlist.py) and asks the session's requests in flight on every upstream to
-  stop, then queues an ``Entry``. Twins (proxy/twins.py: the session's requests whose body
-  equals the newcomer's) are left alone, in the queue and on every gate. Only an admitted
-  newcomer supersedes anything, so a 429 never costs the session its running request.
+  ``BadRequest`` when it fits no upstream, in rotation or not: the client's error
+  first), supersedes the session's queued requests (the newcomer takes the first one's
+  place, or the place its last one left: gating/waitlist.py) and asks the session's
+  requests in flight on every upstream to stop, then queues an ``Entry``. Twins
+  (proxy/twins.py: the session's requests whose body equals the newcomer's) are left
+  alone, in the queue and on every gate. Only an admitted newcomer supersedes anything,
+  so a 429 never costs the session its running request.
 - ``advance`` (on every submit, and whenever a gate gives permits back, a health probe or
   a re-detection changes an upstream, a reload applies, or a routing or affinity wait
   ends) grants the queue's head on the upstream the router picks, at once: the permits it
@@ -72,6 +73,7 @@ from llmproxy.proxy.pool.admission import Limits, Sizing, size
 from llmproxy.proxy.pool.entry import Entry, Placement
 from llmproxy.proxy.pool.grant import Grants
 from llmproxy.proxy.pool.member import Member
+from llmproxy.proxy.pool.models import serving
 from llmproxy.proxy.pool.order import Order
 from llmproxy.proxy.pool.prefix import block_hashes, prompt_text
 from llmproxy.proxy.pool.router import Request, Router
@@ -156,6 +158,11 @@ class Pool:
             raise ShuttingDown("llmproxy is shutting down")
         members = self._grants.serving(model, exclude)  # or UnknownModel
         if not members:
+            # none in rotation: a request that fits none of them anyway is the client's
+            # error (400), which waiting for an upstream would not mend
+            away = [size(sizing, m) for m in serving(self.members, model) if m is not exclude]
+            if away and all(isinstance(n, BadRequest) for n in away):
+                raise next(n for n in away if isinstance(n, BadRequest))
             raise self._grants.unavailable(exclude, model)
         sized = {id(m): size(sizing, m) for m in members}
         if not any(isinstance(n, int) for n in sized.values()):

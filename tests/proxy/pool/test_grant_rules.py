@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from llmproxy.proxy.gating.breaker import CircuitBreaker
+from llmproxy.proxy.errors import BadRequest
+from llmproxy.proxy.gating.breaker import CircuitBreaker, UpstreamUnavailable
 from llmproxy.proxy.gating.gate import Gate
 from llmproxy.proxy.pool.member import Member
 from llmproxy.proxy.pool.pool import Entry, Pool, Sizing
@@ -121,3 +122,19 @@ async def test_an_upstream_back_in_rotation_during_a_pass_waits_for_the_next_pas
         assert u1.in_rotation and u1.gate.free == 1
         p.advance()  # the next pass (a health round, a permit back...)
         assert a.future.result().member is u1 and not b.future.done()
+
+
+async def test_a_request_too_wide_for_every_upstream_is_a_400_even_with_none_in_rotation() -> None:
+    """No upstream in rotation (its breaker open) answers 503 at once, but a request that
+    fits no upstream anyway (more slots at once than any has) is the client's error: 400,
+    which no retry would mend (found by test_stress.py: an ``n_cmpl`` of 2 on one slot got
+    503 while the breaker was open after upstream failures)."""
+    async with aiohttp.ClientSession() as session:  # never used to connect here
+        p, (u0,) = make_pool(session, [1])
+        u0.breaker = CircuitBreaker(1, 60.0)
+        u0.breaker.failure()  # open for a minute
+        assert not u0.in_rotation
+        with pytest.raises(BadRequest):
+            submit_to(p, "w", "w", permits=2)
+        with pytest.raises(UpstreamUnavailable):
+            submit_to(p, "n", "n", permits=1)
