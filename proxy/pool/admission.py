@@ -51,11 +51,20 @@ def size(sizing: Sizing, m: Member) -> int | BadRequest:
 
 
 def unavailable(
-    members: Sequence[Member], exclude: Member | None, model: str | None, health_interval_s: float
+    members: Sequence[Member],
+    exclude: Member | None,
+    model: str | None,
+    health_interval_s: float,
+    sizing: Sizing,
 ) -> ProxyError:
-    """The error for a request no upstream of ``members`` in rotation serving ``model``
-    can take: an open breaker's own (its cooldown as Retry-After) when that is what keeps
-    the upstreams out, else 'no upstream is available' until the next health probe."""
+    """The error for a request (``sizing``) no upstream of ``members`` in rotation serving
+    ``model`` can take: its ``BadRequest`` when it fits none of those upstreams, in
+    rotation or not (the client's error first: waiting for one would not mend it); an open
+    breaker's own (its cooldown as Retry-After) when that is what keeps the upstreams out;
+    else 'no upstream is available' until the next health probe."""
+    away = [size(sizing, m) for m in serving(members, model) if m is not exclude]
+    if away and all(isinstance(n, BadRequest) for n in away):
+        return next(n for n in away if isinstance(n, BadRequest))
     up = [m for m in serving(members, model) if m is not exclude and m.healthy]
     if up and all(not m.breaker.admissible for m in up):
         try:

@@ -90,7 +90,7 @@ class Grants:
                 continue
             if not members:
                 self.queue.discard(head)
-                self.end(head, self.unavailable(head.exclude, head.model))
+                self.end(head, self.unavailable(head.exclude, head.model, head.sizing))
                 continue
             sizing = self.sizing[head.id]
             sized = {id(m): size(sizing, m) for m in members}
@@ -126,8 +126,8 @@ class Grants:
         that serve ``model`` (models.py; ``UnknownModel`` if none in the pool does)."""
         return [m for m in serving(self.members, model) if self._in(m) and m is not exclude]
 
-    def unavailable(self, exclude: Member | None, model: str | None = None) -> ProxyError:
-        return unavailable(self.members, exclude, model, self.settings.health_interval_s)
+    def unavailable(self, exclude: Member | None, model: str | None, sizing: Sizing) -> ProxyError:
+        return unavailable(self.members, exclude, model, self.settings.health_interval_s, sizing)
 
     def end(self, entry: Entry, error: ProxyError) -> None:
         self.forget(entry)

@@ -73,7 +73,6 @@ from llmproxy.proxy.pool.admission import Limits, Sizing, size
 from llmproxy.proxy.pool.entry import Entry, Placement
 from llmproxy.proxy.pool.grant import Grants
 from llmproxy.proxy.pool.member import Member
-from llmproxy.proxy.pool.models import serving
 from llmproxy.proxy.pool.order import Order
 from llmproxy.proxy.pool.prefix import block_hashes, prompt_text
 from llmproxy.proxy.pool.router import Request, Router
@@ -157,13 +156,8 @@ class Pool:
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
         members = self._grants.serving(model, exclude)  # or UnknownModel
-        if not members:
-            # none in rotation: a request that fits none of them anyway is the client's
-            # error (400), which waiting for an upstream would not mend
-            away = [size(sizing, m) for m in serving(self.members, model) if m is not exclude]
-            if away and all(isinstance(n, BadRequest) for n in away):
-                raise next(n for n in away if isinstance(n, BadRequest))
-            raise self._grants.unavailable(exclude, model)
+        if not members:  # none in rotation (a 400 first where it fits none anyway)
+            raise self._grants.unavailable(exclude, model, sizing)
         sized = {id(m): size(sizing, m) for m in members}
         if not any(isinstance(n, int) for n in sized.values()):
             raise next(n for n in sized.values() if isinstance(n, BadRequest))
