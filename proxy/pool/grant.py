@@ -24,7 +24,7 @@ never has it taken by one behind it:
   router model's load (models.py ``loading``) record it, and its waiter gets its
   ``Placement``.
 
-``Grants`` owns the queued entries' sizings and the head's timers (waits.py); the pool
+``Grants`` owns the head's timers (waits.py); the pool
 shares its members, queue and policies with it and calls ``run`` never re-entrantly.
 Event loop thread only.
 """
@@ -62,7 +62,6 @@ class Grants:
     ) -> None:
         self.members, self.settings, self.router = members, settings, router
         self.order, self.shares, self.queue = order, shares, queue
-        self.sizing: dict[int, Sizing] = {}  # entry id -> its sizing
         self.waits = Waits(settings, advance)  # the head's timers
         self._pass: set[int] | None = None  # id() of the upstreams in this pass's rotation
 
@@ -92,8 +91,7 @@ class Grants:
                 self.queue.discard(head)
                 self.end(head, self.unavailable(head.exclude, head.model, head.sizing))
                 continue
-            sizing = self.sizing[head.id]
-            sized = {id(m): size(sizing, m) for m in members}
+            sized = {id(m): size(head.sizing, m) for m in members}
             fits = [m for m in members if isinstance(sized[id(m)], int)]
             if not fits:  # cannot run on any upstream in rotation now
                 self.queue.discard(head)
@@ -134,7 +132,6 @@ class Grants:
         entry.end(error)
 
     def forget(self, entry: Entry) -> None:
-        self.sizing.pop(entry.id, None)
         timer = entry.ticket.affinity_timer
         if timer is not None:
             timer.cancel()

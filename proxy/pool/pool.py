@@ -215,7 +215,6 @@ class Pool:
             counted=exclude is None and since is None,
         )
         ticket.affinity_waited = at_cap  # no wait for its session's slot either
-        self._grants.sizing[ident] = sizing
         self._idle.clear()
         if newcomer:
             for m in self.members:

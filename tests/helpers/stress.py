@@ -479,11 +479,8 @@ class Watch:
         it does not fit (pool.py: a waiter holds up the queue only on those it waits for)."""
         if other.exclude is m:
             return False
-        sizing = self.pool._grants.sizing.get(other.id)
-        if sizing is None:
-            return True
         try:
-            sizing(m, m.gate.total)
+            other.sizing(m, m.gate.total)
         except BadRequest:
             return False
         return True
