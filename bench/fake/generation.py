@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from llmproxy.bench.fake.prompts import add_timings, common_prefix, continues_at, prompt_text
+from llmproxy.bench.fake.prompts import (
+    add_timings,
+    common_prefix,
+    continues_at,
+    prompt_text,
+    trailing_assistants,
+)
 from llmproxy.bench.fake.script import Kind, Received, Script
 from llmproxy.bench.fake.shapes import (
     Shape,
@@ -112,6 +118,9 @@ class Generation:
             k = completions(up.kind, body)
         if k > len(table):  # llama-server's message
             msg = "n_cmpl cannot be greater than the number of slots, please increase -np"
+            return json_response(error_body(msg, "invalid_request_error", 400), 400)
+        if trailing_assistants(rec.path, body, up.kind) > 1:  # llama-server's message
+            msg = "Cannot have 2 or more assistant messages at the end of the list."
             return json_response(error_body(msg, "invalid_request_error", 400), 400)
         if not 200 <= script.status < 300:
             up.completed.append(rec.id)

@@ -80,7 +80,8 @@ def continues_at(path: str, body: dict[str, Any], kind: str) -> int:
     """Where a generation starts: k when the request continues the fake's own answer, a
     text prompt (``/completion``, ``/v1/completions``) or, on llama-server's chat routes, a
     closing assistant message (a prefill) that ends with its tokens ``t0 `` .. ``t{k-1} ``,
-    as a deterministic model goes on with the text it was given; else 0."""
+    as a deterministic model goes on with the text it was given; else 0 (so is a text that
+    holds ``t0 `` twice: no answer of the fake's)."""
     if path in TEXT_ROUTES:
         text = _text(body.get("prompt"))
     elif path in CHAT_ROUTES and kind == "llamacpp":
@@ -91,10 +92,22 @@ def continues_at(path: str, body: dict[str, Any], kind: str) -> int:
         text = _text(last.get("content"))
     else:
         return 0
-    start = text.rfind("t0 ")
+    start = text.find("t0 ")  # the answer once: a text continued twice over is no answer
     if start < 0 or (start > 0 and text[start - 1].isalnum()):
         return 0
     tokens = text[start:].split(" ")
     if tokens[-1] != "" or tokens[:-1] != [f"t{i}" for i in range(len(tokens) - 1)]:
         return 0
     return len(tokens) - 1
+
+
+def trailing_assistants(path: str, body: dict[str, Any], kind: str) -> int:
+    """How many assistant messages close a llama-server chat request's list (llama-server
+    refuses two or more: 400)."""
+    messages = body.get("messages") if path in CHAT_ROUTES and kind == "llamacpp" else None
+    n = 0
+    for m in reversed(messages if isinstance(messages, list) else []):
+        if not isinstance(m, dict) or m.get("role") != "assistant":
+            break
+        n += 1
+    return n

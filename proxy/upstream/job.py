@@ -333,7 +333,8 @@ class UpstreamJob(Transfer):
             self.breaker.neutral(self.breaker_probe)
             self.gate.release(self.ticket)
             return False
-        parsed = continuation(self.request.route, self._parsed, t)
+        # from the request as sent: the transcript holds every segment's text and tokens
+        parsed = continuation(self.request.route, self.request.body, t)
         self._parsed, self._body = parsed, json.dumps(parsed).encode()
         self.dialect = self.adapter.dialect  # the new grant's
         self.assembled = self.dialect.assembles(self.request.route, parsed)

@@ -157,7 +157,9 @@ def _delta(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def continuation(path: str, parsed: dict[str, Any], transcript: Transcript) -> dict[str, Any]:
-    """The request for the rest of a resumable generation (see the module's docstring)."""
+    """The request for the rest of a resumable generation (see the module's docstring).
+    ``parsed``: the request as its client sent it, never an earlier continuation (the
+    transcript holds every segment's text and tokens)."""
     body = dict(parsed)
     text = transcript.text
     if path in CHAT_ROUTES:

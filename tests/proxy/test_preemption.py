@@ -146,6 +146,58 @@ async def test_a_preempted_generation_resumes_into_one_answer(
 
 
 @pytest.mark.parametrize(
+    ("path", "stream"),
+    [
+        ("/v1/chat/completions", True),
+        ("/v1/chat/completions", False),
+        ("/completion", True),
+        ("/v1/completions", False),
+    ],
+)
+async def test_a_generation_preempted_twice_resumes_into_one_answer(
+    http: aiohttp.ClientSession, path: str, stream: bool
+) -> None:
+    """The second continuation is built from the request as the client sent it, not from
+    the first continuation: one prefill of the whole text so far (llama-server refuses two
+    assistant messages at the end), and the limit less every token produced."""
+    if "chat" in path:
+        body: dict[str, Any] = {**CHAT, "stream": stream, "max_tokens": TOKENS}
+    else:
+        body = {"prompt": "Once upon a time\n", "stream": stream, "n_predict": TOKENS}
+        body["max_tokens"] = TOKENS
+    started = asyncio.Event()
+    async with (
+        FakeUpstream(slots=1, continues=True, script=script) as fake,
+        run_proxy(fake.url, preempt_after_ms=0, type_through="off") as px,
+    ):
+        long = asyncio.create_task(
+            long_request(http, px, path, body, started, **{"X-LLMProxy-Class": "chat"})
+        )
+        for n in (1, 2):
+            await wait_until(lambda: offered(px), what=f"segment {n} under way")
+            await keystroke(http, px)
+            assert px.state.pool.preemptions == n
+        status, raw = await long
+        assert status == 200
+        got = streamed_text(path, raw) if stream else whole_text(path, json.loads(raw))
+        assert got == text(TOKENS)  # as if it had never stopped
+        gens = [r for r in fake.generations if r.path == path]
+        assert len(gens) == 3
+        last = gens[2].body
+        assert last is not None
+        if "chat" in path:
+            assert [m["role"] for m in last["messages"]] == ["user", "assistant"]
+            done = last["messages"][-1]["content"]
+        else:
+            assert last["prompt"].startswith(body["prompt"])
+            done = last["prompt"][len(body["prompt"]) :]
+        produced = len(done.split())
+        assert done == text(produced) and 0 < produced < TOKENS
+        assert last["max_tokens"] == TOKENS - produced
+        assert fake.deferred == []
+
+
+@pytest.mark.parametrize(
     ("kind", "body", "settings"),
     [
         ("openai", CHAT, {}),  # an OpenAI server's chat: no exact continuation
