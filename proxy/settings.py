@@ -171,12 +171,14 @@ class ProxySettings(LayeredSettings):
         description="Permits of each upstream granted only to completions (default: 1 where an "
         "upstream has 2 or more, else 0)",
     )
-    preempt: Literal["on", "off"] = Field(
+    preempt: Literal["on", "off", "solo"] = Field(
         "on",
         description="With classes on: a completion that waited preempt_after_ms while every "
         "slot it could take runs a chat or bulk generation that can be resumed exactly stops "
         "the youngest one, runs, and the stopped one resumes from where it was (its client "
-        "sees one answer)",
+        "sees one answer). solo: also, once a completion has lived preempt_after_ms, every "
+        "such generation on its upstream pauses until no completion runs there (for a "
+        "server on CPUs, where generations side by side share one compute)",
     )
     preempt_after_ms: float = Field(
         100.0,

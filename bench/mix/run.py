@@ -147,23 +147,21 @@ async def run_target(target: str, s: MixSettings, workdir: Path) -> dict[str, An
 
 
 async def preemptions(url: str, key: str | None) -> dict[str, float]:
-    """The proxy's preemptions and the prompt tokens its resumes evaluated again (its
-    metrics, read with a caller's key where the proxy has keys)."""
-    names = {
-        "llmproxy_preemptions_total": "preemptions",
-        "llmproxy_resume_prompt_tokens_total": "resume_prompt_tokens",
-    }
+    """The generations the proxy stopped for a completion (its status page: those still
+    running count too) and the prompt tokens its resumes evaluated again (its metrics, of
+    the requests that ended); read with a caller's key where the proxy has keys."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    async with (
-        aiohttp.ClientSession() as http,
-        http.get(url + "/llmproxy/metrics", headers=headers) as r,
-    ):
-        text = await r.text() if r.status == 200 else ""
-    out = dict.fromkeys(names.values(), math.nan)
+    out = {"preemptions": math.nan, "resume_prompt_tokens": math.nan}
+    async with aiohttp.ClientSession(headers=headers) as http:
+        async with http.get(url + "/llmproxy/status") as r:
+            if r.status == 200:
+                out["preemptions"] = float((await r.json())["preemptions"])
+        async with http.get(url + "/llmproxy/metrics") as r:
+            text = await r.text() if r.status == 200 else ""
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        if name in names:
-            out[names[name]] = float(value)
+        if name == "llmproxy_resume_prompt_tokens_total":
+            out["resume_prompt_tokens"] = float(value)
     return out
 
 

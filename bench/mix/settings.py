@@ -25,6 +25,7 @@ PROXY_ARGS: dict[str, tuple[str, ...]] = {
     "classes": CLASSES_ARGS,
     "noreserve": CLASSES_ARGS + ("--reserve", "0"),
     "preempt": (),  # the defaults: classes, the reserve and preemption
+    "solo": ("--preempt", "solo"),  # ... and completions run alone (chats pause)
 }
 DIRECT = "direct"
 TARGETS: tuple[str, ...] = (DIRECT, "fifo", "classes", "preempt")
@@ -72,7 +73,9 @@ class MixSettings(LayeredSettings):
     targets: list[str] = Field(
         default=list(TARGETS),
         description="direct (the server itself), fifo (the proxy, --classes off), classes "
-        "(the proxy's defaults: classes and a reserve), noreserve (classes, --reserve 0)",
+        "(the proxy's defaults: classes and a reserve), noreserve (classes, --reserve 0), "
+        "preempt (the defaults: classes, the reserve, preemption), solo (--preempt solo: "
+        "chats pause while a completion runs)",
     )
     slots: int = Field(default=4, ge=1, description="The server's slots (the fake's, or -np)")
     token_delay_ms: float = Field(default=5.0, ge=0, description="The fake's delay per token")

@@ -88,7 +88,7 @@ async def _once(
     target = Target(m.gate, m.breaker, placement.adapter)
     # a preempted request's new permits: the scheduler's, asked by its job
     resume = functools.partial(st.pool.again, entry)
-    preemptible = st.settings.preempt == "on" and req.klass in ("chat", "bulk")
+    preemptible = st.settings.preempt != "off" and req.klass in ("chat", "bulk")
     try:
         resp = await forward_granted(
             st,

@@ -73,6 +73,7 @@ class Grants:
             self._run()
         finally:
             self._pass = None
+        self.waits.solo(self.members)  # completions that run alone (waits.py)
 
     def _run(self) -> None:
         held = Held()  # upstreams kept for the waiters passed over (models.py)

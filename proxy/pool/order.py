@@ -10,6 +10,9 @@
 - ``within_reserve``: a request that is not a completion leaves ``reserve`` of the
   upstream's permits free (default 1 where it has 2 or more), or as many as it can while
   it still fits (a wide one on a small upstream, a reserve as large as the upstream).
+- ``beside_completion``: with ``preempt`` ``solo``, a chat or bulk request is not started
+  on an upstream where a completion that lived ``preempt_after_ms`` holds permits
+  (preempt.py ``beside``).
 
 Pure functions of the queue, the upstreams' gates and the settings; event loop thread
 only. With ``classes`` off the scheduler does not ask (one FIFO queue).
@@ -21,8 +24,10 @@ import time
 from collections.abc import Iterable, Sequence
 
 from llmproxy.proxy.gating.classes import RANK
+from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.pool.entry import Entry
 from llmproxy.proxy.pool.member import Member
+from llmproxy.proxy.pool.preempt import beside
 from llmproxy.proxy.pool.shares import Shares
 from llmproxy.proxy.settings import ProxySettings
 
@@ -34,6 +39,8 @@ class Order:
             settings.reserve,
             shares,
         )
+        self.solo = settings.preempt == "solo"
+        self.after_s = settings.preempt_after_ms / 1000
 
     def head(
         self, queue: Iterable[Entry], members: Sequence[Member], classes: bool = True
@@ -91,3 +98,8 @@ class Order:
         reserve = min(reserve, capacity - permits)  # never so much that it could not run
         others = sum(len(t.slots) for t in m.gate.inflight_snapshot() if t.klass != "complete")
         return others + permits <= capacity - reserve
+
+    def beside_completion(self, m: Member, ticket: Ticket) -> bool:
+        """Would ``ticket`` start beside a completion on ``m`` that runs alone (``preempt``
+        ``solo``: it waits)?"""
+        return self.solo and beside(m, ticket, time.monotonic(), self.after_s, self.max_wait)

@@ -13,16 +13,29 @@ more is asked: its permits come back to the queue, where the completion is serve
 its class's ``class_max_wait_s`` (a resume keeps the age of its request: a chat preempted
 again and again ages like any waiter, so none starves).
 
-``victims`` only chooses; the scheduler (waits.py) asks the chosen tickets' jobs to stop
-(``on_preempt``) and marks them ``preempted``. Event loop thread only.
+With ``preempt`` ``solo`` (a server whose generations share one compute, as a CPU's do:
+a free slot is no free server there), a completion also runs alone: once a completion
+holding permits on an upstream has lived ``preempt_after_ms`` (again its own age: a
+keystroke replaced sooner never counts), every chat or bulk generation there that can be
+resumed exactly is stopped (``solo``), and none is granted there while such a completion
+holds permits (``beside``: order.py asks it), but for a request older than its class's
+``class_max_wait_s``, which is neither stopped nor held back (nothing starves). While the
+user types, each keystroke's completion is replaced sooner: the chats run on beside them.
+
+``victims`` and ``solo`` only choose; the scheduler (waits.py) asks the chosen tickets'
+jobs to stop (``on_preempt``) and marks them ``preempted``. Event loop thread only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.pool.member import Member
+
+#: how soon ``solo`` looks again at a generation whose resume is not offered yet
+RECHECK_S = 0.02
 
 
 def victims(
@@ -54,6 +67,58 @@ def victims(
         if not best or age > best_age:  # the youngest
             best, best_age = chosen, age
     return best
+
+
+@dataclass(frozen=True)
+class Solo:
+    """What ``solo`` found: the tickets to stop now, and when to look again (None: no
+    completion there will come of age, or nothing shares its upstream)."""
+
+    stop: list[Ticket]
+    again_at: float | None
+
+
+def solo(
+    members: Iterable[Member], now: float, after_s: float, max_wait: Mapping[str, float]
+) -> Solo:
+    """The chat and bulk generations to stop so that completions run alone (see the
+    module's docstring): on each upstream where a completion that lived ``after_s`` holds
+    permits, every resumable one not stopping yet. ``again_at``: the next moment this
+    may change by the clock alone: a younger completion comes of age there, or a
+    generation there offers its resume (from its first event on), for which it looks
+    again after ``RECHECK_S``."""
+    stop: list[Ticket] = []
+    again: list[float] = []
+    for m in members:
+        held = m.gate.inflight_snapshot()
+        born = [t.created for t in held if _completes(t)]
+        others = [t for t in held if t.klass != "complete" and not t.preempted]
+        others = [t for t in others if now - t.created < max_wait.get(t.klass, float("inf"))]
+        if not born or not others:
+            continue
+        if now < (of_age := min(born) + after_s):
+            again.append(of_age)
+            continue
+        stop += [t for t in others if _resumable(t, now, max_wait)]
+        if any(t.state in ("granted", "running") and t.on_preempt is None for t in others):
+            again.append(now + RECHECK_S)  # not resumable yet: its first event is coming
+    return Solo(stop, min(again, default=None))
+
+
+def beside(
+    m: Member, ticket: Ticket, now: float, after_s: float, max_wait: Mapping[str, float]
+) -> bool:
+    """Would ``ticket`` (a chat or bulk request) start beside a completion that lived
+    ``after_s`` and holds permits on ``m`` (``solo``: it waits; not once it is older than
+    its class's ``class_max_wait_s``)?"""
+    if ticket.klass == "complete" or now - ticket.created >= max_wait.get(ticket.klass, 1e30):
+        return False
+    return any(_completes(t) and now - t.created >= after_s for t in m.gate.inflight_snapshot())
+
+
+def _completes(t: Ticket) -> bool:
+    """A completion that holds permits and is not being stopped."""
+    return t.klass == "complete" and t.state in ("granted", "running") and not t.superseded
 
 
 def _resumable(t: Ticket, now: float, max_wait: Mapping[str, float]) -> bool:

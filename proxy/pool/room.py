@@ -8,7 +8,9 @@ A request has room on an upstream when:
 - it fits there: the permits it needs there (``sized``, asked of that upstream's adapter
   in force now) are a count, not a ``BadRequest``, and that many are free;
 - with classes on, it leaves the upstream's reserve for completions (order.py
-  ``within_reserve``);
+  ``within_reserve``), and with ``preempt`` ``solo`` a chat or bulk request does not
+  start beside a completion that lived ``preempt_after_ms`` (order.py
+  ``beside_completion``);
 - its grant would not make a router unload a model that runs requests (models.py
   ``may_load``);
 - it need not wait for its session's slot being stopped there (the gate's
@@ -48,6 +50,8 @@ def has_room(
     if not isinstance(n, int) or m.gate.free < n:
         return False
     if order is not None and not order.within_reserve(m, ticket.klass, n):
+        return False
+    if order is not None and order.beside_completion(m, ticket):
         return False
     if not may_load(m, members):  # a router's load cuts no generation
         return False

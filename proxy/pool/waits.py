@@ -11,8 +11,11 @@ timers that end those waits.
   ``preempt_after_ms``, stops the generations preempt.py picks for it (their jobs resume
   them later); until then a timer advances again when that wait is over. Never with
   ``preempt`` or ``classes`` off, never for a request that is not a completion.
+- ``Waits.solo``: with ``preempt`` ``solo``, at the end of every pass, the generations a
+  completion that came of age shares its upstream with are stopped (preempt.py ``solo``);
+  a timer advances again when the next one comes of age.
 
-Event loop thread only. ``Waits`` owns its two timers (loop handles that call the pool's
+Event loop thread only. ``Waits`` owns its three timers (loop handles that call the pool's
 ``advance``); the pool cancels them when a pass over the queue begins and at close.
 """
 
@@ -25,7 +28,7 @@ from collections.abc import Callable, Sequence
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.pool.entry import Entry
 from llmproxy.proxy.pool.member import Member
-from llmproxy.proxy.pool.preempt import victims
+from llmproxy.proxy.pool.preempt import solo, victims
 from llmproxy.proxy.pool.room import Sized
 from llmproxy.proxy.settings import ProxySettings
 
@@ -47,14 +50,15 @@ class Waits:
         self.settings, self.advance = settings, advance
         self._timer: asyncio.TimerHandle | None = None  # a routing wait
         self._preempt_timer: asyncio.TimerHandle | None = None  # a completion's wait for it
+        self._solo_timer: asyncio.TimerHandle | None = None  # a completion comes of age
         self.preemptions = 0  # generations stopped for a completion (resumed after it)
 
     def cancel(self) -> None:
         """No timer armed any more (a pass over the queue arms those it still needs)."""
-        for timer in (self._timer, self._preempt_timer):
+        for timer in (self._timer, self._preempt_timer, self._solo_timer):
             if timer is not None:
                 timer.cancel()
-        self._timer = self._preempt_timer = None
+        self._timer = self._preempt_timer = self._solo_timer = None
 
     def wake_in(self, delay_s: float) -> None:
         """Advance again in ``delay_s`` (a routing wait), or sooner if already asked."""
@@ -81,7 +85,23 @@ class Waits:
             return
         now = time.monotonic()
         need = [(m, n) for m in fits if isinstance(n := sized[id(m)], int)]
-        for t in victims(need, now, s.class_max_wait_s):
+        self._stop(victims(need, now, s.class_max_wait_s))
+
+    def solo(self, members: Sequence[Member]) -> None:
+        """With ``preempt`` ``solo`` (and classes on): see the module's docstring."""
+        s = self.settings
+        if s.preempt != "solo" or s.classes == "off":
+            return
+        now = time.monotonic()
+        found = solo(members, now, s.preempt_after_ms / 1000, s.class_max_wait_s)
+        self._stop(found.stop)
+        if found.again_at is not None:
+            loop = asyncio.get_running_loop()
+            delay = max(0.0, found.again_at - now)
+            self._solo_timer = loop.call_later(delay, self.advance)
+
+    def _stop(self, tickets: Sequence[Ticket]) -> None:
+        for t in tickets:
             t.preempted = True
             self.preemptions += 1
             assert t.on_preempt is not None

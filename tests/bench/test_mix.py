@@ -56,8 +56,8 @@ def test_cli_runs_direct_fifo_and_classes(tmp_path: Path) -> None:
 
 
 def test_one_slot_preempt_target_counts_its_preemptions(tmp_path: Path) -> None:
-    """One slot, one agent: the preempt target stops the chat for keystrokes (counted from
-    the proxy's metrics), and every answer still comes whole; the others never preempt."""
+    """One slot, one agent: the preempt target stops the chat for keystrokes (counted by
+    the proxy's status), and every answer still comes whole; the others never preempt."""
     proc, data = _mix(
         tmp_path,
         *("--editors", "1", "--agents", "1", "--slots", "1", "--targets", "fifo,classes,preempt"),
@@ -69,6 +69,23 @@ def test_one_slot_preempt_target_counts_its_preemptions(tmp_path: Path) -> None:
     for name, row in rows.items():
         assert row["editor_errors"] == row["agent_errors"] == 0, name
     assert "| preemptions |" in proc.stdout
+
+
+def test_solo_target_pauses_the_chats_beside_a_free_slot(tmp_path: Path) -> None:
+    """Two slots, one agent: the reserve leaves a slot free, so the preempt target never
+    stops the chat; solo pauses it while a burst's last completion runs (the count is the
+    proxy's status, so a chat still running at the end counts), and every answer still
+    comes whole."""
+    proc, data = _mix(
+        tmp_path,
+        *("--editors", "1", "--agents", "1", "--slots", "2", "--targets", "preempt,solo"),
+        *("--keystrokes", "4", "--bursts", "2", "--agent-tokens", "400"),
+    )
+    rows = {r["target"]: r for r in data["targets"]}
+    assert rows["preempt"]["preemptions"] == 0
+    assert rows["solo"]["preemptions"] >= 1, proc.stdout
+    for name, row in rows.items():
+        assert row["editor_errors"] == row["agent_errors"] == 0, name
 
 
 def test_callers_share_the_generations_fairly_with_classes(tmp_path: Path) -> None:

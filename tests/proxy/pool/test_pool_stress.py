@@ -117,11 +117,13 @@ class Caller:
 
 @dataclass(frozen=True)
 class Sched:
-    """The scheduler's settings: classes on or off, the reserve, the class_max_wait_s, and
-    the client keys (none: every request's caller is its address, 127.0.0.1)."""
+    """The scheduler's settings: classes on or off, the reserve, preemption, the
+    class_max_wait_s, and the client keys (none: every request's caller is its address,
+    127.0.0.1)."""
 
     classes: str = "on"
     reserve: int | None = None
+    preempt: str = "on"  # solo: completions also run alone (pool/preempt.py)
     chat_wait_s: float = 0.2  # bulk's is twice this
     callers: list[Caller] = field(default_factory=list)
 
@@ -199,6 +201,7 @@ sched_strategy = st.builds(
     Sched,
     classes=st.sampled_from(["on", "on", "off"]),
     reserve=st.sampled_from([None, None, 0, 1]),
+    preempt=st.sampled_from(["on", "on", "solo"]),
     chat_wait_s=st.sampled_from([0.02, 0.05, 0.2]),
     callers=st.lists(
         st.builds(
@@ -279,6 +282,8 @@ async def scenario(
             "type_through": "on",
             "classes": sched.classes,
             "reserve": sched.reserve,
+            "preempt": sched.preempt,
+            "preempt_after_ms": 0,  # every completion of age at once (solo holds chats back)
             "class_max_wait_s": sched.max_wait_s(),
             "keys": sched.keys(),
         }
@@ -522,6 +527,8 @@ def seen(
     if departures.left():
         event("an upstream drained")
     event(f"classes {sched.classes}, reserve {sched.reserve}, {len(sched.callers)} keys")
+    if any(e.get("preempted") for e in events):
+        event(f"a generation preempted (preempt {sched.preempt})")
     for klass in sorted({str(e["class"]) for e in events if e.get("class")}):
         event(f"class {klass}")
     if watch.refused_max_queued:

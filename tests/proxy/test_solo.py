@@ -1,0 +1,134 @@
+"""``--preempt solo`` (pool/preempt.py ``solo``, ``beside``): a completion that lived
+``preempt_after_ms`` runs alone on its upstream even where a slot is free. The chats there
+pause (stopped and resumed exactly, one answer for their clients) and none starts beside
+it until it ends. Through the real app, against the fake llama-server with two slots (the
+reserve keeps one for completions), which continues its own answers as a deterministic
+model does."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+
+from llmproxy.bench.fake.script import Script
+from llmproxy.bench.fake.shapes import text
+from llmproxy.bench.fake.upstream import FakeUpstream
+from tests.helpers.net import wait_until
+from tests.helpers.proxy import RunningProxy, run_proxy
+from tests.proxy.test_preemption import (
+    CHAT,
+    TOKENS,
+    keystroke,
+    long_request,
+    offered,
+    script,
+    streamed_text,
+)
+
+PATH = "/v1/chat/completions"
+
+
+def held_infill(hold: asyncio.Event) -> Any:
+    """The fake's script: a keystroke's completion generates only once ``hold`` is set."""
+
+    def scripted(path: str, body: dict[str, Any]) -> Script:
+        if path == "/infill":
+            return Script(tokens=4, token_delay_s=0.001, hold=hold)
+        return script(path, body)
+
+    return scripted
+
+
+def chats_running(fake: FakeUpstream) -> int:
+    """Chat generations on the fake's slots now (begun, neither completed nor aborted)."""
+    ended = set(fake.completed) | set(fake.aborted)
+    return len([g for g in fake.generations if g.path == PATH and g.id not in ended])
+
+
+def completion_running(px: RunningProxy) -> bool:
+    return any(t.klass == "complete" for t in px.member.gate.inflight_snapshot())
+
+
+@pytest.mark.parametrize(
+    ("settings", "paused"),
+    [
+        ({"preempt": "solo", "preempt_after_ms": 0}, True),
+        ({"preempt": "on", "preempt_after_ms": 0}, False),  # a slot is free: no preemption
+        # a keystroke replaced within preempt_after_ms never pauses anything
+        ({"preempt": "solo", "preempt_after_ms": 60_000}, False),
+        # older than its class's aging bound: it counts as a completion, none starves
+        ({"preempt": "solo", "preempt_after_ms": 0, "class_max_wait_s": "chat=0.001"}, False),
+    ],
+    ids=["solo", "on", "young", "aged"],
+)
+async def test_a_completion_runs_alone_while_the_chat_pauses_and_resumes_exactly(
+    http: aiohttp.ClientSession, settings: dict[str, Any], paused: bool
+) -> None:
+    hold = asyncio.Event()
+    started = asyncio.Event()
+    async with (
+        FakeUpstream(slots=2, continues=True, script=held_infill(hold)) as fake,
+        run_proxy(fake.url, type_through="off", **settings) as px,
+    ):
+        long = asyncio.create_task(long_request(http, px, PATH, CHAT, started))
+        await started.wait()
+        await wait_until(lambda: offered(px), what="the chat under way")
+        answer = asyncio.create_task(keystroke(http, px))
+        await fake.wait_for(lambda f: any(g.path == "/infill" for g in f.generations))
+        if paused:  # stopped while the completion is held before its first token
+            # the completion alone on the server (the chat's slot given back)
+            await fake.wait_for(lambda f: chats_running(f) == 0 and f.slot_busy.count(True) == 1)
+            # its stop confirmed, the chat waits to resume: not beside the completion
+            await wait_until(lambda: len(px.state.pool.queue) == 1, what="the chat waiting")
+            assert px.member.gate.free == 1 and fake.slot_busy.count(True) == 1
+        hold.set()
+        assert (await answer)["content"] == text(4)
+        status, raw = await long
+        assert status == 200 and streamed_text(PATH, raw) == text(TOKENS)
+        chats = [g for g in fake.generations if g.path == PATH]
+        assert len(chats) == (2 if paused else 1)
+        assert px.state.pool.preemptions == (1 if paused else 0)
+        assert fake.deferred == []
+
+
+async def test_no_chat_starts_beside_a_completion_running_alone(
+    http: aiohttp.ClientSession,
+) -> None:
+    hold = asyncio.Event()
+    async with (
+        FakeUpstream(slots=2, continues=True, script=held_infill(hold)) as fake,
+        run_proxy(fake.url, type_through="off", preempt="solo", preempt_after_ms=0) as px,
+    ):
+        answer = asyncio.create_task(keystroke(http, px))
+        await wait_until(lambda: completion_running(px), what="the completion granted")
+        long = asyncio.create_task(long_request(http, px, PATH, CHAT, asyncio.Event()))
+        await wait_until(lambda: len(px.state.pool.queue) == 1, what="the chat waiting")
+        assert fake.slot_busy.count(True) == 1 and px.member.gate.free == 1
+        hold.set()
+        assert (await answer)["content"] == text(4)
+        status, raw = await long
+        assert status == 200 and streamed_text(PATH, raw) == text(TOKENS)
+        assert px.state.pool.preemptions == 0
+
+
+async def test_with_preempt_on_a_chat_starts_beside_a_completion(
+    http: aiohttp.ClientSession,
+) -> None:
+    hold = asyncio.Event()
+    async with (
+        FakeUpstream(slots=3, continues=True, script=held_infill(hold)) as fake,
+        run_proxy(fake.url, type_through="off", preempt="on", preempt_after_ms=0) as px,
+    ):
+        answer = asyncio.create_task(keystroke(http, px))
+        await wait_until(lambda: completion_running(px), what="the completion granted")
+        started = asyncio.Event()
+        long = asyncio.create_task(long_request(http, px, PATH, CHAT, started))
+        await started.wait()  # beside the held completion
+        assert fake.slot_busy.count(True) == 2
+        hold.set()
+        await answer
+        status, _ = await long
+        assert status == 200
