@@ -1,7 +1,8 @@
 """Preemption against a real llama-server (``make interop``): a keystroke's completion
 stops a greedy generation on the one slot, runs, and the generation resumes from its text
 so far (a chat: as a closing assistant message, which llama-server continues); the
-resumed answer's text equals the uninterrupted one."""
+resumed answer's text equals the uninterrupted one, after one preemption or two, and with
+``--preempt solo`` where a slot was free."""
 
 from __future__ import annotations
 
@@ -84,6 +85,59 @@ async def test_a_preempted_greedy_generation_resumes_to_the_same_text(
         uninterrupted = await answer(http, srv.url, path, body)
         long = asyncio.create_task(answer(http, px.url, path, body))
         await wait_until(lambda: offered(px), timeout=60, what="the generation under way")
+        editor = {"X-LLMProxy-Session": "editor"}
+        async with http.post(px.url + "/completion", json=KEYSTROKE, headers=editor) as r:
+            assert r.status == 200
+            await r.read()
+        resumed = await long
+        assert px.state.pool.preemptions == 1
+        assert resumed == uninterrupted
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {**CHAT, "stream": True}),
+        ("/v1/chat/completions", CHAT),
+        ("/completion", {**TEXT, "stream": True}),
+    ],
+    ids=["chat-stream", "chat", "completion-stream"],
+)
+async def test_a_greedy_generation_preempted_twice_resumes_to_the_same_text(
+    llama_server: LlamaServer, path: str, body: dict[str, Any]
+) -> None:
+    """The second continuation is built from the request as sent: llama-server refuses a
+    chat closed by two assistant messages, and a text prompt must not repeat the text."""
+    async with (
+        llama_server(parallel=1) as srv,
+        run_proxy(srv.url, preempt_after_ms=0, type_through="off") as px,
+        aiohttp.ClientSession() as http,
+    ):
+        uninterrupted = await answer(http, srv.url, path, body)
+        long = asyncio.create_task(answer(http, px.url, path, body))
+        for n in (1, 2):
+            await wait_until(lambda: offered(px), timeout=60, what=f"segment {n} under way")
+            editor = {"X-LLMProxy-Session": "editor"}
+            async with http.post(px.url + "/completion", json=KEYSTROKE, headers=editor) as r:
+                assert r.status == 200
+                await r.read()
+        resumed = await long
+        assert px.state.pool.preemptions == 2
+        assert resumed == uninterrupted
+
+
+async def test_solo_pauses_a_greedy_chat_beside_a_free_slot(llama_server: LlamaServer) -> None:
+    """``--preempt solo`` on two slots: the keystroke's completion takes the free slot and
+    the chat pauses while it runs; the resumed answer is the uninterrupted one."""
+    path, body = "/v1/chat/completions", {**CHAT, "stream": True}
+    async with (
+        llama_server(parallel=2) as srv,
+        run_proxy(srv.url, preempt="solo", preempt_after_ms=0, type_through="off") as px,
+        aiohttp.ClientSession() as http,
+    ):
+        uninterrupted = await answer(http, srv.url, path, body)
+        long = asyncio.create_task(answer(http, px.url, path, body))
+        await wait_until(lambda: offered(px), timeout=60, what="the chat under way")
         editor = {"X-LLMProxy-Session": "editor"}
         async with http.post(px.url + "/completion", json=KEYSTROKE, headers=editor) as r:
             assert r.status == 200
