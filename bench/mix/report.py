@@ -2,9 +2,9 @@
 
 Editors beside agents: the editors' last completion of a burst (p50, p95) over T, the
 agents' tokens/s, the preemptions and the prompt tokens their resumes evaluated again;
-goals: with ``classes`` (and ``solo``, measured against the same goal) the last p50 <=
-1.2 x T, with ``preempt`` <= 1.5 x T (the goal for one slot), and the agents' tokens/s >=
-0.8 x ``fifo``'s. Callers (``--callers``):
+goals: on two slots or more, with ``classes`` (and ``solo``) the last p50 <= 1.2 x T; on
+one, where no slot can be kept for completions, with ``preempt`` (and ``solo``) <= 1.5 x T;
+and the agents' tokens/s >= 0.8 x ``fifo``'s. Callers (``--callers``):
 each caller's share of the generations; goal: with ``classes`` the caller with the
 fewest agents gets >= 0.8 of an equal share (40% of the generations for two callers).
 """
@@ -100,17 +100,14 @@ def goals(rows: list[dict[str, Any]], s: MixSettings) -> list[Verdict]:
     out: list[Verdict] = []
     if s.callers:
         out += _share_goals(by)
-    else:  # the reserve's goal; solo is measured against it too
-        for target in ("classes", "solo"):
+    else:  # the reserve's goal where a slot can be kept, preemption's on one slot
+        bound, targets = (1.2, ("classes", "solo")) if s.slots > 1 else (1.5, ("preempt", "solo"))
+        for target in targets:
             if target in by:
                 c = by[target]
                 ratio = _ratio(c["last_p50_ms"], c["T_ms"])
-                goal = f"{target}: editor last p50 <= 1.2 x T"
-                out.append((goal, f"{ratio:.2f} x T", ratio <= 1.2))
-    if "preempt" in by and not s.callers:
-        p = by["preempt"]
-        ratio = _ratio(p["last_p50_ms"], p["T_ms"])
-        out.append(("preempt: editor last p50 <= 1.5 x T", f"{ratio:.2f} x T", ratio <= 1.5))
+                goal = f"{target}: editor last p50 <= {bound} x T"
+                out.append((goal, f"{ratio:.2f} x T", ratio <= bound))
     for target in ("classes", "preempt", "solo"):
         if target in by and "fifo" in by and by["fifo"]["agent_tokens_per_s"] > 0:
             share = by[target]["agent_tokens_per_s"] / by["fifo"]["agent_tokens_per_s"]

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from llmproxy.bench.mix.report import goals
 from llmproxy.bench.mix.settings import MixSettings
 from llmproxy.common.children import child_preexec
 
@@ -114,3 +115,37 @@ def test_unknown_target_and_a_lone_caller_are_refused() -> None:
         MixSettings(targets=["direct", "nope"])
     with pytest.raises(ValidationError, match="two or more callers"):
         MixSettings(callers=[3])
+
+
+def _row(target: str, last_ms: float, tokens_per_s: float) -> dict[str, Any]:
+    return {
+        "target": target,
+        "T_ms": 100.0,
+        "last_p50_ms": last_ms,
+        "agent_tokens_per_s": tokens_per_s,
+        "agent_errors": 0,
+        "editor_errors": 0,
+    }
+
+
+@pytest.mark.parametrize(
+    ("slots", "asked"),
+    [
+        (1, {"preempt: editor last p50 <= 1.5 x T", "solo: editor last p50 <= 1.5 x T"}),
+        (4, {"classes: editor last p50 <= 1.2 x T", "solo: editor last p50 <= 1.2 x T"}),
+    ],
+)
+def test_each_latency_goal_is_asked_where_it_applies(slots: int, asked: set[str]) -> None:
+    """The reserve's 1.2 x T where a slot can be kept for completions; preemption's
+    1.5 x T on one slot; the agents' share of FIFO's tokens/s for every proxied target."""
+    rows = [
+        _row("fifo", 800.0, 50.0),
+        _row("classes", 115.0, 50.0),
+        _row("preempt", 140.0, 39.0),
+        _row("solo", 110.0, 41.0),
+    ]
+    verdicts = {g: ok for g, _v, ok in goals(rows, MixSettings(slots=slots))}
+    assert {g for g in verdicts if "editor last" in g} == asked
+    assert verdicts["preempt: agent tokens/s >= 0.8 x fifo's"] is False  # 0.78
+    assert verdicts["solo: agent tokens/s >= 0.8 x fifo's"] is True  # 0.82
+    assert all(ok for g, ok in verdicts.items() if "editor last" in g)
