@@ -80,7 +80,8 @@ def test_solo_target_pauses_the_chats_beside_a_free_slot(tmp_path: Path) -> None
     proc, data = _mix(
         tmp_path,
         *("--editors", "1", "--agents", "1", "--slots", "2", "--targets", "preempt,solo"),
-        *("--keystrokes", "4", "--bursts", "2", "--agent-tokens", "400"),
+        # 48 tokens (240 ms): a burst's last completion outlives preempt_after_ms (100)
+        *("--keystrokes", "4", "--bursts", "2", "--agent-tokens", "400", "--n-predict", "48"),
     )
     rows = {r["target"]: r for r in data["targets"]}
     assert rows["preempt"]["preemptions"] == 0
