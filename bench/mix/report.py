@@ -59,7 +59,7 @@ def format_table(rows: list[dict[str, Any]], s: MixSettings) -> str:
 def _editors_table(rows: list[dict[str, Any]], s: MixSettings) -> str:
     head = (
         f"bench mix: {s.editors} editors ({s.profile}, {s.n_predict} tokens), {s.agents} agents "
-        f"({s.agent_tokens}-token chat streams), {_server(s)}, {s.bursts} bursts\n\n"
+        f"({s.agent_tokens}-token chat streams), {_server(s)}, {s.bursts} bursts{_every(s)}\n\n"
         "| target | T ms | editor last p50 ms | x T | last p95 ms | x T | agent tokens/s "
         "| preemptions | prompt tokens re-read | errors (editors / agents) "
         "| deferred at the server |\n"
@@ -118,6 +118,12 @@ def goals(rows: list[dict[str, Any]], s: MixSettings) -> list[Verdict]:
     )
     out.append(("no errors through the proxy", str(errors), errors == 0))
     return out
+
+
+def _every(s: MixSettings) -> str:
+    if s.burst_every_s:
+        return f", one every {s.burst_every_s:g} s"
+    return f", each {s.pause_ms:g} ms after the last one's answer"
 
 
 def _agents(n: int) -> str:

@@ -12,6 +12,9 @@ process) with each target's arguments (settings.py ``PROXY_ARGS``): ``fifo``
 chats, a reserve of one slot for completions), ``noreserve`` (classes, ``--reserve 0``).
 The table (report.py) shows the editors' last completion of each burst over ``T`` (the
 median completion on the idle target), and the agents' tokens per second over the bursts.
+By default an editor types its next burst ``--pause-ms`` after the last one was answered,
+so a target that answers sooner gets more bursts in the same time; ``--burst-every-s``
+starts one on a fixed schedule instead, the same demand on every target.
 
 ``--callers 8,1`` runs the fairness scenario instead: no editors; each caller has that
 many agents and a client key of its own (``[[keys]]`` in the proxy's config file, which
@@ -220,10 +223,15 @@ async def _editors(
         await asyncio.wait_for(agents.working.wait(), s.request_timeout_s)
     start, before = time.perf_counter(), agents.tokens
     for b in range(s.bursts):
+        if s.burst_every_s:  # on the schedule (later if the last burst is still waiting)
+            await asyncio.sleep(max(0.0, start + b * s.burst_every_s - time.perf_counter()))
         async with asyncio.TaskGroup() as editors:
             for c in clients:
                 editors.create_task(run_burst(c, result, b))
-        await asyncio.sleep(s.pause_ms / 1000)
+        if not s.burst_every_s:
+            await asyncio.sleep(s.pause_ms / 1000)
+    if s.burst_every_s:  # the agents measured over the whole schedule
+        await asyncio.sleep(max(0.0, start + s.bursts * s.burst_every_s - time.perf_counter()))
     elapsed, tokens = time.perf_counter() - start, agents.tokens - before
     summary = result.summary()
     return {
@@ -232,6 +240,7 @@ async def _editors(
         "last_p95_ms": summary["last_p95_ms"],
         "editor_errors": summary["errors"],
         "agent_tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+        "measured_s": elapsed,
         "agent_answers": sum(agents.answers.values()),
         "agent_errors": agents.errors,
         "agent_failures": agents.failures,

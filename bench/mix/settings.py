@@ -62,6 +62,13 @@ class MixSettings(LayeredSettings):
     interval_ms: float = Field(default=50.0, ge=0, description="Time between keystrokes")
     bursts: int = Field(default=3, ge=1, description="Bursts per editor and target")
     pause_ms: float = Field(default=300.0, ge=0, description="Pause between an editor's bursts")
+    burst_every_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="A burst every this many seconds, whenever the last one was answered "
+        "(the same editor demand on every target; a burst still unanswered delays the next); "
+        "0: each burst after the last one's answer and --pause-ms",
+    )
     n_predict: int = Field(default=16, ge=1, description="Tokens per completion")
     agent_tokens: int = Field(default=400, ge=1, description="Tokens per chat answer")
     baseline_runs: int = Field(

@@ -90,6 +90,21 @@ def test_solo_target_pauses_the_chats_beside_a_free_slot(tmp_path: Path) -> None
         assert row["editor_errors"] == row["agent_errors"] == 0, name
 
 
+def test_bursts_on_a_schedule_measure_the_agents_over_it(tmp_path: Path) -> None:
+    """``--burst-every-s``: a burst starts every period whatever the answers, and the agents'
+    tokens/s is over the whole schedule (bursts x period), the same on every target."""
+    proc, data = _mix(
+        tmp_path,
+        *("--editors", "1", "--agents", "1", "--slots", "1", "--targets", "fifo,preempt"),
+        *("--keystrokes", "3", "--bursts", "2", "--burst-every-s", "1.5"),
+    )
+    assert "2 bursts, one every 1.5 s" in proc.stdout
+    for row in data["targets"]:
+        assert row["editor_errors"] == row["agent_errors"] == 0, row
+        assert row["measured_s"] >= 3.0, row  # 2 bursts x 1.5 s
+        assert row["agent_tokens_per_s"] > 0, row
+
+
 def test_callers_share_the_generations_fairly_with_classes(tmp_path: Path) -> None:
     """Caller A's 8 agents and B's 1, each with its key, on 2 slots: in one FIFO queue B
     gets about one generation in nine; with fair shares far more."""
