@@ -38,6 +38,9 @@ class Ticket:
     # through ``on_preempt``; ``preempted``: asked to, once
     on_preempt: Callable[[], None] | None = None
     preempted: bool = False
+    # its job will offer ``on_preempt`` once its first event came (a resumable request),
+    # unless its stream turns out inexact
+    may_offer: bool = False
 
     async def wait(self) -> int:
         """Block until granted; returns the (first) slot id. Raises Superseded/ShuttingDown."""

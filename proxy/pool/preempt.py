@@ -85,8 +85,8 @@ def solo(
     module's docstring): on each upstream where a completion that lived ``after_s`` holds
     permits, every resumable one not stopping yet. ``again_at``: the next moment this
     may change by the clock alone: a younger completion comes of age there, or a
-    generation there offers its resume (from its first event on), for which it looks
-    again after ``RECHECK_S``."""
+    generation there that will offer its resume (``Ticket.may_offer``) has not yet (it
+    does from its first event on), for which it looks again after ``RECHECK_S``."""
     stop: list[Ticket] = []
     again: list[float] = []
     for m in members:
@@ -100,7 +100,7 @@ def solo(
             again.append(of_age)
             continue
         stop += [t for t in others if _resumable(t, now, max_wait)]
-        if any(t.state in ("granted", "running") and t.on_preempt is None for t in others):
+        if any(t.may_offer and t.on_preempt is None and not t.preempted for t in others):
             again.append(now + RECHECK_S)  # not resumable yet: its first event is coming
     return Solo(stop, min(again, default=None))
 

@@ -166,6 +166,7 @@ class UpstreamJob(Transfer):
         if resume is not None and self.generation is None:
             if resumable(self.dialect.kind, request.route, request.body):
                 self.resume, self._transcript = resume, Transcript(request.route)
+                ticket.may_offer = True
 
     # -- control (called from the handler / the gate) ------------------------------
     def _superseded(self) -> None:
@@ -321,6 +322,7 @@ class UpstreamJob(Transfer):
         finally:
             self._resuming = None
         self.gate, self.ticket, self.adapter = grant.gate, grant.ticket, grant.adapter
+        self.ticket.may_offer = True  # its continuation is resumable as the request was
         self.breaker, self.breaker_probe = grant.breaker, grant.probe
         rec.upstream_name, rec.permits = grant.upstream, grant.ticket.permits
         try:

@@ -112,7 +112,7 @@ class Transfer:
             return event
         t.take(events)
         if not t.exact:
-            self.ticket.on_preempt = None
+            self.ticket.on_preempt, self.ticket.may_offer = None, False
         elif t.pieces and self.ticket.on_preempt is None and not self._finished:
             self.ticket.on_preempt = self._preempted
         return event

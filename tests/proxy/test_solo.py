@@ -132,3 +132,33 @@ async def test_with_preempt_on_a_chat_starts_beside_a_completion(
         await answer
         status, _ = await long
         assert status == 200
+
+
+async def test_a_chat_that_offers_its_resume_late_is_paused_once_it_does(
+    http: aiohttp.ClientSession,
+) -> None:
+    """The chat was granted before the completion came of age but had no event yet (so it
+    could not be resumed): the scheduler looks again until it offers, then pauses it."""
+    infill, chat = asyncio.Event(), asyncio.Event()
+
+    def scripted(path: str, body: dict[str, Any]) -> Script:
+        if path == "/infill":
+            return Script(tokens=4, token_delay_s=0.001, hold=infill)
+        return Script(tokens=TOKENS, token_delay_s=0.01, hold=chat)
+
+    async with (
+        FakeUpstream(slots=2, continues=True, script=scripted) as fake,
+        run_proxy(fake.url, type_through="off", preempt="solo", preempt_after_ms=0) as px,
+    ):
+        long = asyncio.create_task(long_request(http, px, PATH, CHAT, asyncio.Event()))
+        await fake.wait_for(lambda f: chats_running(f) == 1)  # on its slot, no event yet
+        answer = asyncio.create_task(keystroke(http, px))
+        await fake.wait_for(lambda f: any(g.path == "/infill" for g in f.generations))
+        assert px.state.pool.preemptions == 0 and not offered(px)
+        chat.set()  # its first event: it offers its resume, and is paused
+        await wait_until(lambda: px.state.pool.preemptions == 1, what="the chat paused")
+        await fake.wait_for(lambda f: chats_running(f) == 0 and f.slot_busy.count(True) == 1)
+        infill.set()
+        assert (await answer)["content"] == text(4)
+        status, raw = await long
+        assert status == 200 and streamed_text(PATH, raw) == text(TOKENS)
