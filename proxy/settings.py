@@ -177,13 +177,14 @@ class ProxySettings(LayeredSettings):
         "slot it could take runs a chat or bulk generation that can be resumed exactly stops "
         "the youngest one, runs, and the stopped one resumes from where it was (its client "
         "sees one answer). solo: also, once a completion has lived preempt_after_ms, every "
-        "such generation on its upstream pauses until no completion runs there (for a "
+        "such generation on its upstream pauses and none starts there while it runs (for a "
         "server on CPUs, where generations side by side share one compute)",
     )
     preempt_after_ms: float = Field(
         100.0,
         ge=0,
-        description="How long a completion waits before it preempts a resumable generation",
+        description="How long a completion waits before it preempts a resumable generation "
+        "(with preempt solo: how long it lives before the chats beside it pause)",
     )
 
     breaker_threshold: int = Field(

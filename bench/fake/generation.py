@@ -116,11 +116,14 @@ class Generation:
             k = min(inputs(body), len(table)) if up.kind == "llamacpp" else 1
         else:
             k = completions(up.kind, body)
-        if k > len(table):  # llama-server's message
+        msg = ""
+        if k > len(table):  # llama-server's messages
             msg = "n_cmpl cannot be greater than the number of slots, please increase -np"
-            return json_response(error_body(msg, "invalid_request_error", 400), 400)
-        if trailing_assistants(rec.path, body, up.kind) > 1:  # llama-server's message
+        elif trailing_assistants(rec.path, body, up.kind) > 1:
             msg = "Cannot have 2 or more assistant messages at the end of the list."
+        if msg:  # refused: ended, as a scripted error is
+            up.completed.append(rec.id)
+            table.changed()
             return json_response(error_body(msg, "invalid_request_error", 400), 400)
         if not 200 <= script.status < 300:
             up.completed.append(rec.id)

@@ -24,7 +24,10 @@ never has it taken by one behind it:
   router model's load (models.py ``loading``) record it, and its waiter gets its
   ``Placement``.
 
-``Grants`` owns the head's timers (waits.py); the pool
+After the pass, with ``preempt`` ``solo``, the generations that share an upstream with a
+completion of age are stopped (waits.py ``Waits.solo``).
+
+``Grants`` owns the timers (waits.py); the pool
 shares its members, queue and policies with it and calls ``run`` never re-entrantly.
 Event loop thread only.
 """
@@ -62,7 +65,7 @@ class Grants:
     ) -> None:
         self.members, self.settings, self.router = members, settings, router
         self.order, self.shares, self.queue = order, shares, queue
-        self.waits = Waits(settings, advance)  # the head's timers
+        self.waits = Waits(settings, advance)  # the head's timers, and solo's
         self._pass: set[int] | None = None  # id() of the upstreams in this pass's rotation
 
     def run(self) -> None:
@@ -73,7 +76,7 @@ class Grants:
             self._run()
         finally:
             self._pass = None
-        self.waits.solo(self.members)  # completions that run alone (waits.py)
+        self.waits.solo(self.members, self.queue)  # completions that run alone (waits.py)
 
     def _run(self) -> None:
         held = Held()  # upstreams kept for the waiters passed over (models.py)

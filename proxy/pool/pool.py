@@ -11,8 +11,8 @@ Its parts: admission.py (what a request needs on each upstream, and the refusals
 ``max_queued``, the queue's bound, no upstream), grant.py (one pass of ``advance``),
 room.py (the one rule of room on an upstream, for the grant and for admission's
 prediction of it), waits.py (the head's waits: its session's slot, a routing wait, a
-completion's preemption); the policies: order.py, shares.py, router.py, models.py and
-preempt.py. Concurrency contract:
+completion's preemption; and solo's sweep after each pass); the policies: order.py,
+shares.py, router.py, models.py and preempt.py. Concurrency contract:
 
 - ``submit`` never blocks. It admits a request (``QueueFull``, ``ShuttingDown``;
   ``UpstreamUnavailable`` when no upstream is in rotation, so a dead upstream fails fast;
@@ -54,8 +54,9 @@ This module is over 300 lines because it is the one place where a request enters
 and leaves the queue; each rule it applies lives in one of the parts named above.
 
 Event loop thread only; the timers (a routing wait, a completion's wait before it
-preempts: waits.py) are loop handles owned by the scheduler, cancelled when a pass over
-the queue begins and at close.
+preempts, and with ``preempt`` ``solo`` the next moment a completion comes of age or a
+request held back beside one is exempt: waits.py) are loop handles owned by the
+scheduler, cancelled when a pass over the queue begins and at close.
 """
 
 from __future__ import annotations

@@ -79,29 +79,42 @@ class Solo:
 
 
 def solo(
-    members: Iterable[Member], now: float, after_s: float, max_wait: Mapping[str, float]
+    members: Iterable[Member],
+    waiting: Iterable[Ticket],
+    now: float,
+    after_s: float,
+    max_wait: Mapping[str, float],
 ) -> Solo:
     """The chat and bulk generations to stop so that completions run alone (see the
     module's docstring): on each upstream where a completion that lived ``after_s`` holds
     permits, every resumable one not stopping yet. ``again_at``: the next moment this
-    may change by the clock alone: a younger completion comes of age there, or a
-    generation there that will offer its resume (``Ticket.may_offer``) has not yet (it
-    does from its first event on), for which it looks again after ``RECHECK_S``."""
+    may change by the clock alone: a younger completion comes of age there; a generation
+    there that will offer its resume (``Ticket.may_offer``) has not yet (it does from its
+    first event on), for which it looks again after ``RECHECK_S``; or, while a completion
+    of age runs, a chat or bulk request of ``waiting`` (the queue's) that ``beside`` holds
+    back comes to its class's ``class_max_wait_s``."""
     stop: list[Ticket] = []
     again: list[float] = []
+    held_back = False  # a completion of age somewhere: ``beside`` may hold requests back
     for m in members:
         held = m.gate.inflight_snapshot()
         born = [t.created for t in held if _completes(t)]
+        if not born:
+            continue
         others = [t for t in held if t.klass != "complete" and not t.preempted]
         others = [t for t in others if now - t.created < max_wait.get(t.klass, float("inf"))]
-        if not born or not others:
-            continue
         if now < (of_age := min(born) + after_s):
-            again.append(of_age)
+            if others:
+                again.append(of_age)
             continue
+        held_back = True
         stop += [t for t in others if _resumable(t, now, max_wait)]
-        if any(t.may_offer and t.on_preempt is None and not t.preempted for t in others):
+        if any(t.may_offer and t.on_preempt is None for t in others):
             again.append(now + RECHECK_S)  # not resumable yet: its first event is coming
+    if held_back:
+        for t in waiting:  # held back by ``beside`` until its class's bound
+            if t.klass != "complete" and (exempt := t.created + max_wait.get(t.klass, 1e30)) > now:
+                again.append(exempt)
     return Solo(stop, min(again, default=None))
 
 

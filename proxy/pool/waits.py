@@ -13,7 +13,9 @@ timers that end those waits.
   ``preempt`` or ``classes`` off, never for a request that is not a completion.
 - ``Waits.solo``: with ``preempt`` ``solo``, at the end of every pass, the generations a
   completion that came of age shares its upstream with are stopped (preempt.py ``solo``);
-  a timer advances again when the next one comes of age.
+  a timer advances again when the next one comes of age, when a request held back beside
+  one comes to its class's ``class_max_wait_s``, and every ``RECHECK_S`` (20 ms) while a
+  generation there has yet to offer its resume.
 
 Event loop thread only. ``Waits`` owns its three timers (loop handles that call the pool's
 ``advance``); the pool cancels them when a pass over the queue begins and at close.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.pool.entry import Entry
@@ -87,13 +89,15 @@ class Waits:
         need = [(m, n) for m in fits if isinstance(n := sized[id(m)], int)]
         self._stop(victims(need, now, s.class_max_wait_s))
 
-    def solo(self, members: Sequence[Member]) -> None:
-        """With ``preempt`` ``solo`` (and classes on): see the module's docstring."""
+    def solo(self, members: Sequence[Member], waiting: Iterable[Entry]) -> None:
+        """With ``preempt`` ``solo`` (and classes on): see the module's docstring;
+        ``waiting``: the queue."""
         s = self.settings
         if s.preempt != "solo" or s.classes == "off":
             return
         now = time.monotonic()
-        found = solo(members, now, s.preempt_after_ms / 1000, s.class_max_wait_s)
+        tickets = [e.ticket for e in waiting]
+        found = solo(members, tickets, now, s.preempt_after_ms / 1000, s.class_max_wait_s)
         self._stop(found.stop)
         if found.again_at is not None:
             loop = asyncio.get_running_loop()

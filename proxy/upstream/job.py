@@ -223,6 +223,7 @@ class UpstreamJob(Transfer):
         if self._stop_reason is not None or self._finished:
             return
         self._stop_reason = reason
+        self.ticket.may_offer = False
         self.gate.mark_stopping(self.ticket)
         if self.generation is not None:
             self.generation.end(stopped_error(reason))
@@ -322,7 +323,10 @@ class UpstreamJob(Transfer):
         finally:
             self._resuming = None
         self.gate, self.ticket, self.adapter = grant.gate, grant.ticket, grant.adapter
-        self.ticket.may_offer = True  # its continuation is resumable as the request was
+        # its continuation offers to be stopped again where this upstream resumes it exactly
+        self.ticket.may_offer = resumable(
+            self.adapter.dialect.kind, self.request.route, self.request.body
+        )
         self.breaker, self.breaker_probe = grant.breaker, grant.probe
         rec.upstream_name, rec.permits = grant.upstream, grant.ticket.permits
         try:

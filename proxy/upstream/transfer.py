@@ -113,7 +113,7 @@ class Transfer:
         t.take(events)
         if not t.exact:
             self.ticket.on_preempt, self.ticket.may_offer = None, False
-        elif t.pieces and self.ticket.on_preempt is None and not self._finished:
+        elif t.pieces and self.ticket.may_offer and self.ticket.on_preempt is None:
             self.ticket.on_preempt = self._preempted
         return event
 
@@ -141,7 +141,7 @@ class Transfer:
     def _upstream_ended(self) -> None:
         """The upstream's body was read to its end: nothing left to stop, permit back."""
         self._finished = True
-        self.ticket.on_preempt = None
+        self.ticket.on_preempt, self.ticket.may_offer = None, False
         self._release()
         if self.generation is not None:
             answered = self.status == 200 and self.generation.events

@@ -162,3 +162,61 @@ async def test_a_chat_that_offers_its_resume_late_is_paused_once_it_does(
         assert (await answer)["content"] == text(4)
         status, raw = await long
         assert status == 200 and streamed_text(PATH, raw) == text(TOKENS)
+
+
+async def test_a_completion_pauses_the_chat_once_it_comes_of_age(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Granted at once beside the chat, the completion pauses it only once it has lived
+    ``preempt_after_ms``: a timer, with nothing else happening meanwhile."""
+    hold = asyncio.Event()
+    started = asyncio.Event()
+    tokens = 300  # 3 s: the chat outlives the completion's 0.5 s
+
+    def scripted(path: str, body: dict[str, Any]) -> Script:
+        if path == "/infill":
+            return Script(tokens=4, token_delay_s=0.001, hold=hold)
+        return Script(tokens=tokens, token_delay_s=0.01)
+
+    async with (
+        FakeUpstream(slots=2, continues=True, script=scripted) as fake,
+        run_proxy(fake.url, type_through="off", preempt="solo", preempt_after_ms=500) as px,
+    ):
+        long = asyncio.create_task(long_request(http, px, PATH, CHAT, started))
+        await started.wait()
+        await wait_until(lambda: offered(px), what="the chat under way")
+        answer = asyncio.create_task(keystroke(http, px))
+        await fake.wait_for(lambda f: any(g.path == "/infill" for g in f.generations))
+        assert px.state.pool.preemptions == 0  # young yet: the chat runs beside it
+        await wait_until(lambda: px.state.pool.preemptions == 1, what="the chat paused")
+        await fake.wait_for(lambda f: chats_running(f) == 0 and f.slot_busy.count(True) == 1)
+        hold.set()
+        assert (await answer)["content"] == text(4)
+        status, raw = await long
+        assert status == 200 and streamed_text(PATH, raw) == text(tokens)
+
+
+async def test_a_chat_held_back_starts_at_its_class_bound_while_the_completion_runs(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A chat held back beside a completion of age starts once it has waited its class's
+    ``class_max_wait_s``, though the completion still runs (nothing starves): a timer, with
+    no health probe or other request to look at the queue again meanwhile."""
+    hold = asyncio.Event()
+    started = asyncio.Event()
+    settings: dict[str, Any] = {"preempt": "solo", "preempt_after_ms": 0, "type_through": "off"}
+    async with (
+        FakeUpstream(slots=2, continues=True, script=held_infill(hold)) as fake,
+        run_proxy(fake.url, class_max_wait_s="chat=0.3", health_interval_s=60, **settings) as px,
+    ):
+        answer = asyncio.create_task(keystroke(http, px))
+        await wait_until(lambda: completion_running(px), what="the completion granted")
+        long = asyncio.create_task(long_request(http, px, PATH, CHAT, started))
+        await wait_until(lambda: len(px.state.pool.queue) == 1, what="the chat held back")
+        await asyncio.wait_for(started.wait(), 3)  # at 0.3 s, beside the held completion
+        assert not answer.done() and fake.slot_busy == [True, True]
+        hold.set()
+        await answer
+        status, raw = await long
+        assert status == 200 and streamed_text(PATH, raw) == text(TOKENS)
+        assert px.state.pool.preemptions == 0
