@@ -121,6 +121,7 @@ class Gate:
         ticket.slot = slot = ticket.slots[0]
         ticket.state = "granted"
         ticket.granted_at = time.monotonic()
+        ticket.waited_s += ticket.granted_at - ticket.queued_at
         self._inflight[ticket.id] = ticket
         self._idle.clear()
         if not ticket.future.done():

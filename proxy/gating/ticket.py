@@ -26,6 +26,10 @@ class Ticket:
     klass: str = "complete"  # its request class (classes.py)
     caller: str = ""  # who sent it: its key's name, else its client's address (fair shares)
     created: float = field(default_factory=time.monotonic)
+    # time waited in all (queued, and paused by preemptions) before its current wait, and
+    # when that began; a grant adds the current wait (gate.py)
+    waited_s: float = 0.0
+    queued_at: float = field(default_factory=time.monotonic)
     state: State = "queued"
     slot: int | None = None  # the first granted slot (the one ``id_slot`` names)
     slots: tuple[int, ...] = ()  # every granted slot, ``slot`` first
@@ -41,6 +45,10 @@ class Ticket:
     # its job will offer ``on_preempt`` once its first event came (a resumable request),
     # unless its stream turns out inexact
     may_offer: bool = False
+
+    def waited(self, now: float) -> float:
+        """Time waited in all by ``now``: queued now, or before its grant, and paused."""
+        return self.waited_s + (now - self.queued_at if self.state == "queued" else 0.0)
 
     async def wait(self) -> int:
         """Block until granted; returns the (first) slot id. Raises Superseded/ShuttingDown."""

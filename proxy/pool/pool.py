@@ -144,6 +144,7 @@ class Pool:
         since: float | None = None,
         model: str | None = None,
         twin: str | None = None,
+        waited_s: float = 0.0,
     ) -> Entry:
         """Admit a request (see the module's contract; its refusals: admission.py);
         ``klass``: its request class (gating/classes.py); ``caller``: who sent it (its
@@ -153,7 +154,8 @@ class Pool:
         type-through). ``since``: when the request first came: a preempted one's resume,
         which keeps its age (order.py, preempt.py) and supersedes nothing (though a newer
         request may supersede it). ``model``: the model it asks for (models.py ``asked``;
-        None: any upstream). ``twin``: its twin key (twins.py), if it was computed."""
+        None: any upstream). ``twin``: its twin key (twins.py), if it was computed.
+        ``waited_s``: a resume's time waited so far (preempt.py's exemption)."""
         if self._closed:
             raise ShuttingDown("llmproxy is shutting down")
         members = self._grants.serving(model, exclude)  # or UnknownModel
@@ -197,6 +199,7 @@ class Pool:
             klass=klass,
             caller=caller,
             created=created,
+            waited_s=waited_s,
         )
         entry = Entry(
             ident,
@@ -234,12 +237,13 @@ class Pool:
         self.advance()
         return entry
 
-    async def again(self, entry: Entry) -> Placement:
-        """Permits again for ``entry``'s request, stopped after its grant to let a
-        completion run (preemption: waits.py, upstream/job.py): at the head of its class's
-        waiters, with its age (``since``: order.py, preempt.py), superseding nothing,
-        waiting at most ``queue_timeout_s`` as any request. Cancelled by its job (its client
-        left), which gives its place up."""
+    async def again(self, entry: Entry, stopped: Ticket) -> Placement:
+        """Permits again for ``entry``'s request, stopped after its grant (on ``stopped``,
+        its latest ticket) to let a completion run (preemption: waits.py,
+        upstream/job.py): at the head of its class's waiters, with its age (``since``:
+        order.py) and the time it waited so far (``waited_s``: preempt.py), superseding
+        nothing, waiting at most ``queue_timeout_s`` as any request. Cancelled by its job
+        (its client left), which gives its place up."""
         again = self.submit(
             entry.session,
             supersedable=entry.supersedable,
@@ -252,6 +256,7 @@ class Pool:
             twin=entry.twin,
             first=True,
             since=entry.created,
+            waited_s=stopped.waited_s,
         )
         return await self.acquire(again, self.settings.queue_timeout_s)
 

@@ -9,17 +9,18 @@ an editor's keystroke replaced by the next within ``preempt_after_ms`` never pre
 only the one the user then waits on does (the chat runs on while they type, and pauses
 for the suggestion they wait for). While a request it asked is still stopping, nothing
 more is asked: its permits come back to the queue, where the completion is served first
-(its class). Never with classes off, never of a completion, never of a request older than
-its class's ``class_max_wait_s`` (a resume keeps the age of its request: a chat preempted
-again and again ages like any waiter, so none starves).
+(its class). Never with classes off, never of a completion, never of a request that has
+waited its class's ``class_max_wait_s`` in all (``Ticket.waited``: queued, and paused by
+earlier preemptions until its resume was granted), so none starves however often it is
+preempted, while a long answer that simply runs stays preemptible to its end.
 
 With ``preempt`` ``solo`` (a server whose generations share one compute, as a CPU's do:
 a free slot is no free server there), a completion also runs alone: once a completion
 holding permits on an upstream has lived ``preempt_after_ms`` (again its own age: a
 keystroke replaced sooner never counts), every chat or bulk generation there that can be
 resumed exactly is stopped (``solo``), and none is granted there while such a completion
-holds permits (``beside``: order.py asks it), but for a request older than its class's
-``class_max_wait_s``, which is neither stopped nor held back (nothing starves). While the
+holds permits (``beside``: order.py asks it), but for a request that has waited its
+class's ``class_max_wait_s`` in all, which is neither stopped nor held back. While the
 user types, each keystroke's completion is replaced sooner: the chats run on beside them.
 
 ``victims`` and ``solo`` only choose; the scheduler (waits.py) asks the chosen tickets'
@@ -92,7 +93,7 @@ def solo(
     there that will offer its resume (``Ticket.may_offer``) has not yet (it does from its
     first event on), for which it looks again after ``RECHECK_S``; or, while a completion
     of age runs, a chat or bulk request of ``waiting`` (the queue's) that ``beside`` holds
-    back comes to its class's ``class_max_wait_s``."""
+    back has waited its class's ``class_max_wait_s``."""
     stop: list[Ticket] = []
     again: list[float] = []
     held_back = False  # a completion of age somewhere: ``beside`` may hold requests back
@@ -102,7 +103,7 @@ def solo(
         if not born:
             continue
         others = [t for t in held if t.klass != "complete" and not t.preempted]
-        others = [t for t in others if now - t.created < max_wait.get(t.klass, float("inf"))]
+        others = [t for t in others if t.waited(now) < max_wait.get(t.klass, float("inf"))]
         if now < (of_age := min(born) + after_s):
             if others:
                 again.append(of_age)
@@ -112,9 +113,10 @@ def solo(
         if any(t.may_offer and t.on_preempt is None for t in others):
             again.append(now + RECHECK_S)  # not resumable yet: its first event is coming
     if held_back:
-        for t in waiting:  # held back by ``beside`` until its class's bound
-            if t.klass != "complete" and (exempt := t.created + max_wait.get(t.klass, 1e30)) > now:
-                again.append(exempt)
+        for t in waiting:  # held back by ``beside`` until it waited its class's bound
+            left = max_wait.get(t.klass, 1e30) - t.waited(now)
+            if t.klass != "complete" and left > 0:
+                again.append(now + left)
     return Solo(stop, min(again, default=None))
 
 
@@ -122,9 +124,9 @@ def beside(
     m: Member, ticket: Ticket, now: float, after_s: float, max_wait: Mapping[str, float]
 ) -> bool:
     """Would ``ticket`` (a chat or bulk request) start beside a completion that lived
-    ``after_s`` and holds permits on ``m`` (``solo``: it waits; not once it is older than
-    its class's ``class_max_wait_s``)?"""
-    if ticket.klass == "complete" or now - ticket.created >= max_wait.get(ticket.klass, 1e30):
+    ``after_s`` and holds permits on ``m`` (``solo``: it waits; not once it has waited its
+    class's ``class_max_wait_s`` in all)?"""
+    if ticket.klass == "complete" or ticket.waited(now) >= max_wait.get(ticket.klass, 1e30):
         return False
     return any(_completes(t) and now - t.created >= after_s for t in m.gate.inflight_snapshot())
 
@@ -137,4 +139,4 @@ def _completes(t: Ticket) -> bool:
 def _resumable(t: Ticket, now: float, max_wait: Mapping[str, float]) -> bool:
     if t.klass == "complete" or t.state != "running" or t.on_preempt is None:
         return False
-    return now - t.created < max_wait.get(t.klass, float("inf"))
+    return t.waited(now) < max_wait.get(t.klass, float("inf"))

@@ -91,8 +91,8 @@ class Grant(Protocol):
 
 
 #: the scheduler's wait for a preempted request's new permits (``Pool.again``; ProxyError:
-#: none; see the module's contract)
-Resume = Callable[[], Awaitable[Grant]]
+#: none; see the module's contract), given the ticket it was stopped on (what it waited)
+Resume = Callable[[Ticket], Awaitable[Grant]]
 
 
 class UpstreamJob(Transfer):
@@ -311,7 +311,7 @@ class UpstreamJob(Transfer):
         assert task is not None
         self._resuming = task  # stop() (the client left) cancels the wait
         try:
-            grant = await self.resume()
+            grant = await self.resume(self.ticket)
         except ProxyError as exc:
             self.error = rec.upstream_error = exc
             self.out.fail(exc)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import aiohttp
@@ -173,10 +174,18 @@ async def test_a_generation_preempted_twice_resumes_into_one_answer(
         long = asyncio.create_task(
             long_request(http, px, path, body, started, **{"X-LLMProxy-Class": "chat"})
         )
-        for n in (1, 2):
+        waited = [0.0]
+        for n in (1, 2, 3):
             await wait_until(lambda: offered(px), what=f"segment {n} under way")
-            await keystroke(http, px)
-            assert px.state.pool.preemptions == n
+            # each resume carries the time its request waited so far, and adds its pause
+            (chat,) = px.member.gate.inflight_snapshot()
+            assert chat.granted_at is not None
+            own = chat.granted_at - chat.queued_at  # this segment's wait for its permit
+            assert chat.waited_s == pytest.approx(waited[-1] + own)
+            waited.append(chat.waited_s)
+            if n < 3:
+                await keystroke(http, px)
+                assert px.state.pool.preemptions == n
         status, raw = await long
         assert status == 200
         got = streamed_text(path, raw) if stream else whole_text(path, json.loads(raw))
@@ -205,10 +214,8 @@ async def test_a_generation_preempted_twice_resumes_into_one_answer(
         ("llamacpp", {**CHAT, "response_format": {"type": "json_object"}}, {}),  # grammar
         ("llamacpp", CHAT, {"preempt": "off"}),
         ("llamacpp", CHAT, {"classes": "off"}),
-        # older than its class's aging bound: it counts as a completion, none starves
-        ("llamacpp", CHAT, {"class_max_wait_s": "chat=0.001"}),
     ],
-    ids=["openai-chat", "tools", "json", "preempt-off", "classes-off", "aged"],
+    ids=["openai-chat", "tools", "json", "preempt-off", "classes-off"],
 )
 async def test_a_generation_without_exact_continuation_is_never_preempted(
     http: aiohttp.ClientSession, kind: Kind, body: dict[str, Any], settings: dict[str, Any]
@@ -238,6 +245,58 @@ async def test_a_generation_without_exact_continuation_is_never_preempted(
             r.release()
         assert len([g for g in fake.generations if g.path == path]) == 1
         assert px.state.pool.preemptions == 0
+
+
+async def test_a_chat_that_waited_its_class_bound_is_never_preempted(
+    http: aiohttp.ClientSession,
+) -> None:
+    """Nothing starves: a chat that waited ``class_max_wait_s`` in the queue (behind
+    another agent's) runs to its end, and the keystroke waits it out."""
+    async with (
+        FakeUpstream(slots=1, continues=True, script=script) as fake,
+        run_proxy(fake.url, preempt_after_ms=0, class_max_wait_s="chat=0.2") as px,
+    ):
+        first = asyncio.create_task(
+            long_request(http, px, "/v1/chat/completions", CHAT, asyncio.Event())
+        )
+        await wait_until(lambda: offered(px), what="the other agent's chat under way")
+        body = {**CHAT, "messages": [{"role": "user", "content": "waits"}]}
+        long = asyncio.create_task(
+            long_request(http, px, "/v1/chat/completions", body, asyncio.Event())
+        )
+        await wait_until(lambda: len(px.state.pool.queue) == 1, what="the chat queued")
+        await first  # 40 tokens of 10 ms: it waited about 0.4 s
+        await wait_until(lambda: offered(px), what="the chat under way")
+        answer = asyncio.create_task(keystroke(http, px))
+        status, raw = await long
+        assert status == 200 and not answer.done()  # the keystroke waited it out
+        assert (await answer)["content"] == text(4)
+        assert px.state.pool.preemptions == 0
+        assert len([g for g in fake.generations if g.path == "/v1/chat/completions"]) == 2
+
+
+async def test_a_long_answer_stays_preemptible_past_its_class_bound(
+    http: aiohttp.ClientSession,
+) -> None:
+    """The bound counts time waited, not time run: a chat that has run longer than
+    ``class_max_wait_s`` without waiting is still preempted, and resumes exactly."""
+    async with (
+        FakeUpstream(slots=1, continues=True, script=script) as fake,
+        run_proxy(fake.url, preempt_after_ms=0, class_max_wait_s="chat=0.05") as px,
+    ):
+        path = "/v1/chat/completions"
+        long = asyncio.create_task(long_request(http, px, path, CHAT, asyncio.Event()))
+
+        def ran_past_bound() -> bool:
+            held = px.member.gate.inflight_snapshot()
+            return offered(px) and all(time.monotonic() - t.created > 0.1 for t in held)
+
+        await wait_until(ran_past_bound, what="the chat running past its bound")
+        assert (await keystroke(http, px))["content"] == text(4)
+        status, raw = await long
+        assert status == 200 and streamed_text(path, raw) == text(TOKENS)
+        assert px.state.pool.preemptions == 1
+        assert len([g for g in fake.generations if g.path == path]) == 2
 
 
 async def test_a_failed_resume_ends_the_answer_with_the_error_event(

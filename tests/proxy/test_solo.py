@@ -59,10 +59,10 @@ def completion_running(px: RunningProxy) -> bool:
         ({"preempt": "on", "preempt_after_ms": 0}, False),  # a slot is free: no preemption
         # a keystroke replaced within preempt_after_ms never pauses anything
         ({"preempt": "solo", "preempt_after_ms": 60_000}, False),
-        # older than its class's aging bound: it counts as a completion, none starves
-        ({"preempt": "solo", "preempt_after_ms": 0, "class_max_wait_s": "chat=0.001"}, False),
+        # running past its class's bound, it waited none of it: paused all the same
+        ({"preempt": "solo", "preempt_after_ms": 0, "class_max_wait_s": "chat=0.01"}, True),
     ],
-    ids=["solo", "on", "young", "aged"],
+    ids=["solo", "on", "young", "ran-past-bound"],
 )
 async def test_a_completion_runs_alone_while_the_chat_pauses_and_resumes_exactly(
     http: aiohttp.ClientSession, settings: dict[str, Any], paused: bool
