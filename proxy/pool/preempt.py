@@ -110,7 +110,7 @@ def solo(
             continue
         held_back = True
         stop += [t for t in others if _resumable(t, now, max_wait)]
-        if any(t.may_offer and t.on_preempt is None for t in others):
+        if any(_offers_soon(t) for t in others):
             again.append(now + RECHECK_S)  # not resumable yet: its first event is coming
     if held_back:
         for t in waiting:  # held back by ``beside`` until it waited its class's bound
@@ -129,6 +129,18 @@ def beside(
     if ticket.klass == "complete" or ticket.waited(now) >= max_wait.get(ticket.klass, 1e30):
         return False
     return any(_completes(t) and now - t.created >= after_s for t in m.gate.inflight_snapshot())
+
+
+def offers_soon(members: Iterable[Member]) -> bool:
+    """Does a generation on ``members`` not offer its resume yet, though it will (from its
+    first event on: ``Ticket.may_offer``)? A completion that found no victim then looks
+    again after ``RECHECK_S`` (waits.py), as ``solo`` does: an agent's next chat still in
+    its prefill is no reason to wait out its whole answer."""
+    return any(_offers_soon(t) for m in members for t in m.gate.inflight_snapshot())
+
+
+def _offers_soon(t: Ticket) -> bool:
+    return t.may_offer and t.on_preempt is None and not t.preempted
 
 
 def _completes(t: Ticket) -> bool:

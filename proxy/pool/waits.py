@@ -9,7 +9,9 @@ timers that end those waits.
   sooner if already asked.
 - ``Waits.preempt``: a completion at the head that found no room, once it waited
   ``preempt_after_ms``, stops the generations preempt.py picks for it (their jobs resume
-  them later); until then a timer advances again when that wait is over. Never with
+  them later); until then a timer advances again when that wait is over, and after it
+  every ``RECHECK_S`` while none qualifies only because one has yet to offer its resume
+  (an agent's next chat in its prefill). Never with
   ``preempt`` or ``classes`` off, never for a request that is not a completion.
 - ``Waits.solo``: with ``preempt`` ``solo``, at the end of every pass, the generations a
   completion that came of age shares its upstream with are stopped (preempt.py ``solo``);
@@ -30,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from llmproxy.proxy.gating.ticket import Ticket
 from llmproxy.proxy.pool.entry import Entry
 from llmproxy.proxy.pool.member import Member
-from llmproxy.proxy.pool.preempt import solo, victims
+from llmproxy.proxy.pool.preempt import RECHECK_S, offers_soon, solo, victims
 from llmproxy.proxy.pool.room import Sized
 from llmproxy.proxy.settings import ProxySettings
 
@@ -78,16 +80,23 @@ class Waits:
             return
         left = head.created + s.preempt_after_ms / 1000 - time.monotonic()
         if left > 0:
-            loop = asyncio.get_running_loop()
-            timer = self._preempt_timer
-            if timer is None or timer.when() > loop.time() + left:
-                if timer is not None:
-                    timer.cancel()
-                self._preempt_timer = loop.call_later(left, self.advance)
+            self._preempt_in(left)
             return
         now = time.monotonic()
         need = [(m, n) for m in fits if isinstance(n := sized[id(m)], int)]
-        self._stop(victims(need, now, s.class_max_wait_s))
+        chosen = victims(need, now, s.class_max_wait_s)
+        self._stop(chosen)
+        if not chosen and offers_soon(m for m, _n in need):  # one's first event is coming
+            self._preempt_in(RECHECK_S)
+
+    def _preempt_in(self, delay_s: float) -> None:
+        """Advance again in ``delay_s`` for a completion's preemption, or sooner if asked."""
+        loop = asyncio.get_running_loop()
+        timer = self._preempt_timer
+        if timer is None or timer.when() > loop.time() + delay_s:
+            if timer is not None:
+                timer.cancel()
+            self._preempt_timer = loop.call_later(delay_s, self.advance)
 
     def solo(self, members: Sequence[Member], waiting: Iterable[Entry]) -> None:
         """With ``preempt`` ``solo`` (and classes on): see the module's docstring;

@@ -299,6 +299,37 @@ async def test_a_long_answer_stays_preemptible_past_its_class_bound(
         assert len([g for g in fake.generations if g.path == path]) == 2
 
 
+async def test_a_chat_still_in_its_prefill_is_preempted_once_it_offers(
+    http: aiohttp.ClientSession,
+) -> None:
+    """The keystroke came while the agent's chat had no event yet (its prefill: it cannot
+    be resumed yet); the scheduler looks again until it offers, then preempts it, rather
+    than let the keystroke wait out the whole answer."""
+    chat = asyncio.Event()
+
+    def scripted(path: str, body: dict[str, Any]) -> Script:
+        if path == "/infill":
+            return Script(tokens=4, token_delay_s=0.001)
+        return Script(tokens=TOKENS, token_delay_s=0.01, hold=chat)
+
+    async with (
+        FakeUpstream(slots=1, continues=True, script=scripted) as fake,
+        run_proxy(fake.url, preempt_after_ms=0, type_through="off") as px,
+    ):
+        path = "/v1/chat/completions"
+        long = asyncio.create_task(long_request(http, px, path, CHAT, asyncio.Event()))
+        await fake.wait_for(lambda f: f.slot_busy == [True])  # on the slot, no event yet
+        answer = asyncio.create_task(keystroke(http, px))
+        await wait_until(lambda: len(px.state.pool.queue) == 1, what="the keystroke waiting")
+        assert px.state.pool.preemptions == 0 and not offered(px)
+        chat.set()  # its first event: it offers its resume, and is preempted
+        assert (await answer)["content"] == text(4)
+        status, raw = await long
+        assert status == 200 and streamed_text(path, raw) == text(TOKENS)
+        assert px.state.pool.preemptions == 1
+        assert len([g for g in fake.generations if g.path == path]) == 2
+
+
 async def test_a_failed_resume_ends_the_answer_with_the_error_event(
     http: aiohttp.ClientSession,
 ) -> None:
