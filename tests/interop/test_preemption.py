@@ -59,6 +59,14 @@ async def answer(http: aiohttp.ClientSession, url: str, path: str, body: dict[st
     return streamed(path, raw) if body.get("stream") else whole(path, raw)
 
 
+async def keystroke(http: aiohttp.ClientSession, px: RunningProxy) -> None:
+    """An editor's completion through the proxy (a session of its own)."""
+    editor = {"X-LLMProxy-Session": "editor"}
+    async with http.post(px.url + "/completion", json=KEYSTROKE, headers=editor) as r:
+        assert r.status == 200
+        await r.read()
+
+
 def offered(px: RunningProxy) -> bool:
     return any(t.on_preempt is not None for t in px.member.gate.inflight_snapshot())
 
@@ -85,10 +93,7 @@ async def test_a_preempted_greedy_generation_resumes_to_the_same_text(
         uninterrupted = await answer(http, srv.url, path, body)
         long = asyncio.create_task(answer(http, px.url, path, body))
         await wait_until(lambda: offered(px), timeout=60, what="the generation under way")
-        editor = {"X-LLMProxy-Session": "editor"}
-        async with http.post(px.url + "/completion", json=KEYSTROKE, headers=editor) as r:
-            assert r.status == 200
-            await r.read()
+        await keystroke(http, px)
         resumed = await long
         assert px.state.pool.preemptions == 1
         assert resumed == uninterrupted
@@ -117,10 +122,7 @@ async def test_a_greedy_generation_preempted_twice_resumes_to_the_same_text(
         long = asyncio.create_task(answer(http, px.url, path, body))
         for n in (1, 2):
             await wait_until(lambda: offered(px), timeout=60, what=f"segment {n} under way")
-            editor = {"X-LLMProxy-Session": "editor"}
-            async with http.post(px.url + "/completion", json=KEYSTROKE, headers=editor) as r:
-                assert r.status == 200
-                await r.read()
+            await keystroke(http, px)
         resumed = await long
         assert px.state.pool.preemptions == 2
         assert resumed == uninterrupted
@@ -138,10 +140,7 @@ async def test_solo_pauses_a_greedy_chat_beside_a_free_slot(llama_server: LlamaS
         uninterrupted = await answer(http, srv.url, path, body)
         long = asyncio.create_task(answer(http, px.url, path, body))
         await wait_until(lambda: offered(px), timeout=60, what="the chat under way")
-        editor = {"X-LLMProxy-Session": "editor"}
-        async with http.post(px.url + "/completion", json=KEYSTROKE, headers=editor) as r:
-            assert r.status == 200
-            await r.read()
+        await keystroke(http, px)
         resumed = await long
         assert px.state.pool.preemptions == 1
         assert resumed == uninterrupted

@@ -24,20 +24,22 @@ from tests.proxy.test_preemption import (
     keystroke,
     long_request,
     offered,
-    script,
     streamed_text,
 )
 
 PATH = "/v1/chat/completions"
 
 
-def held_infill(hold: asyncio.Event) -> Any:
-    """The fake's script: a keystroke's completion generates only once ``hold`` is set."""
+def held_infill(
+    hold: asyncio.Event, tokens: int = TOKENS, chat: asyncio.Event | None = None
+) -> Any:
+    """The fake's script: a keystroke's completion generates only once ``hold`` is set; a
+    chat answer of ``tokens`` (10 ms each), only once ``chat`` is set, if given."""
 
     def scripted(path: str, body: dict[str, Any]) -> Script:
         if path == "/infill":
             return Script(tokens=4, token_delay_s=0.001, hold=hold)
-        return script(path, body)
+        return Script(tokens=tokens, token_delay_s=0.01, hold=chat)
 
     return scripted
 
@@ -141,13 +143,8 @@ async def test_a_chat_that_offers_its_resume_late_is_paused_once_it_does(
     could not be resumed): the scheduler looks again until it offers, then pauses it."""
     infill, chat = asyncio.Event(), asyncio.Event()
 
-    def scripted(path: str, body: dict[str, Any]) -> Script:
-        if path == "/infill":
-            return Script(tokens=4, token_delay_s=0.001, hold=infill)
-        return Script(tokens=TOKENS, token_delay_s=0.01, hold=chat)
-
     async with (
-        FakeUpstream(slots=2, continues=True, script=scripted) as fake,
+        FakeUpstream(slots=2, continues=True, script=held_infill(infill, chat=chat)) as fake,
         run_proxy(fake.url, type_through="off", preempt="solo", preempt_after_ms=0) as px,
     ):
         long = asyncio.create_task(long_request(http, px, PATH, CHAT, asyncio.Event()))
@@ -173,13 +170,8 @@ async def test_a_completion_pauses_the_chat_once_it_comes_of_age(
     started = asyncio.Event()
     tokens = 300  # 3 s: the chat outlives the completion's 0.5 s
 
-    def scripted(path: str, body: dict[str, Any]) -> Script:
-        if path == "/infill":
-            return Script(tokens=4, token_delay_s=0.001, hold=hold)
-        return Script(tokens=tokens, token_delay_s=0.01)
-
     async with (
-        FakeUpstream(slots=2, continues=True, script=scripted) as fake,
+        FakeUpstream(slots=2, continues=True, script=held_infill(hold, tokens)) as fake,
         run_proxy(fake.url, type_through="off", preempt="solo", preempt_after_ms=500) as px,
     ):
         long = asyncio.create_task(long_request(http, px, PATH, CHAT, started))
