@@ -124,7 +124,7 @@ class Sched:
     classes: str = "on"
     reserve: int | None = None
     preempt: str = "on"  # solo: completions also run alone (pool/preempt.py)
-    preempt_after_ms: float = 100.0  # 0: every completion of age at once
+    preempt_after_ms: float = 100.0  # the default: an example may set 0 (of age at once)
     chat_wait_s: float = 0.2  # bulk's is twice this
     callers: list[Caller] = field(default_factory=list)
 
@@ -203,7 +203,6 @@ sched_strategy = st.builds(
     classes=st.sampled_from(["on", "on", "off"]),
     reserve=st.sampled_from([None, None, 0, 1]),
     preempt=st.sampled_from(["on", "on", "solo"]),
-    preempt_after_ms=st.sampled_from([0.0, 100.0]),
     chat_wait_s=st.sampled_from([0.02, 0.05, 0.2]),
     callers=st.lists(
         st.builds(
