@@ -65,7 +65,8 @@ class RequestRecord:
     @property
     def sent(self) -> bool:
         """Did the request (possibly) reach the upstream? Not if it never left: stopped or failed
-        before its bytes were written (no connection, say)."""
+        before its bytes were written (no connection, say). A preempted request's did, at its
+        first segment, whatever becomes of its resume."""
         return self.upstream_sent
 
     def mark_sent(self) -> None:

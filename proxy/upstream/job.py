@@ -348,7 +348,8 @@ class UpstreamJob(Transfer):
         self._stop_reason, self._stop_cancelled, self._finished = None, False, False
         self._success_reported = self._released = self._quarantine = False
         self.sent, self.status = False, None
-        rec.upstream_sent, rec.upstream_status, rec.slot = False, None, self.slot
+        # the record's ``upstream_sent`` stays: its first segment reached the upstream
+        rec.upstream_status, rec.slot = None, self.slot
         return True
 
     def _waits_for_head(self, body: Body) -> bool:

@@ -91,6 +91,13 @@ async def long_request(
         return r.status, await r.read()
 
 
+async def keystroke_status(http: aiohttp.ClientSession, px: RunningProxy) -> int:
+    body = {"input_prefix": "def f(", "input_suffix": "", "prompt": "", "n_predict": 4}
+    async with http.post(px.url + "/infill", json=body) as r:
+        await r.read()
+        return r.status
+
+
 def offered(px: RunningProxy) -> bool:
     """Does a running generation offer to be preempted (its first event came)?"""
     return any(t.on_preempt is not None for t in px.member.gate.inflight_snapshot())
@@ -354,6 +361,44 @@ async def test_a_failed_resume_ends_the_answer_with_the_error_event(
         assert px.state.pool.preemptions == 1
         await fake.wait_for(lambda f: not any(f.slot_busy))
         await wait_until(lambda: px.member.gate.free == 1, what="the permit back")
+
+
+async def test_a_resume_that_finds_its_upstream_gone_still_says_it_reached_it(
+    http: aiohttp.ClientSession,
+) -> None:
+    """The server dies while the keystroke runs: the chat's resume cannot connect, and its
+    stream ends with the error event. Its first segment did reach the upstream, and its
+    log line says so (a request that reached one is not sent elsewhere as if new)."""
+    hold = asyncio.Event()
+
+    def held(path: str, body: dict[str, Any]) -> Script:
+        if path == "/infill":
+            return Script(tokens=4, token_delay_s=0.001, hold=hold)
+        return script(path, body)
+
+    started = asyncio.Event()
+    path = "/v1/chat/completions"
+    with structlog.testing.capture_logs() as logs:
+        async with (
+            FakeUpstream(slots=1, continues=True, script=held) as fake,
+            run_proxy(fake.url, preempt_after_ms=0) as px,
+        ):
+            long = asyncio.create_task(long_request(http, px, path, CHAT, started))
+            await started.wait()
+            answer = asyncio.create_task(keystroke_status(http, px))
+            await wait_until(lambda: any(r.path == "/infill" for r in fake.received))
+            await fake.stop()  # killed: the keystroke is cut, the port refuses connections
+            assert await answer >= 500
+            status, raw = await long
+            assert status == 200
+            *text_events, last = events(raw)
+            assert "error" in last and "unreachable" in last["error"]["message"], last
+            assert all("error" not in e for e in text_events)
+            await wait_until(lambda: px.member.gate.inflight == 0, what="the permits back")
+            px.flush_log()
+    chat = next(e for e in request_events(logs).values() if e["route"] == path)
+    assert chat["outcome"] == "error" and chat["preempted"] == 1, chat
+    assert chat["reached_upstream"] is True, chat
 
 
 async def test_the_request_log_and_metrics_count_preemptions(
