@@ -415,11 +415,19 @@ class Watch:
 
     def _runs_at_once(self, kw: dict[str, Any]) -> bool:
         """Would a request submitted with ``kw`` surely be granted at once? Nothing waits,
-        it is no failover, every upstream in rotation is idle (so none is preferred while
-        busy) and each that it fits leaves it room past the reserve; one at least."""
+        it is no failover, its caller is under its key's ``max_inflight`` (counted on every
+        upstream: one a reload removed still runs its requests), every upstream in rotation
+        is idle (so none is preferred while busy) and each that it fits leaves it room past
+        the reserve; one at least."""
         pool = self.pool
         members = pool.rotation()
         if len(pool.queue) or kw.get("exclude") is not None or not members:
+            return False
+        cap = self.limits.max_inflight.get(kw.get("caller", ""))
+        running = sum(
+            t.caller == kw.get("caller") for m in pool.members for t in m.gate.inflight_snapshot()
+        )
+        if cap is not None and running >= cap:
             return False
         fits = False
         for m in members:
