@@ -11,7 +11,8 @@ process) with each target's arguments (settings.py ``PROXY_ARGS``): ``fifo``
 (``--classes off``: one FIFO queue), ``classes`` (the proxy's defaults: completions before
 chats, a reserve of one slot for completions), ``noreserve`` (classes, ``--reserve 0``).
 The table (report.py) shows the editors' last completion of each burst over ``T`` (the
-median completion on the idle target), and the agents' tokens per second over the bursts.
+same editors' last completions on the idle target: ``--idle-bursts`` bursts typed before
+the agents start), and the agents' tokens per second over the bursts.
 By default an editor types its next burst ``--pause-ms`` after the last one was answered,
 so a target that answers sooner gets more bursts in the same time; ``--burst-every-s``
 starts one on a fixed schedule instead, the same demand on every target.
@@ -115,9 +116,26 @@ async def server(
         yield url, None
 
 
+async def idle_bursts(clients: list[Client], bursts: int, pause_s: float) -> float:
+    """T: the median of the editors' last completions over ``bursts`` bursts on the idle
+    target, typed as the measured ones are (each keystroke's prompt new to the server's
+    cache, the superseded ones' stops), each ``pause_s`` after the last one's answer."""
+    result = TargetResult(clients[0].url, clients[0].profile.name, 0.0, time.perf_counter())
+    for b in range(bursts):
+        async with asyncio.TaskGroup() as editors:
+            for c in clients:
+                editors.create_task(run_burst(c, result, -1 - b))
+        await asyncio.sleep(pause_s)
+    t_ms = float(result.summary()["last_p50_ms"])
+    if math.isnan(t_ms):
+        raise SystemExit(f"llmproxy bench mix: no burst on the idle {clients[0].url} answered")
+    return t_ms / 1000
+
+
 async def baseline(client: Client, runs: int) -> float:
-    """The median of ``runs`` completions on the idle target: T. Each on a connection of
-    its own (llama-server may close a kept-alive one as the next request goes out)."""
+    """The median of ``runs`` times one completion on the idle target (the 'one request'
+    column). Each on a connection of its own (llama-server may close a kept-alive one as
+    the next request goes out)."""
     body = client.profile.encode(typed_text(0), client.settings.n_predict, "default", client.extra)
     times = []
     connector = aiohttp.TCPConnector(force_close=True)
@@ -192,7 +210,8 @@ async def _drive(url: str, s: MixSettings, callers: list[Caller]) -> dict[str, A
     agents = Agents()
     timeout = aiohttp.ClientTimeout(total=None, sock_read=s.request_timeout_s)
     try:
-        t = await baseline(clients[0], s.baseline_runs) if clients else 0.0
+        one = await baseline(clients[0], s.baseline_runs) if clients else 0.0
+        t = await idle_bursts(clients, s.idle_bursts, s.pause_ms / 1000) if clients else 0.0
         connector = aiohttp.TCPConnector(force_close=True)  # see baseline()
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
             tasks: list[asyncio.Task[None]] = []
@@ -204,7 +223,7 @@ async def _drive(url: str, s: MixSettings, callers: list[Caller]) -> dict[str, A
             try:
                 if s.callers:
                     return await _callers(s, agents, callers)
-                return await _editors(clients, t, s, agents)
+                return {"one_request_ms": one * 1000, **await _editors(clients, t, s, agents)}
             finally:
                 for task in tasks:
                     task.cancel()

@@ -72,7 +72,16 @@ class MixSettings(LayeredSettings):
     n_predict: int = Field(default=16, ge=1, description="Tokens per completion")
     agent_tokens: int = Field(default=400, ge=1, description="Tokens per chat answer")
     baseline_runs: int = Field(
-        default=3, ge=1, description="Completions on the idle target; their median is T"
+        default=3,
+        ge=1,
+        description="One request repeated on the idle target; its median is the 'one request' "
+        "column (llama-server answers the repeats from its prompt cache)",
+    )
+    idle_bursts: int = Field(
+        default=3,
+        ge=1,
+        description="Bursts typed on the idle target before the agents start; the median of "
+        "their last completions is T",
     )
     profile: Literal["continue", "llama-vim", "llm-ls", "twinny"] = Field(
         default="continue", description="The editors' client (bench burst's profiles)"

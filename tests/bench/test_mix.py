@@ -37,19 +37,21 @@ def test_cli_runs_direct_fifo_and_classes(tmp_path: Path) -> None:
         tmp_path,
         *("--editors", "1", "--agents", "2", "--slots", "2"),
         *("--keystrokes", "4", "--bursts", "1", "--agent-tokens", "40"),
+        *("--idle-bursts", "2"),
         *("--logs-dir", str(tmp_path / "logs"), "--proxy-log-level", "info"),
     )
     rows = {r["target"]: r for r in data["targets"]}
     assert list(rows) == ["direct", "fifo", "classes", "preempt"], proc.stdout
     for name, row in rows.items():
         assert row["editor_errors"] == row["agent_errors"] == 0, name
-        assert row["agent_answers"] >= 1 and row["T_ms"] > 0, name
+        assert row["agent_answers"] >= 1 and row["T_ms"] > 0 and row["one_request_ms"] > 0, name
         assert row["last_p95_ms"] >= row["last_p50_ms"] > 0, name
     # through the proxy nothing waits inside the server; direct, the agents' chats fill it
     assert {rows[t]["deferred_at_server"] for t in ("fifo", "classes", "preempt")} == {0}
     goals = {g["goal"]: g for g in data["goals"]}
     assert goals["no errors through the proxy"]["pass"] is True
     assert "| classes |" in proc.stdout and "last p95 ms" in proc.stdout
+    assert "| one request ms | T ms |" in proc.stdout
     for target in ("fifo", "classes"):  # kept, a line per request
         lines = (tmp_path / "logs" / f"proxy-{target}.log").read_text().splitlines()
         logged = [json.loads(line) for line in lines if line.startswith("{")]
@@ -63,6 +65,7 @@ def test_one_slot_preempt_target_counts_its_preemptions(tmp_path: Path) -> None:
         tmp_path,
         *("--editors", "1", "--agents", "1", "--slots", "1", "--targets", "fifo,classes,preempt"),
         *("--keystrokes", "4", "--bursts", "2", "--agent-tokens", "200"),
+        *("--idle-bursts", "1"),
     )
     rows = {r["target"]: r for r in data["targets"]}
     assert rows["fifo"]["preemptions"] == rows["classes"]["preemptions"] == 0
@@ -82,6 +85,7 @@ def test_solo_target_pauses_the_chats_beside_a_free_slot(tmp_path: Path) -> None
         *("--editors", "1", "--agents", "1", "--slots", "2", "--targets", "preempt,solo"),
         # 48 tokens (240 ms): a burst's last completion outlives preempt_after_ms (100)
         *("--keystrokes", "4", "--bursts", "2", "--agent-tokens", "400", "--n-predict", "48"),
+        *("--idle-bursts", "1"),
     )
     rows = {r["target"]: r for r in data["targets"]}
     assert rows["preempt"]["preemptions"] == 0
@@ -97,6 +101,7 @@ def test_bursts_on_a_schedule_measure_the_agents_over_it(tmp_path: Path) -> None
         tmp_path,
         *("--editors", "1", "--agents", "1", "--slots", "1", "--targets", "fifo,preempt"),
         *("--keystrokes", "3", "--bursts", "2", "--burst-every-s", "1.5"),
+        *("--idle-bursts", "1"),
     )
     assert "2 bursts, one every 1.5 s" in proc.stdout
     for row in data["targets"]:
