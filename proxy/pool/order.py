@@ -4,9 +4,10 @@
   the caller whose fair share comes first (shares.py; ties: the earlier in the queue),
   passing over callers that hold their key's ``max_inflight`` permits already. The best
   class's goes, a class counted one better for each ``class_max_wait_s`` its longest
-  waiter has waited: so no class starves, and aging never lets one caller's old requests
-  overtake another caller's turn within their class (ties between classes: the earlier
-  fair share, then the earlier in the queue).
+  waiter has waited (``Ticket.waited``: queued, and paused by earlier preemptions; a
+  resumed long answer is not aged by the time it ran): so no class starves, and aging
+  never lets one caller's old requests overtake another caller's turn within their class
+  (ties between classes: the earlier fair share, then the earlier in the queue).
 - ``within_reserve``: a request that is not a completion leaves ``reserve`` of the
   upstream's permits free (default 1 where it has 2 or more), or as many as it can while
   it still fits (a wide one on a small upstream, a reserve as large as the upstream).
@@ -51,24 +52,24 @@ class Order:
         if not classes:
             return next((e for e in queue if e.ticket.caller not in capped), None)
         offers: dict[str, tuple[float, int, Entry]] = {}  # class -> (tag, place, its waiter)
-        oldest: dict[str, float] = {}  # class -> its longest waiter's arrival
+        longest: dict[str, float] = {}  # class -> its longest waiter's time waited
+        now = time.monotonic()
         for place, entry in enumerate(queue):
             ticket = entry.ticket
             if ticket.caller in capped:
                 continue
             klass = ticket.klass
-            oldest[klass] = min(oldest.get(klass, entry.created), entry.created)
+            longest[klass] = max(longest.get(klass, 0.0), ticket.waited(now))
             tag = self.shares.start(ticket.caller)
             if klass not in offers or tag < offers[klass][0]:  # ties: the earlier in the queue
                 offers[klass] = (tag, place, entry)
         if not offers:
             return None
-        now = time.monotonic()
 
         def rank(klass: str) -> int:
             rank = RANK[klass]
             if rank:
-                rank = max(0, rank - int((now - oldest[klass]) // self.max_wait[klass]))
+                rank = max(0, rank - int(longest[klass] // self.max_wait[klass]))
             return rank
 
         best = min(offers, key=lambda k: (rank(k), *offers[k][:2]))

@@ -520,11 +520,12 @@ class Watch:
             if limits.classes == "on":
                 if other.ticket.caller != entry.ticket.caller:
                     continue  # fair shares: another caller may be behind its share
-                theirs = limits.rank(other.ticket.klass, before - other.created)
+                # a resume's rank counts only the time it waited (order.py)
+                theirs = limits.rank(other.ticket.klass, other.ticket.waited(before))
                 if theirs > limits.rank(entry.ticket.klass, after - entry.created):
                     continue
             self.violations.append(
                 f"{mine.rid} ({entry.ticket.klass}, caller {entry.ticket.caller!r}) granted "
                 f"while {earlier.rid} ({other.ticket.klass}, admitted before it, waiting "
-                f"{before - other.created:.3f}s when it was ranked) still waited"
+                f"{other.ticket.waited(before):.3f}s when it was ranked) still waited"
             )

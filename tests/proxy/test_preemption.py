@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -67,11 +68,24 @@ def script(path: str, body: dict[str, Any]) -> Script:
     return Script(tokens=TOKENS, token_delay_s=0.01)
 
 
+KEYSTROKE = {"input_prefix": "def f(", "input_suffix": "", "prompt": "", "n_predict": 4}
+
+
 async def keystroke(http: aiohttp.ClientSession, px: RunningProxy) -> dict[str, Any]:
-    body = {"input_prefix": "def f(", "input_suffix": "", "prompt": "", "n_predict": 4}
-    async with http.post(px.url + "/infill", json=body) as r:
+    async with http.post(px.url + "/infill", json=KEYSTROKE) as r:
         assert r.status == 200
         return dict(await r.json())
+
+
+def held_keystrokes(hold: asyncio.Event) -> Callable[[str, dict[str, Any]], Script]:
+    """The fake's script: a keystroke's completion generates once ``hold`` is set."""
+
+    def held(path: str, body: dict[str, Any]) -> Script:
+        if path == "/infill":
+            return Script(tokens=4, token_delay_s=0.001, hold=hold)
+        return script(path, body)
+
+    return held
 
 
 async def long_request(
@@ -92,8 +106,7 @@ async def long_request(
 
 
 async def keystroke_status(http: aiohttp.ClientSession, px: RunningProxy) -> int:
-    body = {"input_prefix": "def f(", "input_suffix": "", "prompt": "", "n_predict": 4}
-    async with http.post(px.url + "/infill", json=body) as r:
+    async with http.post(px.url + "/infill", json=KEYSTROKE) as r:
         await r.read()
         return r.status
 
@@ -306,6 +319,57 @@ async def test_a_long_answer_stays_preemptible_past_its_class_bound(
         assert len([g for g in fake.generations if g.path == path]) == 2
 
 
+async def test_a_resumed_long_answer_is_not_aged_by_the_time_it_ran(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A chat that ran past its class's bound is preempted by a keystroke; another
+    session's keystroke queues meanwhile. When the first keystroke ends, the second goes
+    before the chat's resume: the resume has waited less than its bound (aging counts time
+    waited, as the preemption exemption does), so it is still a chat, not a completion."""
+    hold = asyncio.Event()
+
+    def scripted(path: str, body: dict[str, Any]) -> Script:
+        if path == "/infill" and body.get("input_prefix") == "first":
+            return Script(tokens=4, token_delay_s=0.001, hold=hold)
+        if path == "/infill":
+            return Script(tokens=4, token_delay_s=0.001)
+        return Script(tokens=200, token_delay_s=0.01)
+
+    async def typed(prefix: str, session: str) -> int:
+        body = {**KEYSTROKE, "input_prefix": prefix}
+        headers = {"X-LLMProxy-Session": session}
+        async with http.post(px.url + "/infill", json=body, headers=headers) as r:
+            await r.read()
+            return r.status
+
+    path = "/v1/chat/completions"
+    async with (
+        FakeUpstream(slots=1, continues=True, script=scripted) as fake,
+        run_proxy(fake.url, preempt_after_ms=0, class_max_wait_s="chat=0.3") as px,
+    ):
+        long = asyncio.create_task(long_request(http, px, path, CHAT, asyncio.Event()))
+
+        def ran_past_bound() -> bool:
+            held = px.member.gate.inflight_snapshot()
+            return offered(px) and all(time.monotonic() - t.created > 0.35 for t in held)
+
+        await wait_until(ran_past_bound, what="the chat running past its bound")
+        first = asyncio.create_task(typed("first", "a"))
+        await fake.wait_for(lambda f: any(g.path == "/infill" for g in f.generations))
+        second = asyncio.create_task(typed("second", "b"))
+        await wait_until(lambda: len(px.state.pool.queue) == 2, what="resume and keystroke")
+        hold.set()
+        assert await first == 200 and await second == 200
+        status, raw = await long
+        assert status == 200 and streamed_text(path, raw) == text(200)
+        order = [
+            g.body.get("input_prefix") if g.path == "/infill" else continued(g.body)
+            for g in fake.generations
+        ]
+        assert order == [False, "first", "second", True], order
+        assert px.state.pool.preemptions == 1
+
+
 async def test_a_chat_still_in_its_prefill_is_preempted_once_it_offers(
     http: aiohttp.ClientSession,
 ) -> None:
@@ -371,16 +435,11 @@ async def test_a_resume_that_finds_its_upstream_gone_still_says_it_reached_it(
     log line says so (a request that reached one is not sent elsewhere as if new)."""
     hold = asyncio.Event()
 
-    def held(path: str, body: dict[str, Any]) -> Script:
-        if path == "/infill":
-            return Script(tokens=4, token_delay_s=0.001, hold=hold)
-        return script(path, body)
-
     started = asyncio.Event()
     path = "/v1/chat/completions"
     with structlog.testing.capture_logs() as logs:
         async with (
-            FakeUpstream(slots=1, continues=True, script=held) as fake,
+            FakeUpstream(slots=1, continues=True, script=held_keystrokes(hold)) as fake,
             run_proxy(fake.url, preempt_after_ms=0) as px,
         ):
             long = asyncio.create_task(long_request(http, px, path, CHAT, started))
@@ -435,14 +494,9 @@ async def test_a_preempted_request_whose_client_leaves_gives_its_place_up(
 ) -> None:
     hold = asyncio.Event()
 
-    def held(path: str, body: dict[str, Any]) -> Script:
-        if path == "/infill":
-            return Script(tokens=4, token_delay_s=0.001, hold=hold)
-        return script(path, body)
-
     started = asyncio.Event()
     async with (
-        FakeUpstream(slots=1, continues=True, script=held) as fake,
+        FakeUpstream(slots=1, continues=True, script=held_keystrokes(hold)) as fake,
         run_proxy(fake.url, preempt_after_ms=0) as px,
     ):
         path = "/v1/chat/completions"

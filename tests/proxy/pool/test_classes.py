@@ -87,6 +87,7 @@ async def test_a_chat_that_waited_its_max_wait_goes_as_a_completion(
     chat = submit(pool, "c", "c", klass="chat")
     complete = submit(pool, "k", "k")
     chat.created -= 5.0  # it has waited its class's bound
+    chat.ticket.queued_at -= 5.0
     await finish(pool, running)
     assert chat.future.done() and not complete.future.done()  # first in the class above
     await finish(pool, chat)
@@ -99,9 +100,11 @@ async def test_a_bulk_request_ages_one_class_per_max_wait(session: aiohttp.Clien
     bulk = submit(pool, "b", "b", klass="bulk")
     complete = submit(pool, "k", "k")
     bulk.created -= 2.0  # served as a chat now: still after the completion
+    bulk.ticket.queued_at -= 2.0
     await finish(pool, running)
     assert complete.future.done() and not bulk.future.done()
     bulk.created -= 2.0  # and as a completion, older than the next one
+    bulk.ticket.queued_at -= 2.0
     later = submit(pool, "k2", "k2")
     await finish(pool, complete)
     assert bulk.future.done() and not later.future.done()

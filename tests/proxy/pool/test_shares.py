@@ -101,6 +101,7 @@ async def test_aging_never_puts_a_callers_old_requests_ahead_of_anothers_turn(
     agent = [submit(pool, f"a{i}", f"a{i}", caller="A", klass="chat") for i in range(4)]
     for entry in agent:
         entry.created -= 60.0  # long past the chat class's bound (10 s)
+        entry.ticket.queued_at -= 60.0
     other = submit(pool, "b", "b", caller="B", klass="chat")
     order = await served_order(pool, [*agent, other], running)
     assert order[:2] == ["A", "B"], order

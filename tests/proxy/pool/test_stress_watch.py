@@ -42,7 +42,7 @@ def watched(pool: Pool) -> tuple[Watch, Entry, Entry, Entry]:
     running = submit(pool, "x", "x")
     chat = submit(pool, "c", "c", klass="chat", caller="c0")
     complete = submit(pool, "k", "k", caller="c0")
-    chat.created = time.monotonic() - CHAT_WAIT_S / 2
+    chat.created = chat.ticket.queued_at = time.monotonic() - CHAT_WAIT_S / 2
     return watch, running, chat, complete
 
 
@@ -86,6 +86,7 @@ async def test_a_callers_completion_chosen_before_its_aged_chat_is_a_violation(
     pool.order.head = against_the_rule  # type: ignore[method-assign]
     watch, running, chat, complete = watched(pool)  # the watch looks at the wrong order
     chat.created -= CHAT_WAIT_S  # aged
+    chat.ticket.queued_at -= CHAT_WAIT_S
     await finish(pool, running)
     assert complete.future.done() and not chat.future.done()
     assert len(watch.violations) == 1 and "still waited" in watch.violations[0], watch.violations
